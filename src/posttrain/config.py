@@ -1,0 +1,357 @@
+"""The typed schema of one pipeline run, loaded from YAML.
+
+One YAML file describes one whole run (model, data, optional SFT and DPO, ordered GRPO stages,
+evaluation, tracking, orchestration). Every section forbids unknown keys, and each stage's
+``trainer:`` mapping is checked against the real TRL config class at load time, so a typo such as
+``kl_coef`` fails in a second instead of after hours of training. Hardware (bf16, 4-bit, vLLM) is
+deliberately *not* checked here: a GPU config must validate on a laptop; the stage checks the
+hardware when it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from posttrain.data.prompts import DEFAULT_SYSTEM_PROMPT
+from posttrain.trainer_options import TRAINER_DEFAULTS, validate_trainer_options
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded; the message is one line naming the file and the key."""
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _StageWithTrainer(StrictModel):
+    trl_kind: ClassVar[str]
+    trainer: dict[str, Any] = Field(default_factory=dict, description="TRL options, passed through")
+
+    @field_validator("trainer")
+    @classmethod
+    def _check_trainer(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return validate_trainer_options(cls.trl_kind, value)
+
+    def trainer_options(self) -> dict[str, Any]:
+        """posttrain's defaults overlaid with this stage's YAML options."""
+        return {**TRAINER_DEFAULTS[self.trl_kind], **self.trainer}
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class LoraConfig(StrictModel):
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class ModelConfig(StrictModel):
+    name: str
+    """Hub id, local HF directory, local .gguf file, or a built-in (`smollm2-135m-instruct`, `tiny-random`)."""
+    revision: str | None = None
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    quantization: Literal["none", "4bit"] = "none"
+    attn_implementation: str | None = None
+    lora: LoraConfig | None = None
+    """LoRA settings; null means full fine-tuning."""
+    adapter_policy: Literal["merge", "adapter"] = "merge"
+    """merge: every stage writes a standalone model; adapter: only the adapter, recording its base."""
+    cache_dir: str | None = None
+    """Where built-in models are fetched and converted (default ~/.cache/posttrain/models)."""
+
+    @model_validator(mode="after")
+    def _quantization_needs_lora(self) -> ModelConfig:
+        if self.quantization == "4bit" and self.lora is None:
+            raise ValueError("quantization: 4bit trains adapters only (QLoRA); add a `lora:` section")
+        return self
+
+
+class SyntheticConfig(StrictModel):
+    num_examples: int = Field(1000, ge=1)
+    min_steps: int = Field(1, ge=1)
+    """Fewest arithmetic operations in a problem (1 = one operation)."""
+    max_steps: int = Field(4, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SyntheticConfig:
+        if self.min_steps > self.max_steps:
+            raise ValueError(f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})")
+        return self
+
+
+class DataConfig(StrictModel):
+    source: Literal["hub", "local", "synthetic"] = "synthetic"
+    path: str | None = None
+    """local: a .jsonl file or a folder of *.jsonl in the official GSM8K format."""
+    hub_id: str = "openai/gsm8k"
+    hub_config: str = "main"
+    split: str = "train"
+    synthetic: SyntheticConfig = SyntheticConfig()
+    limit: int | None = Field(None, ge=1)
+    eval_size: int = Field(100, ge=1)
+    """Held-out validation slice taken from the training records."""
+    seed: int = 0
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    few_shot: int = Field(0, ge=0)
+    max_prompt_tokens: int = Field(512, ge=8)
+    decontamination_ngram: int | None = Field(8, ge=3)
+    on_bad_record: Literal["error", "skip"] = "error"
+
+    @model_validator(mode="after")
+    def _local_needs_path(self) -> DataConfig:
+        if self.source == "local" and not self.path:
+            raise ValueError("source: local needs `path` (a .jsonl file or folder)")
+        return self
+
+
+class RewardSpec(StrictModel):
+    name: str
+    """A registered reward (see `posttrain rewards list`) or `package.module:function`."""
+    weight: float = 1.0
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _resolvable(self) -> RewardSpec:
+        from posttrain.rewards.registry import build_reward
+
+        build_reward(self.name, dict(self.params))
+        return self
+
+
+class SFTStageConfig(_StageWithTrainer):
+    trl_kind: ClassVar[str] = "sft"
+    enabled: bool = True
+    num_examples: int | None = Field(None, ge=1)
+
+
+class DPOStageConfig(_StageWithTrainer):
+    trl_kind: ClassVar[str] = "dpo"
+    enabled: bool = True
+    num_prompts: int = Field(64, ge=1)
+    samples_per_prompt: int = Field(4, ge=2)
+    temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(256, ge=1)
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="correctness"), RewardSpec(name="strict_format", weight=0.5)]
+    )
+
+
+class MonitorConfig(StrictModel):
+    """Thresholds of the GRPO health monitor; see training/health.py for what each alert means."""
+
+    on_alert: Literal["warn", "stop"] = "warn"
+    window: int = Field(10, ge=2)
+    zero_std_threshold: float = Field(0.9, gt=0, le=1)
+    kl_threshold: float = Field(1.0, gt=0)
+    min_entropy: float = Field(0.05, ge=0)
+    flat_reward_tolerance: float = Field(0.01, ge=0)
+
+
+class StageDataFilter(StrictModel):
+    min_steps: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    num_examples: int | None = Field(None, ge=1)
+
+
+class GRPOStageConfig(_StageWithTrainer):
+    trl_kind: ClassVar[str] = "grpo"
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    rewards: list[RewardSpec] = Field(min_length=1)
+    data_filter: StageDataFilter = StageDataFilter()
+    monitor: MonitorConfig = MonitorConfig()
+    sample_every: int = Field(5, ge=1)
+    """Keep sample completions with per-reward scores every N steps."""
+
+
+class GRPOSection(StrictModel):
+    stages: list[GRPOStageConfig] = Field(default_factory=list)
+
+    @field_validator("stages")
+    @classmethod
+    def _unique_names(cls, stages: list[GRPOStageConfig]) -> list[GRPOStageConfig]:
+        names = [s.name for s in stages]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"GRPO stage names must be unique; repeated: {', '.join(dupes)}")
+        return stages
+
+
+class EvalConfig(StrictModel):
+    data: Literal["heldout", "hub", "local", "synthetic"] = "heldout"
+    """heldout: the validation slice of `data`; hub: GSM8K test; local: `path`; synthetic: generated."""
+    path: str | None = None
+    hub_split: str = "test"
+    limit: int | None = Field(100, ge=1)
+    max_new_tokens: int = Field(256, ge=1)
+    batch_size: int = Field(32, ge=1)
+    backend: Literal["hf", "vllm"] = "hf"
+    pass_k: int = Field(1, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    """0 = greedy; pass@k > 1 needs temperature > 0."""
+    seed: int = 0
+    baseline: bool = True
+    after_each_stage: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalConfig:
+        if self.data == "local" and not self.path:
+            raise ValueError("data: local needs `path`")
+        if self.pass_k > 1 and self.temperature == 0:
+            raise ValueError("pass_k > 1 needs sampling: set temperature > 0")
+        return self
+
+
+class TrackingConfig(StrictModel):
+    enabled: bool = True
+    experiment: str | None = None
+    """Defaults to the config's `name`."""
+    tracking_uri: str | None = None
+    """Defaults to $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory."""
+    log_model: bool = True
+
+
+class OrchestrationConfig(StrictModel):
+    store: str = ".posttrain"
+    """Stage outputs, cache records and the embedded Prefect home live here."""
+    cache: bool = True
+
+
+class PipelineConfig(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    seed: int = 0
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    sft: SFTStageConfig | None = None
+    dpo: DPOStageConfig | None = None
+    grpo: GRPOSection = GRPOSection()
+    eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
+
+    def stage_names(self) -> list[str]:
+        """Training stages in execution order."""
+        names = []
+        if self.sft is not None and self.sft.enabled:
+            names.append("sft")
+        if self.dpo is not None and self.dpo.enabled:
+            names.append("dpo")
+        names += [f"grpo-{s.name}" for s in self.grpo.stages]
+        return names
+
+    def section_hash(self, section: str) -> str:
+        """Stable hash of one section (`model`, `data`, `sft`, `grpo.format`, ...) for cache keys."""
+        if section.startswith("grpo."):
+            stage = next((s for s in self.grpo.stages if s.name == section[5:]), None)
+            if stage is None:
+                raise KeyError(section)
+            return stable_hash(stage)
+        return stable_hash(getattr(self, section))
+
+
+def stable_hash(value: BaseModel | dict | list | None) -> str:
+    """sha256 of canonical JSON (sorted keys, no whitespace): equal configs hash equal everywhere."""
+    data = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Apply one ``dotted.key=value`` override in place; list indices are numbers (``stages.1.x``)."""
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r} is not of the form dotted.key=value")
+    value = _parse_override_value(text)
+    parts = key.strip().split(".")
+    node: Any = raw
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {key}: '{where}' is not an index of a list of {len(node)}")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                if node.get(part) is None:  # absent, or an explicit `null` section being filled in
+                    node[part] = {}
+                node = node[part]
+        else:
+            raise ConfigError(f"override {key}: '{'.'.join(parts[:depth])}' is a value, not a section")
+
+
+def _parse_override_value(text: str) -> Any:
+    """A YAML scalar (`1e-5`, `null`, `true`) or flow collection (`[a, b]`); other text stays a string.
+
+    Without the fallback, `--set data.system_prompt=Be brief: answer` would become a mapping.
+    """
+    if not text.strip():
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, dict | list) and not text.lstrip().startswith(("[", "{")):
+        return text
+    return value
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{source}: {loc}: {msg}{more}"
+
+
+def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConfig:
+    """Load and validate a YAML pipeline config, applying ``--set`` style overrides first."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a config must be a YAML mapping")
+    raw.setdefault("name", path.stem)
+    for override in overrides:
+        apply_override(raw, override)
+    return parse_config(raw, str(path))
+
+
+def dump_config(cfg: PipelineConfig) -> str:
+    """The resolved config as YAML (what ran, logged next to every run)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,349 @@
+"""From a :class:`~posttrain.config.DataConfig` to the train/eval datasets every stage consumes.
+
+One function owns the order of operations (load, split, decontaminate, build prompts, drop
+over-long prompts) so every stage sees the same examples, and every removal is counted in
+``stats``: a run that silently trained on 40% of its data, or on questions overlapping its
+evaluation set, is the failure this module exists to make visible.
+
+The datasets' ``_fingerprint`` values are content hashes (in-memory datasets are fingerprinted from
+their Arrow data), so equal preparation gives equal fingerprints on any machine; they are recorded
+in ``stats`` as the lineage of everything trained on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import datasets
+
+from posttrain.data.gsm8k import RECORD_FIELDS, DataError, load_records
+from posttrain.data.prompts import build_prompt, select_few_shot
+
+if TYPE_CHECKING:
+    from posttrain.config import DataConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FEATURES",
+    "MESSAGES_FEATURE",
+    "PreparedData",
+    "decontaminate",
+    "filter_by_steps",
+    "prepare_data",
+    "prompt_token_lengths",
+    "question_ngrams",
+    "split_records",
+]
+
+MESSAGES_FEATURE = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
+FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "question": datasets.Value("string"),
+        "solution": datasets.Value("string"),
+        "answer": datasets.Value("string"),
+        "steps": datasets.Value("int32"),
+        "source": datasets.Value("string"),
+        "prompt": MESSAGES_FEATURE,
+    }
+)
+_PUNCTUATION_RE = re.compile(r"[^\w\s]")
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Training and held-out datasets (columns of :data:`FEATURES`) plus the counts of each step."""
+
+    train: datasets.Dataset
+    eval: datasets.Dataset
+    stats: dict[str, Any]
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``train/``, ``eval/`` (``save_to_disk``) and ``stats.json`` under ``directory``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.train.save_to_disk(str(directory / "train"))
+        self.eval.save_to_disk(str(directory / "eval"))
+        (directory / "stats.json").write_text(json.dumps(self.stats, indent=2, sort_keys=True) + "\n")
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> PreparedData:
+        """Read what :meth:`save` wrote, with the fingerprints recorded at preparation time.
+
+        ``load_from_disk`` re-derives a fingerprint (it re-applies the format), so the recorded one
+        is restored: the lineage id of a loaded dataset is the one logged when it was prepared.
+        """
+        directory = Path(directory)
+        stats_file = directory / "stats.json"
+        if not stats_file.is_file():
+            raise DataError(f"{directory}: not a prepared-data folder (no stats.json)")
+        stats = json.loads(stats_file.read_text())
+        parts = {}
+        for name in ("train", "eval"):
+            ds = datasets.load_from_disk(str(directory / name))
+            recorded = stats.get(f"{name}_fingerprint")
+            if recorded:
+                ds._fingerprint = recorded
+            parts[name] = ds
+        return cls(train=parts["train"], eval=parts["eval"], stats=stats)
+
+
+def split_records(
+    records: Sequence[dict[str, Any]], eval_size: int, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, eval): the ``eval_size`` records whose ``sha256(seed:id)`` is smallest are held out.
+
+    Ranking by a hash of the id (not by shuffling positions) makes a record's membership depend only
+    on its id and the seed, in any process; both parts keep the input order.
+
+    >>> recs = [{"id": str(i)} for i in range(10)]
+    >>> train, held = split_records(recs, 3, seed=0)
+    >>> len(train), len(held), {r["id"] for r in train} & {r["id"] for r in held}
+    (7, 3, set())
+    """
+    if eval_size < 0:
+        raise DataError(f"data.eval_size must be >= 0, got {eval_size}")
+    if eval_size >= len(records):
+        raise DataError(
+            f"data.eval_size={eval_size} but only {len(records)} records were loaded; the held-out slice "
+            "must leave at least one training record (lower eval_size or load more data)"
+        )
+
+    def rank(index: int) -> tuple[str, int]:
+        return hashlib.sha256(f"{seed}:{records[index]['id']}".encode()).hexdigest(), index
+
+    held = set(sorted(range(len(records)), key=rank)[:eval_size])
+    train = [r for i, r in enumerate(records) if i not in held]
+    return train, [r for i, r in enumerate(records) if i in held]
+
+
+def question_ngrams(text: str, n: int | None) -> set[tuple[str, ...]]:
+    """Word ``n``-grams of a question after lowercasing and stripping punctuation.
+
+    A question shorter than ``n`` words (or any question when ``n`` is None) yields its whole word
+    tuple, so exact duplicates are always caught.
+
+    >>> sorted(question_ngrams("Tom has 3 apples. He eats one!", 6))
+    [('has', '3', 'apples', 'he', 'eats', 'one'), ('tom', 'has', '3', 'apples', 'he', 'eats')]
+    """
+    words = _PUNCTUATION_RE.sub("", text.lower()).split()
+    if n is None or len(words) < n:
+        return {tuple(words)} if words else set()
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def decontaminate(
+    records: Sequence[dict[str, Any]], eval_questions: Iterable[str], n: int | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(kept, removed): a record is removed when its question shares a word n-gram with an eval question.
+
+    An 8-gram overlap catches copies and light paraphrases (renamed people, changed numbers keep
+    most 8-word runs) while two distinct GSM8K questions rarely share one. ``n=None`` removes
+    exact (normalized) duplicates only.
+    """
+    if n is not None and n < 1:
+        raise DataError(f"data.decontamination_ngram must be >= 1, got {n}")
+    banned: set[tuple[str, ...]] = set()
+    for question in eval_questions:
+        banned |= question_ngrams(question, n)
+    kept, removed = [], []
+    for record in records:
+        hit = not banned.isdisjoint(question_ngrams(record["question"], n))
+        (removed if hit else kept).append(record)
+    return kept, removed
+
+
+def _shared_prefix_cut(tokenizer: Any, texts: Sequence[str]) -> int:
+    """End of the last added/special token inside the prefix all ``texts`` share (0 if none).
+
+    Fast tokenizers split the input at added tokens before anything else, so for most chat
+    templates the text after such a token tokenizes the same on its own; the caller verifies this.
+    """
+    prefix = os.path.commonprefix(list(texts))
+    markers = [str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+    ends = [prefix.rfind(m) + len(m) for m in markers if m and prefix.rfind(m) >= 0]
+    return max(ends, default=0)
+
+
+def prompt_token_lengths(
+    tokenizer: Any, prompts: Sequence[list[dict[str, str]]], batch_size: int = 1024
+) -> list[int]:
+    """Token count of each prompt as the model sees it: ``apply_chat_template(add_generation_prompt=True)``.
+
+    Fast because the system prompt and few-shot turns are usually most of every prompt: the shared
+    rendered prefix up to its last special token is tokenized once and only the rest per prompt
+    (in batches, in Rust). The shortcut is used only if it reproduces ``apply_chat_template``'s
+    exact counts on a spread of prompts; otherwise whole prompts are tokenized.
+    """
+    if not prompts:
+        return []
+    try:
+        texts = tokenizer.apply_chat_template(
+            [list(p) for p in prompts], add_generation_prompt=True, tokenize=False
+        )
+    except ValueError as exc:
+        raise DataError(f"cannot apply the tokenizer's chat template to the prompts: {exc}") from exc
+
+    def count(parts: Sequence[str]) -> list[int]:
+        out: list[int] = []
+        for start in range(0, len(parts), batch_size):
+            encoded = tokenizer(list(parts[start : start + batch_size]), add_special_tokens=False)
+            out.extend(len(ids) for ids in encoded["input_ids"])
+        return out
+
+    cut = _shared_prefix_cut(tokenizer, texts)
+    if cut:
+        head = count([texts[0][:cut]])[0]
+        sample = sorted({*range(0, len(texts), max(1, len(texts) // 16)), len(texts) - 1})
+        exact = [
+            len(
+                tokenizer.apply_chat_template(list(prompts[i]), add_generation_prompt=True, return_dict=False)
+            )
+            for i in sample
+        ]
+        if exact == [head + n for n in count([texts[i][cut:] for i in sample])]:
+            return [head + n for n in count([text[cut:] for text in texts])]
+        logger.debug("shared-prefix token count does not match this tokenizer; tokenizing whole prompts")
+    return count(texts)
+
+
+def _to_dataset(records: Sequence[dict[str, Any]]) -> datasets.Dataset:
+    columns = {name: [r[name] for r in records] for name in (*RECORD_FIELDS, "prompt")}
+    return datasets.Dataset.from_dict(columns, features=FEATURES)
+
+
+def _describe_source(cfg: DataConfig) -> str:
+    if cfg.source == "local":
+        return f"local data {cfg.path}"
+    if cfg.source == "hub":
+        return f"hub dataset {cfg.hub_id}[{cfg.split}]"
+    return f"synthetic data (num_examples={cfg.synthetic.num_examples})"
+
+
+def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequence[str] = ()) -> PreparedData:
+    """Load, split, decontaminate, add the ``prompt`` column and drop prompts over ``max_prompt_tokens``.
+
+    ``eval_questions`` are extra questions that training must not overlap (e.g. the GSM8K test
+    split the final evaluation uses), on top of the held-out slice. Without a ``tokenizer`` the
+    prompt-length filter is skipped. Raises :class:`DataError` when nothing is left to train on,
+    naming the step that removed the last records.
+    """
+    loaded = load_records(cfg)
+    source = _describe_source(cfg)
+    if not loaded.records:
+        raise DataError(f"no usable records in {source} ({len(loaded.skipped)} skipped as bad)")
+    train, held = split_records(loaded.records, cfg.eval_size, cfg.seed)
+    after_split = len(train)
+
+    removed: list[dict[str, Any]] = []
+    mode = "off"
+    if cfg.decontamination_ngram is not None:
+        # Generated problems share template sentences by design (an 8-gram check would drop most of
+        # them), and cannot copy GSM8K; for them only an exact duplicate question is contamination.
+        n = None if cfg.source == "synthetic" else cfg.decontamination_ngram
+        mode = "exact" if n is None else f"{n}-gram"
+        eval_qs = [r["question"] for r in held] + list(eval_questions)
+        train, removed = decontaminate(train, eval_qs, n)
+        if removed:
+            logger.info(
+                "decontamination (%s) removed %d training question(s) overlapping %d eval question(s); first: %s",
+                mode,
+                len(removed),
+                len(eval_qs),
+                removed[0]["id"],
+            )
+
+    few_shot = select_few_shot(cfg.few_shot)
+    for record in (*train, *held):
+        record["prompt"] = build_prompt(record["question"], cfg.system_prompt, few_shot)
+
+    too_long, eval_too_long, longest = 0, 0, None
+    if tokenizer is not None and train:
+        lengths = prompt_token_lengths(tokenizer, [r["prompt"] for r in (*train, *held)])
+        train_lengths, eval_lengths = lengths[: len(train)], lengths[len(train) :]
+        longest = max(lengths)
+        kept = [r for r, n in zip(train, train_lengths, strict=True) if n <= cfg.max_prompt_tokens]
+        too_long, train = len(train) - len(kept), kept
+        # The held-out slice is not filtered: shrinking it toward short problems would bias the metric.
+        eval_too_long = sum(n > cfg.max_prompt_tokens for n in eval_lengths)
+        if too_long or eval_too_long:
+            logger.warning(
+                "%d training prompt(s) longer than data.max_prompt_tokens=%d dropped (longest: %d tokens); "
+                "%d held-out prompt(s) are over the limit too (kept)",
+                too_long,
+                cfg.max_prompt_tokens,
+                longest,
+                eval_too_long,
+            )
+
+    if not train:
+        if after_split and len(removed) == after_split:
+            why = f"decontamination ({mode} overlap with eval questions) removed all {after_split}"
+        else:
+            why = (
+                f"all {after_split - len(removed)} remaining prompts are longer than "
+                f"data.max_prompt_tokens={cfg.max_prompt_tokens} (longest: {longest} tokens)"
+            )
+        raise DataError(
+            f"no training records left from {source}: loaded {len(loaded.records)}, held out {len(held)} for eval, "
+            f"then {why}"
+        )
+
+    train_ds, eval_ds = _to_dataset(train), _to_dataset(held)
+    stats: dict[str, Any] = {
+        "loaded": len(loaded.records),
+        "skipped_bad": len(loaded.skipped),
+        "eval": len(eval_ds),
+        "decontaminated": len(removed),
+        "decontamination": mode,
+        "dropped_long_prompts": too_long,
+        "eval_long_prompts": eval_too_long,
+        "train": len(train_ds),
+        "train_steps": {str(k): v for k, v in sorted(Counter(r["steps"] for r in train).items())},
+        "train_fingerprint": train_ds._fingerprint,
+        "eval_fingerprint": eval_ds._fingerprint,
+    }
+    logger.info("prepared %s: %s", source, {k: v for k, v in stats.items() if k != "train_steps"})
+    return PreparedData(train=train_ds, eval=eval_ds, stats=stats)
+
+
+def _steps_in_range(steps: list[int], lo: int | None, hi: int | None) -> list[bool]:
+    return [(lo is None or s >= lo) and (hi is None or s <= hi) for s in steps]
+
+
+def filter_by_steps(
+    ds: datasets.Dataset, min_steps: int | None = None, max_steps: int | None = None
+) -> datasets.Dataset:
+    """Rows whose ``steps`` lie in ``[min_steps, max_steps]`` (either bound optional), for curriculum stages.
+
+    An empty result raises :class:`DataError` listing the step counts that do exist, since a stage
+    with no data would otherwise fail deep inside the trainer.
+    """
+    if min_steps is None and max_steps is None:
+        return ds
+    if min_steps is not None and max_steps is not None and min_steps > max_steps:
+        raise DataError(f"min_steps ({min_steps}) > max_steps ({max_steps})")
+    out = ds.filter(
+        _steps_in_range,
+        input_columns="steps",
+        batched=True,
+        fn_kwargs={"lo": min_steps, "hi": max_steps},
+        desc="filter by steps",
+    )
+    if len(out) == 0:
+        present = sorted(set(ds["steps"]))
+        raise DataError(
+            f"no examples with steps in [{min_steps}, {max_steps}]; the dataset has steps {present}"
+        )
+    return out

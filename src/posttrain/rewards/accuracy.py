@@ -1,0 +1,87 @@
+"""Answer-correctness rewards: the verifiable signal GRPO is actually optimising.
+
+Both read the answer with :func:`~posttrain.rewards.parsing.parse_strict` / ``answer_block``, the
+same parser the evaluator uses, so the training reward and the reported strict accuracy cannot
+drift apart. There is deliberately no fallback to "last number anywhere": paying for a correct
+number outside ``<answer>`` would teach the model that the format is optional.
+
+Signatures follow TRL 1.16: ``f(completions, answer, **kwargs) -> list[float | None]`` where
+``answer`` is the dataset's gold column, one entry per completion.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from posttrain.rewards.parsing import answer_block, normalize_gold, normalize_number, parse_strict
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["correctness_reward", "int_answer_reward"]
+
+
+def correctness_reward(
+    completions: Sequence[Any],
+    answer: Sequence[Any],
+    log_extra: Callable[[str, list], None] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """1.0 when the last ``<answer>`` block holds the gold number, else 0.0.
+
+    The answer is read strictly (see module docstring); numbers compare after normalization, so
+    ``$1,234.00`` matches gold ``1234``. A gold answer that is not a number (empty, malformed) gives
+    ``None``: TRL then skips this reward for that completion instead of teaching from a wrong label.
+    A raw GSM8K solution ending in ``#### N`` is accepted as gold. When run inside the trainer,
+    the parsed answer is added to the completions table as column ``parsed_answer``.
+
+    >>> done = "<reasoning>\\n6*7=42\\n</reasoning>\\n<answer>\\n42\\n</answer>"
+    >>> correctness_reward([done, "The answer is 42", [{"role": "assistant", "content": done}], done],
+    ...                    answer=["42", "42", "42.0", ""])
+    [1.0, 0.0, 1.0, None]
+    """
+    if len(completions) != len(answer):
+        raise ValueError(f"correctness_reward got {len(completions)} completions but {len(answer)} answers")
+    rewards: list[float | None] = []
+    parsed: list[str | None] = []
+    unscorable = 0
+    for completion, gold in zip(completions, answer, strict=True):
+        gold_n = normalize_gold(gold)
+        pred = parse_strict(completion)
+        parsed.append(pred)
+        if gold_n is None:
+            unscorable += 1
+            rewards.append(None)
+        else:
+            rewards.append(1.0 if pred == gold_n else 0.0)
+    if unscorable:
+        logger.warning(
+            "correctness_reward: %d of %d gold answers are not numbers (first: %r); those completions "
+            "get no correctness reward",
+            unscorable,
+            len(answer),
+            next(g for g in answer if normalize_gold(g) is None),
+        )
+    if callable(log_extra):
+        log_extra("parsed_answer", parsed)
+    return rewards
+
+
+def int_answer_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """0.5 when the whole ``<answer>`` block is an integer, else 0.0 (gold is not consulted).
+
+    A dense, easy-to-earn nudge towards answers that look like GSM8K golds (which are integers):
+    the entire block content must normalize to a whole number, so ``"42"``, ``"-3"``, ``"$1,200"``
+    and ``"7.0"`` qualify while ``"42 apples"``, ``"2.5"`` or a missing block do not. Scale: 0.5.
+
+    >>> blocks = ["<answer>\\n42\\n</answer>", "<answer>2.5</answer>", "<answer>4 cats</answer>", "4"]
+    >>> int_answer_reward(blocks)
+    [0.5, 0.0, 0.0, 0.0]
+    """
+    rewards = []
+    for completion in completions:
+        content = answer_block(completion)
+        value = normalize_number(content) if content is not None else None
+        rewards.append(0.5 if value is not None and "." not in value else 0.0)
+    return rewards

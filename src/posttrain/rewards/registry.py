@@ -1,0 +1,198 @@
+"""Name -> reward function lookup used by the training config and ``posttrain rewards check``.
+
+Configs name rewards by short registry names (``correctness``, ``length``...) rather than import
+paths so a typo fails fast with the list of valid names, before any model is loaded. Weights are NOT
+handled here: TRL applies them through ``GRPOConfig.reward_weights``.
+
+``build_reward(name, params)``:
+
+* plain rewards (``correctness``, ``int_answer``, ``strict_format``, ``soft_format``,
+  ``xml_count``, ``reasoning_steps``) take no params;
+* factories (``length``, ``repetition``) are called with ``params`` as keyword arguments;
+* ``"package.module:function"`` imports a custom reward; with params it is treated as a factory
+  (called with them, must return a callable), without params it is the reward itself;
+* any reward can be standardized by :func:`~posttrain.rewards.other.make_adaptive_scaler` with the
+  reserved param ``adaptive``: ``true`` for default settings or a mapping of scaler settings
+  (``momentum``, ``eps``, ``clip``, ``suffix``); ``false``/absent means no scaling.
+
+>>> build_reward("length", {"min_tokens": 5, "max_tokens": 50}).__name__
+'length_reward'
+>>> build_reward("correctness", {"adaptive": {"momentum": 0.9}}).__name__
+'correctness_reward_scaled'
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from posttrain.rewards.accuracy import correctness_reward, int_answer_reward
+from posttrain.rewards.format import soft_format_reward, strict_format_reward, xml_count_reward
+from posttrain.rewards.other import (
+    make_adaptive_scaler,
+    make_length_reward,
+    make_repetition_penalty,
+    reasoning_steps_reward,
+    reward_name,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ADAPTIVE_PARAM", "FACTORIES", "PLAIN_REWARDS", "build_reward", "is_factory", "reward_names"]
+
+PLAIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
+    "correctness": correctness_reward,
+    "int_answer": int_answer_reward,
+    "strict_format": strict_format_reward,
+    "soft_format": soft_format_reward,
+    "xml_count": xml_count_reward,
+    "reasoning_steps": reasoning_steps_reward,
+}
+FACTORIES: dict[str, Callable[..., Callable[..., list[float | None]]]] = {
+    "length": make_length_reward,
+    "repetition": make_repetition_penalty,
+}
+ADAPTIVE_PARAM = "adaptive"
+
+
+def reward_names() -> list[str]:
+    """All registry names, sorted (custom ``module:function`` rewards are not listed)."""
+    return sorted({*PLAIN_REWARDS, *FACTORIES})
+
+
+def is_factory(name: str) -> bool:
+    """Whether registry name ``name`` takes params."""
+    return name in FACTORIES
+
+
+def _accepted_params(fn: Callable[..., Any], skip: tuple[str, ...] = ()) -> tuple[list[str], bool]:
+    """Keyword names ``fn`` accepts and whether it also takes ``**kwargs``."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature: let the call itself decide
+        return [], True
+    names = [
+        p.name
+        for p in parameters
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in skip
+    ]
+    return names, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _call_with_params(label: str, fn: Callable[..., Any], params: dict[str, Any]) -> Any:
+    """Call ``fn(**params)``, turning unknown or invalid params into a ValueError naming ``label``."""
+    accepted, var_kwargs = _accepted_params(fn)
+    unknown = sorted(set(params) - set(accepted))
+    if unknown and not var_kwargs:
+        raise ValueError(
+            f"{label} got unknown param(s) {', '.join(map(repr, unknown))}; "
+            f"accepted params: {', '.join(accepted) or '(none)'}"
+        )
+    try:
+        return fn(**params)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{label}: invalid params {params!r}: {exc}") from exc
+
+
+def _scaler_settings(name: str, adaptive: Any) -> dict[str, Any] | None:
+    if adaptive is None or adaptive is False:
+        return None
+    if adaptive is True:
+        return {}
+    if isinstance(adaptive, Mapping):
+        return dict(adaptive)
+    raise ValueError(
+        f"reward {name!r}: param {ADAPTIVE_PARAM!r} must be true/false or a mapping of scaler settings "
+        f"(momentum, eps, clip, suffix), got {adaptive!r}"
+    )
+
+
+def _import_custom(name: str) -> Any:
+    module_name, _, attr_path = name.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"custom reward {name!r} must look like 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"custom reward {name!r}: cannot import module {module_name!r} ({exc})") from exc
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"custom reward {name!r}: module {module_name!r} has no attribute {attr_path!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _build_custom(name: str, params: dict[str, Any]) -> Callable[..., Any]:
+    obj = _import_custom(name)
+    if not callable(obj):
+        raise ValueError(f"custom reward {name!r} is not callable (it is a {type(obj).__name__})")
+    if not params:
+        return obj
+    reward = _call_with_params(f"custom reward factory {name!r}", obj, params)
+    if not callable(reward):
+        raise ValueError(
+            f"custom reward {name!r} was called as a factory (params given) but returned "
+            f"{type(reward).__name__}, not a reward function"
+        )
+    return reward
+
+
+def build_reward(name: str, params: Mapping[str, Any] | None = None) -> Callable[..., list[float | None]]:
+    """Reward function for a registry name or ``package.module:function``, configured by ``params``.
+
+    See the module docstring for the rules; every problem (unknown name, params on a plain reward,
+    unknown or invalid factory params, failed import, non-callable) raises ``ValueError`` whose
+    message names the reward and, where relevant, the offending and the accepted params.
+
+    >>> build_reward("nope")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown reward 'nope'; valid rewards: correctness, int_answer, length, reasoning_steps, \
+repetition, soft_format, strict_format, xml_count (or a custom 'package.module:function')
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"reward name must be a non-empty string, got {name!r}")
+    name = name.strip()
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"reward {name!r}: params must be a mapping, got {type(params).__name__}")
+    params = dict(params)
+    scaler = _scaler_settings(name, params.pop(ADAPTIVE_PARAM, None))
+
+    if ":" in name:
+        reward = _build_custom(name, params)
+    elif name in PLAIN_REWARDS:
+        if params:
+            got = ", ".join(map(repr, params))
+            raise ValueError(f"reward {name!r} takes no params (only {ADAPTIVE_PARAM!r}), got {got}")
+        reward = PLAIN_REWARDS[name]
+    elif name in FACTORIES:
+        reward = _call_with_params(f"reward {name!r}", FACTORIES[name], params)
+    else:
+        raise ValueError(
+            f"unknown reward {name!r}; valid rewards: {', '.join(reward_names())} "
+            "(or a custom 'package.module:function')"
+        )
+
+    if scaler is not None:
+        reward = _build_scaler(name, reward, scaler)
+    logger.debug("built reward %r as %s", name, reward_name(reward))
+    return reward
+
+
+def _build_scaler(name: str, reward: Callable[..., Any], settings: dict[str, Any]) -> Callable[..., Any]:
+    accepted, _ = _accepted_params(make_adaptive_scaler, skip=("reward_fn",))
+    unknown = sorted(set(settings) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"reward {name!r}: unknown {ADAPTIVE_PARAM} setting(s) {', '.join(map(repr, unknown))}; "
+            f"accepted: {', '.join(accepted)}"
+        )
+    try:
+        return make_adaptive_scaler(reward, **settings)
+    except ValueError as exc:
+        raise ValueError(f"reward {name!r}: invalid {ADAPTIVE_PARAM} settings {settings!r}: {exc}") from exc

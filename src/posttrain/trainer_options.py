@@ -1,0 +1,110 @@
+"""TRL options passed through from YAML, checked against the real TRL config classes.
+
+A stage's ``trainer:`` mapping goes to ``trl.SFTConfig`` / ``DPOConfig`` / ``GRPOConfig`` unchanged,
+so posttrain never re-declares TRL's options. What posttrain adds is checking them at load time:
+unknown keys (with suggestions and notes on options renamed across versions), value types, TRL's own
+cross-field checks, and keys posttrain manages itself.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tempfile
+import typing
+from functools import cache
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+# Keys posttrain sets itself: accepting them from YAML would silently fight the pipeline.
+_MANAGED_TRAINER_KEYS = {
+    "output_dir": "posttrain chooses each stage's output directory inside the store",
+    "bf16": "set model.precision (auto|fp32|bf16|fp16) instead",
+    "fp16": "set model.precision (auto|fp32|bf16|fp16) instead",
+    "use_cpu": "posttrain picks the device from the hardware",
+    "report_to": "tracking is configured in the `tracking:` section",
+    "reward_weights": "give each reward a `weight` in the stage's `rewards:` list",
+}
+# Options people carry over from other libraries or older TRL versions.
+_RENAMED_TRAINER_KEYS = {
+    "kl_coef": "the KL coefficient is `beta` in TRL 1.16 (default 0.0)",
+    "max_new_tokens": "use `max_completion_length`",
+    "max_prompt_length": "TRL 1.16 never truncates prompts; use data.max_prompt_tokens",
+}
+
+# posttrain's defaults under each TRL config; YAML values win. They favour small CPU runs:
+# log every step (short runs otherwise show nothing), no checkpoints unless asked.
+TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sft": {
+        "learning_rate": 5e-5,
+        "num_train_epochs": 1,
+        "per_device_train_batch_size": 8,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "activation_checkpointing": False,
+        "max_length": 512,
+    },
+    "dpo": {
+        "learning_rate": 5e-6,
+        "num_train_epochs": 1,
+        "per_device_train_batch_size": 8,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "activation_checkpointing": False,
+        "max_length": 768,
+    },
+    "grpo": {
+        "learning_rate": 5e-6,
+        "per_device_train_batch_size": 8,
+        "num_generations": 8,
+        "max_completion_length": 256,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "activation_checkpointing": False,
+        "log_completions": True,
+    },
+}
+
+
+@cache
+def _trl_config_class(kind: str) -> type:
+    import trl
+
+    return {"sft": trl.SFTConfig, "dpo": trl.DPOConfig, "grpo": trl.GRPOConfig}[kind]
+
+
+@cache
+def _trl_field_types(kind: str) -> dict[str, Any]:
+    return typing.get_type_hints(_trl_config_class(kind))
+
+
+def validate_trainer_options(kind: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Check ``options`` against TRL's config class for ``kind`` and return them type-coerced.
+
+    Unknown keys, wrong types and TRL's own cross-field checks (e.g. ``generation_batch_size``
+    divisible by ``num_generations``) all fail here. The real config object is built on the CPU
+    with fp32 so that GPU-only settings still validate on any machine.
+    """
+    cls = _trl_config_class(kind)
+    types = _trl_field_types(kind)
+    coerced: dict[str, Any] = {}
+    for key, value in options.items():
+        if key in _MANAGED_TRAINER_KEYS:
+            raise ValueError(f"'{key}' is managed by posttrain: {_MANAGED_TRAINER_KEYS[key]}")
+        if key in _RENAMED_TRAINER_KEYS and key not in types:
+            raise ValueError(f"unknown {cls.__name__} option '{key}': {_RENAMED_TRAINER_KEYS[key]}")
+        if key not in types:
+            close = difflib.get_close_matches(key, list(types), n=3)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            raise ValueError(f"unknown {cls.__name__} option '{key}'{hint}")
+        try:
+            coerced[key] = TypeAdapter(types[key]).validate_python(value)
+        except ValidationError as exc:
+            raise ValueError(f"option '{key}': {exc.errors()[0]['msg']} (got {value!r})") from None
+    merged = {**TRAINER_DEFAULTS[kind], **coerced}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            cls(output_dir=tmp, use_cpu=True, bf16=False, fp16=False, report_to="none", **merged)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{cls.__name__} rejects these options: {exc}") from None
+    return coerced

@@ -1,0 +1,38 @@
+"""Shared fixtures: a tiny random causal LM built offline once per session, and isolated stores."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach a hub; fail fast instead of waiting on timeouts.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama + byte-level BPE tokenizer with a ChatML template (a few seconds)."""
+    from posttrain.training.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def gsm8k_train_path() -> Path:
+    if not GSM8K_TRAIN.exists():
+        pytest.skip(f"real GSM8K train split not found at {GSM8K_TRAIN}")
+    return GSM8K_TRAIN

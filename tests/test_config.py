@@ -1,0 +1,196 @@
+"""Config schema: every shipped config loads; overrides; TRL pass-through validation; stable hashes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.cli import main
+from posttrain.config import ConfigError, apply_override, load_config, parse_config, stable_hash
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def minimal(**extra) -> dict:
+    return {"name": "t", "model": {"name": "tiny-random"}, **extra}
+
+
+def grpo_stage(**trainer) -> dict:
+    return {"name": "s", "rewards": [{"name": "correctness"}], "trainer": trainer}
+
+
+def test_three_configs_ship():
+    assert {p.name for p in CONFIGS} >= {
+        "smoke.yaml",
+        "smollm2-gsm8k-cpu.yaml",
+        "qwen2.5-0.5b-gsm8k-gpu.yaml",
+    }
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.name == path.stem
+    assert cfg.stage_names(), "a shipped config should train something"
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        (
+            minimal(grpo={"stages": [grpo_stage(kl_coef=0.1)]}),
+            "grpo.stages.0.trainer: unknown GRPOConfig option 'kl_coef': the KL coefficient is `beta`",
+        ),  # renamed option
+        (
+            minimal(grpo={"stages": [grpo_stage(num_generations=1)]}),
+            "at least 2 generations",
+        ),  # TRL's own check
+        (
+            minimal(grpo={"stages": [grpo_stage(num_generations=3, per_device_train_batch_size=4)]}),
+            "divisible by num_generations",
+        ),  # cross-field
+        (
+            minimal(grpo={"stages": [grpo_stage(learning_rat=1e-5)]}),
+            "did you mean 'learning_rate'",
+        ),  # typo suggestion
+        (
+            minimal(grpo={"stages": [grpo_stage(max_steps="many")]}),
+            "option 'max_steps': Input should be a valid integer",
+        ),  # type
+        (minimal(grpo={"stages": [grpo_stage(bf16=True)]}), "set model.precision"),  # managed key
+        (
+            minimal(grpo={"stages": [grpo_stage(max_prompt_length=64)]}),
+            "never truncates prompts",
+        ),  # TRL 1.16 has none
+        (
+            minimal(sft={"trainer": {"max_new_tokens": 5}}),
+            "sft.trainer: unknown SFTConfig option 'max_new_tokens'",
+        ),  # SFT
+        (minimal(dpo={"trainer": {"betta": 0.1}}), "did you mean 'beta'"),  # DPO typo
+        (
+            minimal(grpo={"stages": [{"name": "s", "rewards": [{"name": "nope"}]}]}),
+            "unknown reward 'nope'; valid rewards: ",
+        ),  # registry
+        (minimal(grpo={"stages": [{"name": "s", "rewards": []}]}), "grpo.stages.0.rewards"),  # no reward
+        (minimal(grpo={"stages": [grpo_stage(), grpo_stage()]}), "repeated: s"),  # duplicate stage names
+        (minimal(data={"source": "local"}), "needs `path`"),  # local without path
+        (minimal(modle={}), "modle: unknown key"),  # top-level typo
+        (minimal(eval={"pass_k": 4}), "temperature > 0"),  # pass@k needs sampling
+        ({"name": "t", "model": {"name": "m", "quantization": "4bit"}}, "QLoRA"),  # 4bit without LoRA
+    ],
+)
+def test_bad_configs_fail_in_one_line_naming_the_key(tmp_path, data, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, data))
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+    assert message.startswith(str(tmp_path / "cfg.yaml"))
+
+
+def test_trainer_values_are_coerced_from_yaml_strings(tmp_path):
+    # YAML 1.1 reads 5e-6 (no dot) as a string; TRL would keep it as one.
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "name: t\nmodel: {name: tiny-random}\ngrpo:\n  stages:\n"
+        "    - {name: s, rewards: [{name: correctness}], trainer: {learning_rate: 5e-6}}\n"
+    )
+    assert load_config(path).grpo.stages[0].trainer["learning_rate"] == 5e-6
+
+
+@pytest.mark.parametrize(
+    "override, check",
+    [
+        (
+            "grpo.stages.0.trainer.learning_rate=1e-5",
+            lambda c: c.grpo.stages[0].trainer["learning_rate"] == 1e-5,
+        ),  # list index
+        ("model.lora.r=4", lambda c: c.model.lora.r == 4),  # nested
+        ("model.lora=null", lambda c: c.model.lora is None),  # YAML scalar null
+        ("eval.limit=7", lambda c: c.eval.limit == 7),  # int
+        (
+            "data.system_prompt=Be brief: answer",
+            lambda c: c.data.system_prompt == "Be brief: answer",
+        ),  # string with colon
+        ("sft.enabled=false", lambda c: c.stage_names()[0] == "dpo"),  # bool
+    ],
+)
+def test_overrides(override, check):
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml", [override])
+    assert check(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("grpo.stages.9.name=x", "not an index of a list of 2"),  # out of range
+        ("noequals", "dotted.key=value"),  # malformed
+        ("seed.x=1", "'seed' is a value"),  # descending into a scalar
+    ],
+)
+def test_bad_overrides(override, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml", [override])
+
+
+def test_override_fills_a_null_section():
+    raw = {"sft": None}
+    apply_override(raw, "sft.num_examples=3")
+    assert raw == {"sft": {"num_examples": 3}}
+
+
+def test_section_hashes_are_stable_and_local():
+    base = parse_config(minimal(grpo={"stages": [grpo_stage(), {**grpo_stage(), "name": "t"}]}))
+    changed = parse_config(minimal(grpo={"stages": [grpo_stage(), {**grpo_stage(max_steps=3), "name": "t"}]}))
+    assert base.section_hash("grpo.s") == changed.section_hash("grpo.s")
+    assert base.section_hash("grpo.t") != changed.section_hash("grpo.t")
+    assert base.section_hash("model") == stable_hash(
+        {"name": "tiny-random"} | base.model.model_dump(mode="json")
+    )
+    assert len(base.section_hash("eval")) == 16
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: t\nmodel:\n  name: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: invalid YAML"):
+        load_config(path)
+
+
+def test_cli_validate_exit_codes(tmp_path, capsys):
+    assert main(["validate", *map(str, CONFIGS)]) == 0
+    bad = write(tmp_path, minimal(grpo={"stages": [grpo_stage(kl_coef=0.1)]}))
+    assert main(["validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "kl_coef" in err
+
+
+def _field_names(model_cls, seen=None) -> set[str]:
+    from pydantic import BaseModel
+
+    names = set()
+    for name, field in model_cls.model_fields.items():
+        names.add(name)
+        for arg in (field.annotation, *getattr(field.annotation, "__args__", ())):
+            inner = getattr(arg, "__args__", (arg,))
+            for cls in (arg, *inner):
+                if isinstance(cls, type) and issubclass(cls, BaseModel) and cls is not model_cls:
+                    names |= _field_names(cls)
+    return names
+
+
+def test_readme_config_reference_mentions_every_field():
+    from posttrain.config import PipelineConfig
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    reference = readme[readme.index("## Config reference") :]
+    missing = sorted(n for n in _field_names(PipelineConfig) if n not in reference)
+    assert not missing, f"README config reference does not mention: {missing}"

@@ -1,0 +1,138 @@
+"""SFT prompt-completion rows and on-policy DPO pair selection, in the formats TRL 1.16 expects."""
+
+from __future__ import annotations
+
+import pytest
+from trl.data_utils import is_conversational
+
+from posttrain.config import DataConfig, SyntheticConfig
+from posttrain.data import (
+    DPO_FEATURES,
+    DataError,
+    DpoPair,
+    build_dpo_dataset,
+    build_prompt,
+    build_sft_dataset,
+    format_sft_target,
+    prepare_data,
+    select_dpo_pair,
+)
+
+REFERENCE = "She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
+GOOD = "<reasoning>\n48/2 = 24, 48 + 24 = 72\n</reasoning>\n<answer>\n72\n</answer>"
+WRONG = "<reasoning>\n48 + 48 = 96\n</reasoning>\n<answer>\n96\n</answer>"
+RAMBLE = "I think it is 72"
+
+
+@pytest.fixture(scope="module")
+def prepared():
+    return prepare_data(DataConfig(synthetic=SyntheticConfig(num_examples=40), eval_size=4))
+
+
+def test_format_sft_target():
+    assert format_sft_target(REFERENCE) == (
+        "<reasoning>\nShe sold 48/2 = 24 clips in May.\n</reasoning>\n<answer>\n72\n</answer>"
+    )
+    assert format_sft_target("#### 5").startswith("<reasoning>\nThe answer follows")  # never an empty block
+
+
+def test_build_sft_dataset(prepared):
+    sft = build_sft_dataset(prepared.train)
+    assert sft.column_names == ["prompt", "completion"]
+    assert len(sft) == len(prepared.train)
+    row, source = sft[0], prepared.train[0]
+    assert row["prompt"] == source["prompt"]
+    assert row["completion"] == [{"role": "assistant", "content": format_sft_target(source["solution"])}]
+    assert is_conversational(row)  # TRL treats it as conversational prompt-completion
+    assert build_sft_dataset(prepared.train, keep_columns=("id",)).column_names == [
+        "id",
+        "prompt",
+        "completion",
+    ]
+    with pytest.raises(DataError, match="missing \\['solution'\\]"):
+        build_sft_dataset(prepared.train.remove_columns("solution"))
+
+
+@pytest.mark.parametrize(
+    ("scores", "correct", "reference", "expected"),
+    [
+        ([1.0, 2.5, 0.0], None, None, ("b", "c", 2.5, 0.0, False)),  # best vs worst
+        ([1.0, 2.5, 0.0], [False, True, False], REFERENCE, ("b", "c", 2.5, 0.0, False)),  # best is correct
+        ([0.5, 0.5, 0.1], None, None, ("a", "c", 0.5, 0.1, False)),  # tied best: first index wins
+        ([1.0, 1.0, 1.0], None, None, None),  # all tied: no preference, dropped
+        ([1.0, 1.0, 1.0], [True, True, True], REFERENCE, None),  # all tied and correct: dropped
+        ([0.2, 0.3, 0.0], [False] * 3, REFERENCE, ("REF", "c", None, 0.0, True)),  # none correct: reference
+        ([0.0, 0.0, 0.0], [False] * 3, REFERENCE, ("REF", "a", None, 0.0, True)),  # tie, but reference helps
+        ([0.2, 0.3, 0.0], [False] * 3, None, ("b", "c", 0.3, 0.0, False)),  # none correct, no reference
+        ([0.2, 0.3, 0.0], None, REFERENCE, ("b", "c", 0.3, 0.0, False)),  # correctness unknown: no reference
+        ([0.7], [True], REFERENCE, None),  # a single completion cannot form a pair
+    ],
+)
+def test_select_dpo_pair(scores, correct, reference, expected):
+    completions = ["a", "b", "c"][: len(scores)]
+    pair = select_dpo_pair(completions, scores, reference, correct=correct)
+    if expected is None:
+        assert pair is None
+        return
+    chosen, rejected, chosen_score, rejected_score, used_reference = expected
+    if chosen == "REF":
+        chosen = format_sft_target(REFERENCE)
+    assert pair == DpoPair(chosen, rejected, chosen_score, rejected_score, used_reference)
+
+
+def test_select_dpo_pair_accepts_message_completions_and_formatted_references():
+    messages = [[{"role": "assistant", "content": GOOD}], [{"role": "assistant", "content": WRONG}]]
+    pair = select_dpo_pair(messages, [1.0, 0.0])
+    assert (pair.chosen, pair.rejected, pair.margin) == (GOOD, WRONG, 1.0)
+    pair = select_dpo_pair([WRONG, RAMBLE], [0.1, 0.0], GOOD, correct=[False, False])
+    assert pair.chosen == GOOD and pair.margin is None  # already formatted reference used verbatim
+
+
+@pytest.mark.parametrize(
+    ("completions", "scores", "correct", "message"),
+    [
+        ([], [], None, "at least one completion"),  # nothing to choose from
+        (["a", "b"], [1.0], None, "2 completions but 1 scores"),  # misaligned scores
+        (["a", "b"], [1.0, 0.0], [True], "and 1 correctness flags"),  # misaligned flags
+        (["a", "b"], [float("nan"), 0.0], None, "finite"),  # NaN reward
+    ],
+)
+def test_select_dpo_pair_rejects_bad_input(completions, scores, correct, message):
+    with pytest.raises(DataError, match=message):
+        select_dpo_pair(completions, scores, correct=correct)
+
+
+def test_build_dpo_dataset():
+    prompts = [build_prompt(f"question {i}?") for i in range(4)]
+    completions = [[GOOD, WRONG], [WRONG, RAMBLE], [GOOD, GOOD], [GOOD, WRONG, RAMBLE]]
+    scores = [[2.0, 0.5], [0.5, 0.0], [2.0, 2.0], [2.0, 0.5, 0.0]]
+    correct = [[True, False], [False, False], [True, True], [True, False, False]]
+    references = [REFERENCE, REFERENCE, REFERENCE, None]
+    ds, stats = build_dpo_dataset(prompts, completions, scores, correct, references)
+    assert stats == {
+        "n_prompts": 4,
+        "n_pairs": 3,
+        "dropped_ties": 1,
+        "reference_used": 1,
+        "mean_margin": 1.75,
+    }
+    assert ds.features == DPO_FEATURES and len(ds) == 3
+    first = ds[0]
+    assert first["prompt"] == prompts[0]
+    assert first["chosen"] == [{"role": "assistant", "content": GOOD}]
+    assert first["rejected"] == [{"role": "assistant", "content": WRONG}]
+    assert is_conversational(first)
+    assert ds[1]["chosen"][0]["content"] == format_sft_target(REFERENCE)  # prompt 2: none correct
+    assert ds[2]["rejected"][0]["content"] == RAMBLE  # prompt 4: the lowest score is rejected
+
+
+def test_build_dpo_dataset_all_ties_is_empty_not_an_error(caplog):
+    ds, stats = build_dpo_dataset([build_prompt("q?")], [[GOOD, GOOD]], [[1.0, 1.0]])
+    assert len(ds) == 0 and ds.features == DPO_FEATURES
+    assert stats["n_pairs"] == 0 and stats["dropped_ties"] == 1 and stats["mean_margin"] == 0.0
+    assert "no DPO pairs" in caplog.text
+
+
+def test_build_dpo_dataset_checks_lengths():
+    with pytest.raises(DataError, match="2 prompts but 1 scores_per_prompt"):
+        build_dpo_dataset([build_prompt("a"), build_prompt("b")], [["x"], ["y"]], [[1.0]])

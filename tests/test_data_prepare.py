@@ -1,0 +1,310 @@
+"""prepare_data: split, decontamination, prompts, prompt-length filter, stats, save/load, curricula."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from posttrain.config import DataConfig, SyntheticConfig
+from posttrain.data import (
+    FEATURES,
+    DataError,
+    PreparedData,
+    build_prompt,
+    decontaminate,
+    filter_by_steps,
+    generate_problems,
+    prepare_data,
+    prompt_token_lengths,
+    split_records,
+)
+
+NATALIA = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
+
+
+def synthetic_cfg(n: int = 200, **kwargs) -> DataConfig:
+    return DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=n), **kwargs)
+
+
+def write_questions(path, questions):
+    path.write_text(
+        "".join(json.dumps({"question": q, "answer": "1+1 = <<1+1=2>>2\n#### 2"}) + "\n" for q in questions)
+    )
+    return path
+
+
+# --------------------------------------------------------------------------- split
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    records = generate_problems(200, seed=3)
+    train, held = split_records(records, 20, seed=0)
+    again_train, again_held = split_records(records, 20, seed=0)
+    assert [r["id"] for r in held] == [r["id"] for r in again_held]
+    assert [r["id"] for r in train] == [r["id"] for r in again_train]
+    train_ids, held_ids = {r["id"] for r in train}, {r["id"] for r in held}
+    assert len(held) == 20 and not train_ids & held_ids and train_ids | held_ids == {r["id"] for r in records}
+    assert [r["id"] for r in train] == [r["id"] for r in records if r["id"] in train_ids]  # input order kept
+    assert held_ids != {r["id"] for r in split_records(records, 20, seed=1)[1]}  # the seed matters
+
+
+@pytest.mark.parametrize("eval_size", [5, 6])  # equal to / larger than the data
+def test_split_needs_a_training_record(eval_size):
+    with pytest.raises(DataError, match=f"eval_size={eval_size} but only 5 records"):
+        split_records(generate_problems(5), eval_size, seed=0)
+
+
+# --------------------------------------------------------------------------- decontamination
+
+
+@pytest.mark.parametrize(
+    ("train_question", "n", "removed"),
+    [
+        (NATALIA, 8, True),  # verbatim copy
+        (NATALIA.upper().replace(",", ""), 8, True),  # case and punctuation differences
+        (
+            "Maria sold clips to 48 of her friends in April, and then she sold a third as many in June. "
+            "How many clips did Maria sell in total?",
+            8,
+            True,
+        ),  # paraphrase sharing "clips to 48 of her friends in april and"
+        (
+            "In April Natalia sold 48 clips. In May she sold half of that. How many clips in both months?",
+            8,
+            False,
+        ),  # same story, no 8-word run in common
+        ("Tom has 3 apples. How many apples does Tom have?", 8, False),  # unrelated
+        (NATALIA.replace("Natalia", "Maria"), None, False),  # exact mode: a paraphrase is not a duplicate
+        (NATALIA.lower() + "!", None, True),  # exact mode: normalized duplicate
+    ],
+)
+def test_decontaminate(train_question, n, removed):
+    kept, dropped = decontaminate([{"id": "t", "question": train_question}], [NATALIA], n)
+    assert (len(dropped), len(kept)) == ((1, 0) if removed else (0, 1))
+
+
+# --------------------------------------------------------------------------- prepare_data
+
+
+def test_prepare_synthetic_columns_counts_and_prompts():
+    prepared = prepare_data(synthetic_cfg(300, eval_size=30))
+    stats = prepared.stats
+    assert prepared.train.features == FEATURES and prepared.eval.features == FEATURES
+    assert prepared.train.column_names == [
+        "id",
+        "question",
+        "solution",
+        "answer",
+        "steps",
+        "source",
+        "prompt",
+    ]
+    assert stats["loaded"] == 300 and stats["eval"] == len(prepared.eval) == 30
+    assert stats["decontamination"] == "exact"  # template text is shared by design in synthetic data
+    assert (
+        stats["loaded"]
+        == stats["eval"] + stats["decontaminated"] + stats["dropped_long_prompts"] + stats["train"]
+    )
+    assert stats["skipped_bad"] == 0 and stats["dropped_long_prompts"] == 0  # no tokenizer: no length filter
+    assert sum(stats["train_steps"].values()) == stats["train"]
+    assert not set(prepared.train["id"]) & set(prepared.eval["id"])
+    row = prepared.train[0]
+    assert row["prompt"] == build_prompt(row["question"], DataConfig().system_prompt)
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+    assert stats["train_fingerprint"] == prepared.train._fingerprint
+    assert stats["eval_fingerprint"] == prepared.eval._fingerprint
+
+
+def test_prepare_is_reproducible_and_fingerprints_are_content_hashes():
+    first, second = (
+        prepare_data(synthetic_cfg(100, eval_size=10)),
+        prepare_data(synthetic_cfg(100, eval_size=10)),
+    )
+    assert first.stats == second.stats
+    assert first.train.to_list() == second.train.to_list()
+    assert (
+        prepare_data(synthetic_cfg(100, eval_size=10, seed=1)).stats["eval_fingerprint"]
+        != first.stats["eval_fingerprint"]
+    )
+    code = (
+        "from posttrain.config import DataConfig, SyntheticConfig; from posttrain.data import prepare_data; "
+        "cfg = DataConfig(synthetic=SyntheticConfig(num_examples=100), eval_size=10); "
+        "print(prepare_data(cfg).stats['train_fingerprint'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == first.stats["train_fingerprint"]  # same lineage id in another process
+
+
+def test_prepare_local_decontaminates_against_extra_eval_questions(tmp_path):
+    questions = [
+        f"Question number {i} asks how many {word} fit into box {i} of the store?"
+        for i, word in enumerate(
+            ["pens", "cups", "hats", "bags", "toys", "cans", "jars", "mugs", "pots", "caps"]
+        )
+    ]
+    questions.append(NATALIA)
+    path = write_questions(tmp_path / "train.jsonl", questions)
+    cfg = DataConfig(source="local", path=str(path), eval_size=2, decontamination_ngram=8, seed=0)
+    base = prepare_data(cfg)
+    assert base.stats["decontamination"] == "8-gram" and base.stats["decontaminated"] == 0
+    assert NATALIA in base.train["question"]  # seed 0 holds out lines 7 and 8
+    paraphrase = "Maria sold clips to 48 of her friends in April. How many did she sell?"
+    with_test = prepare_data(cfg, eval_questions=[paraphrase])
+    assert with_test.stats["decontaminated"] == base.stats["decontaminated"] + 1
+    assert NATALIA not in with_test.train["question"]
+
+
+def test_few_shot_and_system_prompt_options():
+    row = prepare_data(synthetic_cfg(20, eval_size=2, few_shot=2)).train[0]
+    assert [m["role"] for m in row["prompt"]] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert (
+        row["prompt"][2]["content"].startswith("<reasoning>\n")
+        and row["prompt"][-1]["content"] == row["question"]
+    )
+    bare = prepare_data(synthetic_cfg(20, eval_size=2, system_prompt="")).train[0]
+    assert [m["role"] for m in bare["prompt"]] == ["user"]
+    with pytest.raises(DataError, match="few_shot must be between 0 and 4"):
+        prepare_data(synthetic_cfg(20, eval_size=2, few_shot=9))
+
+
+def test_prompt_length_filter_uses_the_chat_template(tiny_tokenizer):
+    cfg = synthetic_cfg(120, eval_size=10)
+    unfiltered = prepare_data(cfg)
+    lengths = prompt_token_lengths(tiny_tokenizer, unfiltered.train["prompt"])
+    limit = sorted(lengths)[len(lengths) // 2]
+    prepared = prepare_data(cfg.model_copy(update={"max_prompt_tokens": limit}), tokenizer=tiny_tokenizer)
+    assert prepared.stats["dropped_long_prompts"] == sum(n > limit for n in lengths) > 0
+    assert prepared.stats["train"] == len(unfiltered.train) - prepared.stats["dropped_long_prompts"]
+    assert len(prepared.eval) == 10  # held-out slice never filtered, only counted
+    for prompt in prepared.train["prompt"]:
+        ids = tiny_tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert len(ids) <= limit
+
+
+@pytest.mark.parametrize("template", ["tokenizer", "plain"])  # shared-prefix shortcut / whole-prompt path
+def test_prompt_token_lengths_are_exact(tiny_tokenizer, template):
+    tokenizer = tiny_tokenizer
+    if template == "plain":  # no special tokens in the rendered text: the shortcut cannot apply
+        tokenizer = copy.deepcopy(tiny_tokenizer)
+        tokenizer.chat_template = (
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}"
+        )
+    prompts = [build_prompt(p["question"], "Be brief.", ()) for p in generate_problems(60, seed=8)]
+    expected = [
+        len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for p in prompts
+    ]
+    assert prompt_token_lengths(tokenizer, prompts, batch_size=7) == expected
+    assert prompt_token_lengths(tokenizer, []) == []
+
+
+class _PrefixSensitiveTokenizer:
+    """Character tokenizer that adds a start token to every encoded text, like a BOS-adding tokenizer.
+
+    Counting a shared prefix and suffixes separately would count that start token twice, so the
+    shortcut's own check must reject it and fall back to whole prompts.
+    """
+
+    added_tokens_decoder = {0: "<s>", 1: "|"}
+
+    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=True, return_dict=False):
+        def render(messages):
+            return "".join(f"|{m['role']}|{m['content']}" for m in messages) + "|assistant|"
+
+        if not tokenize:
+            return [render(c) for c in conversation]
+        return [0] + list(render(conversation))
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[0, *text] for text in texts]}
+
+
+def test_prompt_token_lengths_falls_back_when_the_shortcut_is_wrong():
+    prompts = [build_prompt(q, "sys") for q in ("a b c?", "what is 1+1?", "how many?")]
+    expected = [1 + len("".join(f"|{m['role']}|{m['content']}" for m in p) + "|assistant|") for p in prompts]
+    assert prompt_token_lengths(_PrefixSensitiveTokenizer(), prompts) == expected
+
+
+def test_empty_train_set_names_the_length_filter(tiny_tokenizer):
+    with pytest.raises(DataError, match=r"longer than data.max_prompt_tokens=8 \(longest: \d+ tokens\)"):
+        prepare_data(synthetic_cfg(30, eval_size=5, max_prompt_tokens=8), tokenizer=tiny_tokenizer)
+
+
+def test_empty_train_set_names_decontamination(tmp_path):
+    path = write_questions(tmp_path / "dupes.jsonl", [NATALIA] * 5)
+    with pytest.raises(
+        DataError, match=r"decontamination \(8-gram overlap with eval questions\) removed all 4"
+    ):
+        prepare_data(DataConfig(source="local", path=str(path), eval_size=1))
+
+
+def test_bad_records_are_counted_in_skip_mode(tmp_path):
+    path = write_questions(
+        tmp_path / "t.jsonl", [f"Distinct question {i} about {i * 7} marbles?" for i in range(6)]
+    )
+    path.write_text(path.read_text() + '{"question": "q", "answer": "no marker"}\n')
+    prepared = prepare_data(DataConfig(source="local", path=str(path), eval_size=2, on_bad_record="skip"))
+    assert prepared.stats["skipped_bad"] == 1 and prepared.stats["loaded"] == 6
+
+
+# --------------------------------------------------------------------------- save / load / curricula
+
+
+def test_save_load_round_trip(tmp_path):
+    prepared = prepare_data(synthetic_cfg(50, eval_size=5))
+    prepared.save(tmp_path / "prepared")
+    loaded = PreparedData.load(tmp_path / "prepared")
+    assert loaded.stats == prepared.stats
+    assert (
+        loaded.train.to_list() == prepared.train.to_list()
+        and loaded.eval.to_list() == prepared.eval.to_list()
+    )
+    assert loaded.train._fingerprint == prepared.stats["train_fingerprint"]
+    assert loaded.eval._fingerprint == prepared.stats["eval_fingerprint"]
+    with pytest.raises(DataError, match="no stats.json"):
+        PreparedData.load(tmp_path / "nothing-here")
+
+
+@pytest.fixture(scope="module")
+def steps_ds():
+    cfg = DataConfig(synthetic=SyntheticConfig(num_examples=200, min_steps=1, max_steps=4), eval_size=5)
+    return prepare_data(cfg).train
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "expected"),
+    [
+        (1, 1, {1}),  # a single difficulty
+        (2, 3, {2, 3}),  # a band
+        (3, None, {3, 4}),  # open upper bound
+        (None, 2, {1, 2}),  # open lower bound
+        (None, None, {1, 2, 3, 4}),  # no filter
+    ],
+)
+def test_filter_by_steps(steps_ds, lo, hi, expected):
+    assert set(filter_by_steps(steps_ds, lo, hi)["steps"]) == expected
+
+
+def test_filter_by_steps_errors(steps_ds):
+    with pytest.raises(
+        DataError, match=r"no examples with steps in \[7, 9\]; the dataset has steps \[1, 2, 3, 4\]"
+    ):
+        filter_by_steps(steps_ds, 7, 9)
+    with pytest.raises(DataError, match="min_steps"):
+        filter_by_steps(steps_ds, 3, 2)
+
+
+def test_config_import_does_not_load_the_data_pipeline():
+    code = "import sys, posttrain.config; print('posttrain.data.prepare' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

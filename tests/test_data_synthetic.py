@@ -1,0 +1,137 @@
+"""Synthetic problems: exact GSM8K format, correct arithmetic, requested difficulty, determinism."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+
+from posttrain.data import (
+    RECORD_FIELDS,
+    THEMES,
+    DataError,
+    count_steps,
+    extract_final_answer,
+    format_sft_target,
+    generate_problems,
+)
+
+ANNOTATION = re.compile(r"<<([^=<>]+)=([^<>]+)>>")
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+
+
+def evaluate(expression: str) -> Fraction:
+    """Exact value of an annotation's arithmetic (numbers and + - * / only)."""
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            return walk(node.left) / walk(node.right)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](walk(node.left), walk(node.right))
+        raise AssertionError(f"unexpected syntax in annotation {expression!r}")
+
+    return walk(ast.parse(expression, mode="eval").body)
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return generate_problems(5000, min_steps=1, max_steps=8, seed=123)
+
+
+def test_arithmetic_and_format_round_trip(problems):
+    for p in problems:
+        solution = p["solution"]
+        annotations = ANNOTATION.findall(solution)
+        assert len(annotations) == p["steps"] == count_steps(solution), solution
+        for expression, result in annotations:
+            value = evaluate(expression)
+            assert value == Fraction(result) and value.denominator == 1 and value > 0, (expression, result)
+            assert f"<<{expression}={result}>>{result}" in solution  # result also shown after the annotation
+        assert annotations[-1][1] == p["answer"]  # the last step produces the answer
+        assert solution.splitlines()[-1] == f"#### {p['answer']}"
+        assert extract_final_answer(solution) == p["answer"]
+        assert p["answer"].isdigit() and int(p["answer"]) > 0
+        assert (
+            "{" not in p["question"] + solution and "}" not in p["question"] + solution
+        )  # no template leftovers
+        assert p["question"].rstrip().endswith("?")
+        format_sft_target(solution)  # also valid SFT material
+
+
+def test_record_schema(problems):
+    assert all(tuple(p) == RECORD_FIELDS for p in problems)
+    assert [p["id"] for p in problems[:3]] == ["synthetic-s123-0", "synthetic-s123-1", "synthetic-s123-2"]
+    assert {p["source"] for p in problems} == {"synthetic"}
+
+
+def test_steps_cover_requested_range(problems):
+    assert set(Counter(p["steps"] for p in problems)) == set(range(1, 9))
+    narrow = generate_problems(300, min_steps=3, max_steps=3, seed=1)
+    assert {p["steps"] for p in narrow} == {3}
+
+
+def test_variety_of_themes_and_operations(problems):
+    assert len(THEMES) >= 8
+    operators = Counter(
+        op for p in problems for e, _ in ANNOTATION.findall(p["solution"]) for op in "+-*/" if op in e
+    )
+    assert set(operators) == set("+-*/")
+    assert min(operators.values()) > 500
+    # every theme is used: its closing question or one of its finals shows up
+    for theme in THEMES:
+        endings = [theme.question.split("{")[0]] + [f[1].split("{")[0] for f in theme.finals]
+        assert any(any(e.strip() and e.strip() in p["question"] for e in endings) for p in problems), (
+            theme.name
+        )
+    assert len({p["question"] for p in problems}) == len(problems)  # no duplicate problems
+
+
+def test_deterministic_and_prefix_stable():
+    assert generate_problems(50, 1, 4, seed=5) == generate_problems(50, 1, 4, seed=5)
+    assert generate_problems(50, 1, 4, seed=5)[:10] == generate_problems(
+        10, 1, 4, seed=5
+    )  # limit = truncation
+    assert generate_problems(20, seed=5) != generate_problems(20, seed=6)
+
+
+def test_deterministic_across_processes():
+    code = (
+        "import hashlib, json; from posttrain.data.synthetic import generate_problems; "
+        "print(hashlib.sha256(json.dumps(generate_problems(200, 1, 6, seed=9)).encode()).hexdigest())"
+    )
+    here = hashlib.sha256(json.dumps(generate_problems(200, 1, 6, seed=9)).encode()).hexdigest()
+    for hash_seed in ("1", "2"):  # str hashing differs between these processes; output must not
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == here
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((-1, 1, 2), "num_examples"),  # negative count
+        ((5, 0, 2), "min_steps"),  # zero steps
+        ((5, 3, 2), "min_steps"),  # inverted range
+    ],
+)
+def test_invalid_arguments(args, message):
+    with pytest.raises(DataError, match=message):
+        generate_problems(*args)
+
+
+def test_long_chains_still_valid():
+    for p in generate_problems(200, min_steps=15, max_steps=20, seed=2):
+        assert count_steps(p["solution"]) == p["steps"]
+        assert all(evaluate(e) == Fraction(r) for e, r in ANNOTATION.findall(p["solution"]))

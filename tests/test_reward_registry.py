@@ -1,0 +1,244 @@
+"""Reward registry: config names -> reward callables, with errors that say how to fix the config."""
+
+import pytest
+
+from posttrain.rewards import (
+    correctness_reward,
+    int_answer_reward,
+    reasoning_steps_reward,
+    soft_format_reward,
+    strict_format_reward,
+    xml_count_reward,
+)
+from posttrain.rewards.check import (
+    EXAMPLE_COMPLETIONS,
+    INTENDED_BEST,
+    RewardCheckRow,
+    ranks_as_intended,
+    score_examples,
+)
+from posttrain.rewards.other import AdaptiveScaler, LengthReward, RepetitionPenalty
+from posttrain.rewards.registry import build_reward, is_factory, reward_names
+
+GOOD = "<reasoning>\n6 * 7 = 42\n</reasoning>\n<answer>\n42\n</answer>"
+WRONG = "<reasoning>\n6 + 7 = 13\n</reasoning>\n<answer>\n13\n</answer>"
+ACCURACY_MOD = "posttrain.rewards.accuracy"
+FORMAT_MOD = "posttrain.rewards.format"
+OTHER_MOD = "posttrain.rewards.other"
+LENGTH_OK = "accepted params: min_tokens, max_tokens, decay_tokens"
+SCALER_OK = "accepted: momentum, eps, clip, suffix"
+
+
+def test_reward_names_sorted_and_complete():
+    assert reward_names() == [
+        "correctness",
+        "int_answer",
+        "length",
+        "reasoning_steps",
+        "repetition",
+        "soft_format",
+        "strict_format",
+        "xml_count",
+    ]
+    assert is_factory("length") and is_factory("repetition") and not is_factory("correctness")
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("correctness", correctness_reward),  # gold match
+        ("int_answer", int_answer_reward),  # integer answer
+        ("strict_format", strict_format_reward),  # exact layout
+        ("soft_format", soft_format_reward),  # blocks anywhere
+        ("xml_count", xml_count_reward),  # per-tag credit
+        ("reasoning_steps", reasoning_steps_reward),  # step count
+        (" correctness ", correctness_reward),  # surrounding whitespace tolerated
+    ],
+)
+def test_plain_rewards(name, expected):
+    assert build_reward(name) is expected
+    assert build_reward(name, {}) is expected
+    assert build_reward(name, {"adaptive": False}) is expected
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "cls", "metric_name"),
+    [
+        ("length", None, LengthReward, "length_reward"),  # defaults
+        ("length", {"min_tokens": 5, "max_tokens": 50}, LengthReward, "length_reward"),  # custom range
+        ("repetition", {}, RepetitionPenalty, "repetition_penalty"),  # defaults
+        ("repetition", {"ngram_size": 2, "max_penalty": -0.5}, RepetitionPenalty, "repetition_penalty"),
+    ],
+)
+def test_factories(name, params, cls, metric_name):
+    reward = build_reward(name, params)
+    assert isinstance(reward, cls)
+    assert reward.__name__ == metric_name
+    for key, value in (params or {}).items():
+        assert getattr(reward, key) == value
+
+
+def test_factories_return_fresh_instances():
+    assert build_reward("length") is not build_reward("length")
+
+
+def test_factory_params_are_applied():
+    reward = build_reward("length", {"min_tokens": 2, "max_tokens": 4, "decay_tokens": 2})
+    assert reward(["a", "a b c", "a b c d e"]) == [0.5, 1.0, 0.5]
+
+
+def test_unknown_reward_lists_valid_names():
+    with pytest.raises(ValueError) as info:
+        build_reward("foo")
+    message = str(info.value)
+    assert message.startswith("unknown reward 'foo'; valid rewards: correctness, int_answer, length,")
+    for name in reward_names():
+        assert name in message
+    assert "package.module:function" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "pattern"),
+    [
+        ("correctness", {"scale": 2}, r"reward 'correctness' takes no params .*'scale'"),  # plain + params
+        ("xml_count", {"penalty": 0.01}, r"reward 'xml_count' takes no params"),  # plain + params
+        ("length", {"max_len": 10}, rf"'length' got unknown param\(s\) 'max_len'; {LENGTH_OK}"),  # typo
+        ("repetition", {"n": 2, "size": 3}, r"param\(s\) 'n', 'size'; .*ngram_size, max_penalty"),  # two bad
+        ("repetition", {"max_penalty": 1.0}, r"'repetition': invalid params .*max_penalty"),  # bad value
+        ("length", {"min_tokens": 10, "max_tokens": 5}, r"reward 'length': invalid params"),  # bad range
+        ("correctness", ["not", "a", "mapping"], r"params must be a mapping"),  # params type
+        ("correctness", {"adaptive": "yes"}, r"'adaptive' must be true/false or a mapping"),  # adaptive type
+        ("correctness", {"adaptive": {"window": 5}}, rf"adaptive setting\(s\) 'window'; {SCALER_OK}"),  # typo
+        ("correctness", {"adaptive": {"momentum": 2}}, r"invalid adaptive settings .*momentum"),  # bad value
+        ("", None, r"non-empty string"),  # empty name
+        (None, None, r"non-empty string"),  # missing name
+    ],
+)
+def test_param_errors(name, params, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        build_reward(name, params)
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "metric_name"),
+    [
+        ("correctness", {"adaptive": True}, "correctness_reward_scaled"),  # default scaler
+        ("correctness", {"adaptive": {}}, "correctness_reward_scaled"),  # empty settings = defaults
+        ("xml_count", {"adaptive": {"momentum": 0.9, "clip": None}}, "xml_count_reward_scaled"),  # settings
+        ("length", {"max_tokens": 50, "adaptive": True}, "length_reward_scaled"),  # factory + scaler
+        ("strict_format", {"adaptive": {"suffix": "_z"}}, "strict_format_reward_z"),  # custom suffix
+        (f"{FORMAT_MOD}:soft_format_reward", {"adaptive": True}, "soft_format_reward_scaled"),  # custom
+    ],
+)
+def test_adaptive_param_wraps_any_reward(name, params, metric_name):
+    reward = build_reward(name, params)
+    assert isinstance(reward, AdaptiveScaler)
+    assert reward.__name__ == metric_name
+    for key, value in (params["adaptive"] if isinstance(params["adaptive"], dict) else {}).items():
+        assert getattr(reward, key) == value
+
+
+def test_adaptive_scalers_do_not_share_state():
+    first = build_reward("correctness", {"adaptive": True})
+    second = build_reward("correctness", {"adaptive": True})
+    first([GOOD, "x"], answer=["42", "42"])
+    assert first.calls == 1 and second.calls == 0
+
+
+def test_params_mapping_is_not_mutated():
+    params = {"max_tokens": 50, "adaptive": True}
+    build_reward("length", params)
+    assert params == {"max_tokens": 50, "adaptive": True}
+
+
+def test_custom_reward_by_import_path():
+    reward = build_reward("posttrain.rewards.accuracy:correctness_reward")
+    assert reward is correctness_reward
+    assert reward([GOOD], answer=["42"]) == [1.0]
+
+
+def test_custom_factory_by_import_path_with_params():
+    reward = build_reward("posttrain.rewards.other:make_length_reward", {"min_tokens": 1, "max_tokens": 3})
+    assert isinstance(reward, LengthReward) and reward.max_tokens == 3
+
+
+def test_custom_nested_attribute():
+    reward = build_reward("posttrain.rewards.other:LengthReward.__call__")
+    assert callable(reward)
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "pattern"),
+    [
+        ("no_such_pkg_xyz.mod:fn", None, r"cannot import module 'no_such_pkg_xyz.mod'"),  # missing module
+        (f"{ACCURACY_MOD}:nope", None, rf"module '{ACCURACY_MOD}' has no attribute 'nope'"),  # missing attr
+        ("math:pi", None, r"custom reward 'math:pi' is not callable \(it is a float\)"),  # non-callable
+        (":fn", None, r"must look like 'package.module:function'"),  # missing module part
+        ("math:", None, r"must look like 'package.module:function'"),  # missing attribute part
+        (f"{OTHER_MOD}:make_length_reward", {"bogus": 1}, rf"param\(s\) 'bogus'; {LENGTH_OK}"),  # bad param
+        ("os.path:join", {"a": "x"}, r"returned str, not a reward function"),  # factory returns non-callable
+        ("math:floor", {"x": 1.5}, r"unknown param\(s\) 'x'; accepted params: \(none\)"),  # positional-only
+    ],
+)
+def test_custom_reward_errors(name, params, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        build_reward(name, params)
+
+
+# `posttrain rewards check`: rewards built from config names, scored on canned completions.
+
+
+def test_check_rows_and_ranking():
+    config = [("correctness", 2.0), ("strict_format", 0.5), ("xml_count", 0.5), ("repetition", 1.0)]
+    rewards = [(name, weight, build_reward(name)) for name, weight in config]
+    rows = score_examples(rewards, references=[(GOOD, "42"), (WRONG, "")])
+    labels = [row.label for row in rows]
+    assert labels == [*EXAMPLE_COMPLETIONS, "reference #1", "reference #2"]
+    by_label = {row.label: row for row in rows}
+    best = by_label[INTENDED_BEST]
+    assert best.scores["correctness"] == 1.0 and best.total == pytest.approx(3.0)  # 2 + 0.5 + 0.5 + 0
+    assert by_label["reference #1"].total == pytest.approx(3.0)
+    assert by_label["reference #2"].scores["correctness"] is None  # None counts as 0 in the total
+    assert by_label["reference #2"].total == pytest.approx(1.0)
+    assert by_label["rambling"].scores["repetition"] < -0.5
+    assert ranks_as_intended(rows)
+
+
+def test_check_detects_format_only_config():
+    rows = score_examples([("strict_format", 1.0, strict_format_reward)])
+    assert not ranks_as_intended(rows)  # wrong+formatted ties with correct+formatted
+    assert not ranks_as_intended([])
+    assert not ranks_as_intended([RewardCheckRow(INTENDED_BEST, "", "42", {}, 1.0)])
+
+
+def test_check_reports_broken_rewards():
+    with pytest.raises(ValueError, match="returned 1 scores"):
+        score_examples([("short", 1.0, lambda completions, **kw: [0.0])])
+    with pytest.raises(ValueError, match="non-number"):
+        score_examples([("text", 1.0, lambda completions, **kw: ["high"] * len(completions))])
+    with pytest.raises(RuntimeError, match="'needs_solution' failed"):
+        score_examples([("needs_solution", 1.0, lambda completions, solution, **kw: [0.0])])
+    with pytest.raises(ValueError, match="duplicates: a"):
+        score_examples([("a", 1.0, strict_format_reward), ("a", 1.0, soft_format_reward)])
+
+
+def test_check_passes_trl_keyword_arguments():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, answer, trainer_state, log_extra, log_metric, **kwargs):
+        seen.update(prompts=prompts, ids=completion_ids, answer=answer)
+        log_extra("col", [1] * len(completions))
+        log_metric("m", 1.0)
+        return [None] * len(completions)
+
+    rows = score_examples([("spy", 1.0, spy)], references=[("<answer>7</answer>", "7")])
+    assert len(seen["prompts"]) == len(rows) == len(EXAMPLE_COMPLETIONS) + 1
+    assert seen["answer"][-1] == "7"
+    assert seen["ids"][list(EXAMPLE_COMPLETIONS).index("empty")] == []  # no words, no pseudo ids
+    assert all(row.total == 0.0 for row in rows)
+
+
+def test_check_all_registry_rewards_at_unit_weight_rank_as_intended():
+    rows = score_examples([(name, 1.0, build_reward(name)) for name in reward_names()])
+    assert ranks_as_intended(rows)
+    assert all(set(row.scores) == set(reward_names()) for row in rows)
