@@ -1,0 +1,33 @@
+"""GSM8K evaluation: a continuous-batching generation engine, strict/flexible scoring, reports and diffs.
+
+Entry points: :func:`evaluate` (model + records -> :class:`EvalReport`), :func:`run_eval` (what
+``posttrain eval`` calls), :func:`diff_reports` / :func:`format_diff` (``posttrain eval --diff``),
+:func:`format_summary_table`, and :func:`load_eval_records` for the eval data sources.
+"""
+
+from posttrain.evaluation.data import eval_records_for, load_eval_records
+from posttrain.evaluation.diff import ReportDiff, diff_reports, format_diff
+from posttrain.evaluation.evaluator import evaluate, run_eval
+from posttrain.evaluation.generation import Completion, GenerationStats, generate_continuous
+from posttrain.evaluation.report import EvalRecord, EvalReport, format_summary_table
+from posttrain.evaluation.scoring import SampleScore, pass_at_k, score_completion, summarize
+
+__all__ = [
+    "Completion",
+    "EvalRecord",
+    "EvalReport",
+    "GenerationStats",
+    "ReportDiff",
+    "SampleScore",
+    "diff_reports",
+    "eval_records_for",
+    "evaluate",
+    "format_diff",
+    "format_summary_table",
+    "generate_continuous",
+    "load_eval_records",
+    "pass_at_k",
+    "run_eval",
+    "score_completion",
+    "summarize",
+]

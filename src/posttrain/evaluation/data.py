@@ -1,0 +1,84 @@
+"""Where evaluation questions come from: GSM8K test (hub), a local file, a held-out slice, synthetic.
+
+Numbers are only comparable across runs (baseline vs. each stage, today vs. last week) when they
+are computed on the same questions, so ``limit N`` always takes the *first* N records in the
+source's fixed order (file order, hub row order, generation order), never a random sample, and ids
+are stable (see :mod:`posttrain.data.gsm8k`).
+
+Synthetic evaluation problems use their own seed, far from the training generator's defaults, so a
+synthetic eval never re-uses the exact problems a synthetic training run saw.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from posttrain.data.gsm8k import DataError, load_hub, load_jsonl
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SYNTHETIC_EVAL_SEED", "SYNTHETIC_EVAL_SIZE", "eval_records_for", "load_eval_records"]
+
+SYNTHETIC_EVAL_SEED = 1_000_003
+"""Seed of the synthetic eval set; training uses ``data.synthetic.seed`` (default 0)."""
+SYNTHETIC_EVAL_SIZE = 200
+"""How many synthetic problems to evaluate when no limit is given."""
+
+
+def load_eval_records(
+    source: str,
+    *,
+    path: str | Path | None = None,
+    heldout: Sequence[dict[str, Any]] | None = None,
+    limit: int | None = None,
+    hub_id: str = "openai/gsm8k",
+    hub_config: str = "main",
+    hub_split: str = "test",
+    synthetic_steps: tuple[int, int] = (1, 4),
+    synthetic_seed: int = SYNTHETIC_EVAL_SEED,
+) -> list[dict[str, Any]]:
+    """The first ``limit`` evaluation records (``id, question, answer, ...``) of one source.
+
+    ``source`` is ``hub`` (GSM8K ``hub_split``, default the test split), ``local`` (``path``: a
+    GSM8K-format ``.jsonl`` file or folder), ``heldout`` (the ``heldout`` records the caller split
+    off the training data) or ``synthetic`` (generated, ``synthetic_steps`` operations each).
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    if source == "hub":
+        records = load_hub(hub_id, hub_config, hub_split, limit=limit).records
+    elif source == "local":
+        if path is None:
+            raise DataError("eval data 'local' needs a path to a GSM8K .jsonl file or folder")
+        records = load_jsonl(path, limit=limit).records
+    elif source == "heldout":
+        if heldout is None:
+            raise DataError("eval data 'heldout' needs the held-out records (split off the training data)")
+        records = list(heldout[:limit] if limit is not None else heldout)
+    elif source == "synthetic":
+        from posttrain.data.synthetic import generate_problems
+
+        low, high = synthetic_steps
+        records = generate_problems(limit or SYNTHETIC_EVAL_SIZE, low, high, seed=synthetic_seed)
+    else:
+        raise DataError(f"unknown eval data source {source!r} (expected hub, local, heldout or synthetic)")
+    if not records:
+        raise DataError(f"eval data source {source!r} yielded no records")
+    logger.info("evaluating on %d %s records", len(records), source)
+    return records
+
+
+def eval_records_for(data: str, limit: int | None = None, hub_split: str = "test") -> tuple[str, list[dict]]:
+    """Resolve the CLI's ``--data`` string: ``hub``, ``hub:<split>``, ``synthetic``, or a path.
+
+    Returns a description of the source (stored in the report) and the records.
+    """
+    if data == "synthetic":
+        return "synthetic", load_eval_records("synthetic", limit=limit)
+    if data == "hub" or data.startswith("hub:"):
+        split = data.partition(":")[2] or hub_split
+        return f"hub:{split}", load_eval_records("hub", hub_split=split, limit=limit)
+    return f"local:{data}", load_eval_records("local", path=data, limit=limit)

@@ -1,0 +1,109 @@
+"""A KV-cache layer for continuous batching: preallocated, writable in place, rows removable and mergeable.
+
+transformers' ``DynamicLayer`` appends each step's keys with ``torch.cat``, which copies the whole
+cache on every decode step; with 30 layers, 32 rows and ~400 cached positions that copy costs as
+much as the attention itself on a CPU. This layer keeps keys/values in a buffer with spare columns
+and writes new ones in place; attention reads a view of the filled part. The buffer only grows (by
+``GROW`` columns at a time, amortised), and the engine's rare events (rows finishing, new rows
+joining, dead leading columns) are the only full copies.
+
+Row layout is the same left padding ``generate`` uses: every row's real tokens end at the last
+filled column and the attention mask hides the columns before its first real token.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+logger = logging.getLogger(__name__)
+
+GROW = 64
+"""Spare columns allocated whenever the buffer fills up."""
+
+
+class SlotLayer(DynamicLayer):
+    """Keys/values of one attention layer in a ``[batch, heads, capacity, head_dim]`` buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._k = key_states.new_zeros((*key_states.shape[:2], GROW, key_states.shape[-1]))
+        self._v = value_states.new_zeros((*value_states.shape[:2], GROW, value_states.shape[-1]))
+        self.length = 0
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        end = self.length + new
+        if end > self._k.shape[-2]:
+            self._resize(end + GROW)
+        self._k[:, :, self.length:end] = key_states
+        self._v[:, :, self.length:end] = value_states
+        self.length = end
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def _refresh(self) -> None:
+        self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def _resize(self, capacity: int) -> None:
+        k = self._k.new_zeros((*self._k.shape[:2], capacity, self._k.shape[-1]))
+        v = self._v.new_zeros((*self._v.shape[:2], capacity, self._v.shape[-1]))
+        k[:, :, : self.length] = self._k[:, :, : self.length]
+        v[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v = k, v
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices], self._v[indices]
+        self._refresh()
+
+    def drop_leading(self, columns: int) -> None:
+        """Forget the first ``columns`` positions (padding for every row); a view, no copy."""
+        self._k, self._v = self._k[:, :, columns:], self._v[:, :, columns:]
+        self.length -= columns
+        self._refresh()
+
+    def absorb(self, other: SlotLayer) -> None:
+        """Append ``other``'s rows; the shorter side is left-padded with zeros up to the longer length."""
+        length = max(self.length, other.length)
+        rows = self._k.shape[0] + other._k.shape[0]
+        shape = (rows, self._k.shape[1], length + GROW, self._k.shape[-1])
+        k, v = self._k.new_zeros(shape), self._v.new_zeros(shape)
+        for start, layer in ((0, self), (self._k.shape[0], other)):
+            stop = start + layer._k.shape[0]
+            k[start:stop, :, length - layer.length: length] = layer.keys
+            v[start:stop, :, length - layer.length: length] = layer.values
+        self._k, self._v, self.length = k, v, length
+        self._refresh()
+
+
+def new_cache(model: Any) -> tuple[Any, bool]:
+    """An empty cache for ``model`` and whether it is made of :class:`SlotLayer` (mergeable).
+
+    Models with sliding-window, linear-attention or shared-KV layers keep transformers' own
+    layers: their columns cannot be padded and trimmed freely, so the engine then only admits new
+    prompts into an empty batch.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [SlotLayer() for _ in cache.layers]
+        return cache, True
+    logger.info("model has non-standard cache layers; continuous batching refills only between waves")
+    return cache, False

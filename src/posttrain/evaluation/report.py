@@ -1,0 +1,164 @@
+"""The evaluation report: per-example records, summary metrics, and how they were produced.
+
+A report is written as two files so that both humans and tools can use it: ``report.json`` (model,
+summary, config, timings, environment; small enough to read or log as an artifact) and
+``examples.jsonl`` (one line per question, greppable, and what :mod:`posttrain.evaluation.diff`
+matches by id to show which questions a training stage fixed or broke).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.evaluation.scoring import SampleScore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["REPORT_FILE", "EXAMPLES_FILE", "EvalRecord", "EvalReport", "format_summary_table"]
+
+REPORT_FILE = "report.json"
+EXAMPLES_FILE = "examples.jsonl"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """One question: its first completion's scores, plus the other samples when pass@k sampled more.
+
+    The flat fields describe sample 0 (the greedy completion in the default setting), so the common
+    case reads without indirection; ``num_correct_*`` count over all ``num_samples`` samples.
+    """
+
+    id: str
+    question: str
+    gold: str
+    completion: str
+    strict: str | None
+    flexible: str | None
+    correct_strict: bool
+    correct_flexible: bool
+    strict_format: bool
+    tokens: int
+    truncated: bool
+    num_samples: int = 1
+    num_correct_strict: int = 0
+    num_correct_flexible: int = 0
+    extra_samples: tuple[SampleScore, ...] = ()
+
+    @classmethod
+    def from_samples(cls, id: str, question: str, gold: str, samples: Sequence[SampleScore]) -> EvalRecord:
+        first = samples[0]
+        return cls(
+            id=id, question=question, gold=gold, completion=first.completion, strict=first.strict,
+            flexible=first.flexible, correct_strict=first.correct_strict,
+            correct_flexible=first.correct_flexible, strict_format=first.strict_format,
+            tokens=first.tokens, truncated=first.truncated, num_samples=len(samples),
+            num_correct_strict=sum(s.correct_strict for s in samples),
+            num_correct_flexible=sum(s.correct_flexible for s in samples),
+            extra_samples=tuple(samples[1:]),
+        )
+
+    @property
+    def samples(self) -> tuple[SampleScore, ...]:
+        first = SampleScore(self.completion, self.strict, self.flexible, self.correct_strict,
+                            self.correct_flexible, self.strict_format, self.tokens, self.truncated)
+        return (first, *self.extra_samples)
+
+    def correct(self, mode: str = "strict") -> bool:
+        """Whether sample 0 is correct under ``mode`` (``strict`` or ``flexible``)."""
+        if mode not in ("strict", "flexible"):
+            raise ValueError(f"mode must be 'strict' or 'flexible', got {mode!r}")
+        return self.correct_strict if mode == "strict" else self.correct_flexible
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if not self.extra_samples:
+            del data["extra_samples"]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EvalRecord:
+        data = dict(data)
+        data["extra_samples"] = tuple(SampleScore(**s) for s in data.get("extra_samples", ()))
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """Summary metrics and per-example records of one evaluation of one model on one dataset."""
+
+    model: str
+    summary: dict[str, float]
+    records: tuple[EvalRecord, ...]
+    config: dict[str, Any] = field(default_factory=dict)
+    """The evaluation settings (EvalConfig fields, data source, system prompt, precision, backend)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """seconds, tokens_per_second, generated/prompt tokens, load time, engine counters."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Environment: library versions, dtype, device, creation time."""
+
+    def __post_init__(self) -> None:
+        ids = [r.id for r in self.records]
+        if len(set(ids)) != len(ids):
+            raise ValueError("example ids in a report must be unique (reports are diffed by id)")
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``report.json`` and ``examples.jsonl`` into ``directory`` (created); return it."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        head = {"format_version": FORMAT_VERSION, "model": self.model, "summary": self.summary,
+                "config": self.config, "timings": self.timings, "meta": self.meta}
+        (directory / REPORT_FILE).write_text(json.dumps(head, indent=2, sort_keys=False, default=str) + "\n")
+        with (directory / EXAMPLES_FILE).open("w", encoding="utf-8") as fh:
+            for record in self.records:
+                fh.write(json.dumps(record.as_dict(), ensure_ascii=False) + "\n")
+        logger.info("wrote evaluation report (%d examples) to %s", len(self.records), directory)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> EvalReport:
+        """Read a report written by :meth:`save`."""
+        directory = Path(directory)
+        try:
+            head = json.loads((directory / REPORT_FILE).read_text())
+            lines = (directory / EXAMPLES_FILE).read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{directory} is not an evaluation report: {exc.filename} is missing") from None
+        records = tuple(EvalRecord.from_dict(json.loads(line)) for line in lines if line.strip())
+        return cls(model=head["model"], summary=head["summary"], records=records,
+                   config=head.get("config", {}), timings=head.get("timings", {}), meta=head.get("meta", {}))
+
+
+def _metric_rows(summary: Mapping[str, float]) -> list[tuple[str, str]]:
+    rows = [
+        ("accuracy (strict, <answer>)", f"{summary.get('accuracy_strict', 0.0):.1%}"),
+        ("accuracy (flexible, last number)", f"{summary.get('accuracy_flexible', 0.0):.1%}"),
+        ("strict format", f"{summary.get('strict_format_rate', 0.0):.1%}"),
+        ("mean completion tokens", f"{summary.get('mean_completion_tokens', 0.0):.1f}"),
+        ("truncated (no EOS)", f"{summary.get('truncation_rate', 0.0):.1%}"),
+    ]
+    rows += [(f"{key.split('_')[0]} ({key.split('_')[1]})", f"{value:.1%}")
+             for key, value in summary.items() if key.startswith("pass@")]
+    return rows
+
+
+def format_summary_table(report: EvalReport) -> str:
+    """A small plain-text table of the report's headline numbers (what `posttrain eval` prints)."""
+    s = report.summary
+    samples = int(s.get("samples_per_example", 1))
+    source = report.config.get("data_source", report.config.get("data", "?"))
+    title = f"model: {report.model}\ndata: {source}, {int(s.get('num_examples', 0))} examples"
+    if samples > 1:
+        title += f" x {samples} samples (temperature {report.config.get('temperature')})"
+    rows = _metric_rows(s)
+    if report.timings:
+        rows.append(("throughput", f"{report.timings.get('tokens_per_second', 0.0):.0f} tok/s, "
+                                   f"{report.timings.get('seconds', 0.0):.1f} s generating"))
+    width = max(len(name) for name, _ in rows)
+    lines = [title, "-" * (width + 14)] + [f"{name:<{width}}  {value:>10}" for name, value in rows]
+    return "\n".join(lines)

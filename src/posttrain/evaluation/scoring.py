@@ -1,0 +1,125 @@
+"""Scoring completions against GSM8K golds, and aggregating scores into report metrics.
+
+All answer extraction goes through :mod:`posttrain.rewards.parsing`, the parser the GRPO rewards
+use, so a reported accuracy and the training signal can never disagree about what a completion
+answered. Two accuracies are reported side by side: *strict* reads only the ``<answer>`` block
+(what the correctness reward pays for) and *flexible* reads the last number anywhere (how much is
+lost purely to formatting).
+
+pass@k uses the unbiased estimator of Chen et al. (2021, "Evaluating Large Language Models Trained
+on Code"): with ``n`` samples of which ``c`` are correct, ``1 - C(n-c, k) / C(n, k)``. Taking the
+fraction of ``k`` samples that contain a correct one would be biased upward for small ``n``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from posttrain.rewards.parsing import answers_match, normalize_gold, parse_answers
+
+__all__ = ["SampleScore", "pass_at_k", "score_completion", "summarize"]
+
+
+@dataclass(frozen=True)
+class SampleScore:
+    """One completion of one question, as scored."""
+
+    completion: str
+    strict: str | None
+    """Answer in the last ``<answer>`` block (normalized), or None."""
+    flexible: str | None
+    """Last number anywhere (normalized), or None."""
+    correct_strict: bool
+    correct_flexible: bool
+    strict_format: bool
+    tokens: int
+    """Generated tokens up to and including the stop token."""
+    truncated: bool
+    """Hit ``max_new_tokens`` without a stop token."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def canonical_gold(answer: Any) -> str:
+    """The gold answer as the parser normalizes it (raw strings kept if they are not numbers)."""
+    value = normalize_gold(answer)
+    return value if value is not None else str(answer)
+
+
+def score_completion(completion: str, gold: Any, *, tokens: int = 0, truncated: bool = False) -> SampleScore:
+    """Score one completion text against a gold answer (a number or a ``#### N`` solution).
+
+    >>> s = score_completion("<reasoning>\\n6*7\\n</reasoning>\\n<answer>\\n42\\n</answer>", "42")
+    >>> s.correct_strict, s.correct_flexible, s.strict_format
+    (True, True, True)
+    >>> s = score_completion("6*7 = 42", "42")
+    >>> s.strict, s.correct_strict, s.correct_flexible
+    (None, False, True)
+    """
+    parsed = parse_answers(completion)
+    return SampleScore(
+        completion=completion,
+        strict=parsed.strict,
+        flexible=parsed.flexible,
+        correct_strict=answers_match(parsed.strict, gold),
+        correct_flexible=answers_match(parsed.flexible, gold),
+        strict_format=parsed.strict_format,
+        tokens=tokens,
+        truncated=truncated,
+    )
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct (numerically stable product form).
+
+    >>> pass_at_k(4, 0, 2), pass_at_k(4, 4, 2), pass_at_k(1, 1, 1)
+    (0.0, 1.0, 1.0)
+    >>> round(pass_at_k(4, 1, 2), 4)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    0.5
+    """
+    if not 0 <= c <= n or k < 1:
+        raise ValueError(f"need 0 <= c <= n and k >= 1, got n={n}, c={c}, k={k}")
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per question, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def summarize(samples: Sequence[Sequence[SampleScore]], k: int = 1) -> dict[str, float]:
+    """Report metrics from the scored samples of each question (outer list: questions).
+
+    Accuracies are the mean over questions of the fraction of correct samples, i.e. pass@1
+    estimated from all samples; with one greedy sample per question that is the plain accuracy.
+    Format, length and truncation rates are over all samples.
+
+    >>> ok = score_completion("<reasoning>\\nx\\n</reasoning>\\n<answer>\\n1\\n</answer>", "1", tokens=10)
+    >>> bad = score_completion("2", "1", tokens=30, truncated=True)
+    >>> m = summarize([[ok], [bad]])
+    >>> m["accuracy_strict"], m["strict_format_rate"], m["mean_completion_tokens"], m["truncation_rate"]
+    (0.5, 0.5, 20.0, 0.5)
+    """
+    flat = [s for group in samples for s in group]
+    metrics: dict[str, float] = {
+        "num_examples": len(samples),
+        "samples_per_example": len(samples[0]) if samples else 0,
+        "accuracy_strict": _mean([_mean([s.correct_strict for s in g]) for g in samples]),
+        "accuracy_flexible": _mean([_mean([s.correct_flexible for s in g]) for g in samples]),
+        "strict_format_rate": _mean([s.strict_format for s in flat]),
+        "mean_completion_tokens": _mean([s.tokens for s in flat]),
+        "truncation_rate": _mean([s.truncated for s in flat]),
+    }
+    if k > 1:
+        for mode in ("strict", "flexible"):
+            metrics[f"pass@{k}_{mode}"] = _mean(
+                [pass_at_k(len(g), sum(getattr(s, f"correct_{mode}") for s in g), k) for g in samples]
+            )
+    return metrics

@@ -1,0 +1,139 @@
+"""Scoring, reports and diffs on hand-written completions (no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain.evaluation import (
+    EvalRecord,
+    EvalReport,
+    diff_reports,
+    format_diff,
+    format_summary_table,
+    pass_at_k,
+    score_completion,
+    summarize,
+)
+
+GOOD = "<reasoning>\n6 * 7 = 42\n</reasoning>\n<answer>\n42\n</answer>"
+
+# (completion, gold, strict, flexible, correct_strict, correct_flexible, strict_format)
+SCORING_CASES = [
+    (GOOD, "42", "42", "42", True, True, True),  # the trained format, right
+    (GOOD, "41", "42", "42", False, False, True),  # the trained format, wrong
+    ("6 * 7 = 42", "42", None, "42", False, True, False),  # right number, no answer block
+    ("<answer>42</answer>", "42", "42", "42", True, True, False),  # block without reasoning: strict yes, format no
+    ("<reasoning>\nso 42\n</reasoning>\n<answer>\n40\n</answer>", "42", "40", "40", False, False, True),
+    ("<answer>\n$1,234.00\n</answer> done", "1234", "1234", "1234", True, True, False),  # currency + commas
+    ("<answer>42</answer> no wait, 43", "42", "42", "43", True, False, False),  # last number after block
+    ("<answer>\n42", "42", None, "42", False, True, False),  # truncated: unclosed block
+    ("", "42", None, None, False, False, False),  # empty completion
+    (GOOD, "He had 6*7 = <<6*7=42>>42.\n#### 42", "42", "42", True, True, True),  # raw GSM8K solution as gold
+]
+
+
+@pytest.mark.parametrize(("text", "gold", "strict", "flexible", "ok_strict", "ok_flex", "fmt"), SCORING_CASES)
+def test_score_completion_table(text, gold, strict, flexible, ok_strict, ok_flex, fmt):
+    s = score_completion(text, gold)
+    assert (s.strict, s.flexible) == (strict, flexible)
+    assert (s.correct_strict, s.correct_flexible, s.strict_format) == (ok_strict, ok_flex, fmt)
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "expected"),
+    [
+        (1, 0, 1, 0.0),  # greedy wrong
+        (1, 1, 1, 1.0),  # greedy right
+        (4, 1, 1, 0.25),  # pass@1 is the fraction correct
+        (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2)
+        (5, 2, 3, 1 - 1 / 10),  # 1 - C(3,3)/C(5,3)
+        (4, 3, 2, 1.0),  # fewer than k wrong samples: always passes
+    ],
+)
+def test_pass_at_k(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_pass_at_k_rejects_too_few_samples():
+    with pytest.raises(ValueError, match="at least 4 samples"):
+        pass_at_k(2, 1, 4)
+
+
+def test_summarize_with_samples_reports_pass_at_k():
+    right, wrong = score_completion(GOOD, "42", tokens=20), score_completion("no", "42", tokens=40, truncated=True)
+    metrics = summarize([[right, wrong], [wrong, wrong]], k=2)
+    assert metrics["accuracy_strict"] == pytest.approx(0.25)  # (1/2 + 0) / 2
+    assert metrics["pass@2_strict"] == pytest.approx(0.5)
+    assert metrics["truncation_rate"] == pytest.approx(0.75)
+    assert metrics["mean_completion_tokens"] == pytest.approx(35.0)
+
+
+def _record(example_id: str, correct: bool, *, extra: tuple = ()) -> EvalRecord:
+    text = GOOD if correct else GOOD.replace("\n42\n</answer>", "\n41\n</answer>")
+    samples = [score_completion(text, "42", tokens=len(text) // 4), *extra]
+    return EvalRecord.from_samples(example_id, f"question {example_id}?", "42", samples)
+
+
+def _report(model: str, flags: dict[str, bool]) -> EvalReport:
+    records = tuple(_record(i, ok) for i, ok in flags.items())
+    summary = summarize([r.samples for r in records])
+    return EvalReport(model=model, summary=summary, records=records, config={"data_source": "test", "limit": 4},
+                      timings={"seconds": 1.5, "tokens_per_second": 100.0}, meta={"dtype": "float32"})
+
+
+def test_report_save_load_round_trip(tmp_path):
+    sampled = _record("q3", True, extra=(score_completion("42 ü", "42", tokens=3, truncated=True),))
+    report = _report("model-a", {"q1": True, "q2": False})
+    report = EvalReport(model=report.model, summary=report.summary, records=(*report.records, sampled),
+                        config=report.config, timings=report.timings, meta=report.meta)
+    report.save(tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["examples.jsonl", "report.json"]
+    head = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert {"model", "summary", "config", "timings", "meta"} <= set(head)
+    assert len((tmp_path / "out" / "examples.jsonl").read_text().splitlines()) == 3
+    loaded = EvalReport.load(tmp_path / "out")
+    assert loaded == report
+    assert loaded.records[2].num_samples == 2 and loaded.records[2].samples[1].completion == "42 ü"
+
+
+def test_report_load_of_a_non_report_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not an evaluation report"):
+        EvalReport.load(tmp_path)
+
+
+def test_report_rejects_duplicate_ids():
+    with pytest.raises(ValueError, match="unique"):
+        EvalReport(model="m", summary={}, records=(_record("x", True), _record("x", False)))
+
+
+def test_summary_table_shows_headline_numbers():
+    table = format_summary_table(_report("model-a", {"q1": True, "q2": False}))
+    assert "model-a" in table and "2 examples" in table
+    assert "accuracy (strict, <answer>)" in table and "50.0%" in table
+    assert "100 tok/s" in table
+
+
+def test_diff_groups_by_id_and_lists_unmatched():
+    a = _report("before", {"q1": True, "q2": False, "q3": True, "q4": False, "only-a": True})
+    b = _report("after", {"q4": True, "q3": True, "q2": False, "q1": False, "only-b": False})
+    diff = diff_reports(a, b)
+    assert [p[0].id for p in diff.fixed] == ["q4"]
+    assert [p[0].id for p in diff.broken] == ["q1"]
+    assert [p[0].id for p in diff.stayed_right] == ["q3"]
+    assert [p[0].id for p in diff.stayed_wrong] == ["q2"]
+    assert diff.only_in_a == ("only-a",) and diff.only_in_b == ("only-b",)
+    assert diff.counts["fixed"] == 1 and diff.net == 0 and diff.matched == 4
+    text = format_diff(diff, n_examples=1)
+    assert "fixed (wrong in A, right in B), 1 of 1" in text and "[q4]" in text
+    assert "broken (right in A, wrong in B), 1 of 1" in text and "[q1]" in text
+    assert "1 only in A, 1 only in B" in text
+
+
+def test_diff_flexible_mode_uses_flexible_flags():
+    a = _report("a", {"q1": False})
+    flexible_only = EvalRecord.from_samples("q1", "q?", "42", [score_completion("so 42", "42")])
+    b = EvalReport(model="b", summary={}, records=(flexible_only,))
+    assert len(diff_reports(a, b, mode="strict").stayed_wrong) == 1
+    assert len(diff_reports(a, b, mode="flexible").fixed) == 1
