@@ -1,0 +1,123 @@
+"""One GRPO stage: TRL's GRPOTrainer with the stage's rewards, data slice and health monitor.
+
+A GRPO run is a list of stages (e.g. ``format`` then ``correctness``), each its own call of
+:func:`run_grpo_stage` starting from the previous stage's output directory, so each stage is
+cached, evaluated and tracked on its own and a curriculum is just a different ``data_filter``.
+
+Rewards come from the registry by name; their YAML weights become TRL's ``reward_weights``, so the
+logged ``reward`` is the weighted sum while ``rewards/<name>/mean`` stays per reward. TRL writes
+sampled completions with every reward's score as parquet on each logged step; the stage keeps
+those of every ``sample_every``-th step (plus the first and the last) so a long run's output
+directory stays small but still shows how the samples evolved.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from posttrain.config import GRPOStageConfig, ModelConfig
+from posttrain.training.health import HealthCallback, HealthMonitor
+from posttrain.training.runner import (
+    StageContext,
+    TrainOutcome,
+    build_reward_funcs,
+    execute_stage,
+    load_policy,
+    trainer_arguments,
+)
+from posttrain.training.stage_io import StageResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["grpo_options", "make_grpo_trainer", "prune_samples", "run_grpo_stage", "select_stage_data"]
+
+SAMPLES_DIR = "completions"
+# Under the stage's trainer options (YAML and TRAINER_DEFAULTS win). Dropout is off because GRPO's
+# importance ratio compares log-probabilities of the training forward with those of the sampling
+# policy, which runs without dropout; on a CPU LoRA dropout also costs ~9 ms per adapted layer call.
+GRPO_BASE_OPTIONS = {"disable_dropout": True}
+_SAMPLE_RE = re.compile(r"completions_(\d+)\.parquet$")
+
+
+def grpo_options(stage_cfg: GRPOStageConfig) -> dict[str, Any]:
+    """The TRL options a stage trains with: base options, then TRAINER_DEFAULTS and YAML."""
+    return {**GRPO_BASE_OPTIONS, **stage_cfg.trainer_options()}
+
+
+def select_stage_data(dataset: Any, data_filter) -> Any:
+    """Apply a stage's ``data_filter``: step range first, then the first ``num_examples`` rows."""
+    from posttrain.data.prepare import filter_by_steps
+
+    ds = filter_by_steps(dataset, data_filter.min_steps, data_filter.max_steps)
+    if data_filter.num_examples is not None and data_filter.num_examples < len(ds):
+        ds = ds.select(range(data_filter.num_examples))
+    return ds
+
+
+def prune_samples(directory: Path, every: int) -> list[str]:
+    """Keep the sample files of the first step, every ``every``-th step and the last; return them sorted."""
+    folder = directory / SAMPLES_DIR
+    if not folder.is_dir():
+        return []
+    files = {int(m.group(1)): p for p in folder.iterdir() if (m := _SAMPLE_RE.search(p.name))}
+    if not files:
+        return []
+    keep = {min(files), max(files)} | {step for step in files if step % every == 0}
+    for step, path in files.items():
+        if step not in keep:
+            path.unlink()
+    return [f"{SAMPLES_DIR}/{files[step].name}" for step in sorted(keep)]
+
+
+def make_grpo_trainer(stage_cfg: GRPOStageConfig, model_cfg: ModelConfig, model_path: str, train_dataset: Any,
+                      ctx: StageContext, *, fast_generation: bool = True, callbacks: Sequence[Any] = ()):
+    """The configured trainer and its health callback, ready to ``train()`` (shared with the benchmark)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from posttrain.training.fast_generation import FastGRPOTrainer
+    from posttrain.training.trl_cpu import compact_fused_head_on_cpu
+
+    compact_fused_head_on_cpu()
+    stage = f"grpo-{stage_cfg.name}"
+    data = select_stage_data(train_dataset, stage_cfg.data_filter)
+    reward_funcs, weights = build_reward_funcs(stage_cfg.rewards)
+    model, tokenizer, peft_config = load_policy(model_cfg, model_path)
+    args = GRPOConfig(**trainer_arguments(ctx, grpo_options(stage_cfg)), reward_weights=weights)
+    monitor = HealthCallback(HealthMonitor(stage_cfg.monitor), stage_cfg.monitor.on_alert, stage)
+    fast = fast_generation and ctx.precision == "bf16" and args.use_cpu
+    trainer_cls = FastGRPOTrainer if fast else GRPOTrainer
+    trainer = trainer_cls(model=model, reward_funcs=reward_funcs, args=args, train_dataset=data,
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=[monitor, *callbacks])
+    logger.info("[%s] %d examples, rewards %s (weights %s), %s generation", stage, len(data),
+                [getattr(f, "__name__", "?") for f in reward_funcs], weights, "bf16-shadow" if fast else "TRL")
+    return trainer, monitor
+
+
+def run_grpo_stage(stage_cfg: GRPOStageConfig, model_cfg: ModelConfig, model_path: str | Path, train_dataset: Any,
+                   output_dir: str | Path, *, seed: int = 0, report_to: str | list[str] = "none",
+                   fast_generation: bool = True) -> StageResult:
+    """Train one GRPO stage from ``model_path`` on prepared data (``prompt`` messages + ``answer``).
+
+    ``fast_generation`` samples rollouts from a bf16 copy of the policy when training on a CPU in
+    bf16 (see fast_generation.py); it is a no-op elsewhere. Health alerts end up in the result and in
+    ``stage.json``; with ``monitor.on_alert: stop`` the first alert ends training (the policy
+    trained so far is still saved, so the run can be inspected).
+    """
+    def train(ctx: StageContext) -> TrainOutcome:
+        trainer, monitor = make_grpo_trainer(stage_cfg, model_cfg, str(model_path), train_dataset, ctx,
+                                             fast_generation=fast_generation)
+        output = trainer.train()
+        samples = prune_samples(ctx.work_dir, stage_cfg.sample_every)
+        return TrainOutcome(model=trainer.model, tokenizer=trainer.processing_class,
+                            log_history=trainer.state.log_history,
+                            metrics={**output.metrics, "train_examples": len(trainer.train_dataset),
+                                     "global_step": trainer.state.global_step, "alerts": len(monitor.alerts)},
+                            alerts=monitor.alerts, samples=samples)
+
+    return execute_stage(stage=f"grpo-{stage_cfg.name}", kind="grpo", stage_cfg=stage_cfg, model_cfg=model_cfg,
+                         model_path=model_path, train_dataset=train_dataset, output_dir=output_dir, seed=seed,
+                         report_to=report_to, options=grpo_options(stage_cfg), train_fn=train)

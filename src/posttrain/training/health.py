@@ -1,0 +1,184 @@
+"""GRPO health monitor: recognise the usual ways a GRPO run silently stops learning, and say why.
+
+GRPO learns only from differences between the completions of one prompt. When every completion of
+every prompt earns the same reward the advantages are all zero, the loss is 0 and the gradient is
+0: the run burns CPU for nothing while the logs look normal. From an untrained SmolLM2 with format
+rewards this happens on the very first step (measured: ``frac_reward_zero_std`` = 1), so that check
+fires on the first logged step instead of waiting for a window. The other checks:
+
+============  =======================================  ==========================================
+kind          condition                                usual remedy
+============  =======================================  ==========================================
+no_signal     ``frac_reward_zero_std`` >= threshold    more generations / higher temperature;
+              (mean of the recent reward steps)        partial-credit rewards; SFT first
+kl_blowup     ``kl`` > ``kl_threshold``                raise ``beta`` or lower the learning rate
+entropy       ``entropy`` < ``min_entropy``            raise temperature; lower the learning rate
+flat_reward   fitted ``reward`` change over            check the rewards pay anything; add
+              ``window`` reward steps <= tolerance     partial credit; SFT first; raise the lr
+============  =======================================  ==========================================
+
+Each kind alerts once when its condition starts and re-arms once it clears, so a long bad stretch
+produces one alert, not one per step. :class:`HealthMonitor` is pure logic over metric dicts (tested
+on crafted streams); :class:`HealthCallback` feeds it TRL's logs and can stop training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+# A group whose rewards differ by less than this has no usable advantage (matches fp noise, not signal).
+_ZERO_STD = 1e-8
+
+REMEDIES = {
+    "no_signal": "raise num_generations or temperature so completions differ; add partial-credit rewards "
+                 "(xml_count, soft_format); run SFT first so the format is reachable",
+    "kl_blowup": "raise beta or lower the learning rate",
+    "entropy": "raise temperature or lower the learning rate; the policy is collapsing onto one output",
+    "flat_reward": "check that the reward functions can pay (posttrain rewards check); add partial-credit "
+                   "rewards; run SFT first; or raise the learning rate",
+}
+
+
+@dataclass(frozen=True)
+class Alert:
+    step: int
+    kind: str
+    value: float
+    message: str
+    remedy: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _number(logs: Mapping[str, Any], key: str) -> float | None:
+    value = logs.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def _fitted_change(values: list[float]) -> float:
+    """Least-squares slope times the span: how much the trend moved across ``values``."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    var_x = sum((x - mean_x) ** 2 for x in range(n))
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / var_x
+    return slope * (n - 1)
+
+
+class HealthMonitor:
+    """Consumes logged metric dicts step by step and returns the alerts each step raises.
+
+    ``cfg`` is a :class:`posttrain.config.MonitorConfig` (or anything with the same attributes).
+    Steps without reward metrics (TRL logs rewards only on steps that generate) only feed the KL
+    and entropy checks.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.alerts: list[Alert] = []
+        self._zero_std: deque[float] = deque(maxlen=cfg.window)
+        self._rewards: deque[float] = deque(maxlen=cfg.window)
+        self._active: set[str] = set()
+
+    def observe(self, step: int, logs: Mapping[str, Any]) -> list[Alert]:
+        raised = []
+        for kind, firing in self._checks(logs):
+            if firing is None:  # metric absent this step: leave the state as it is
+                continue
+            if firing is False:
+                self._active.discard(kind)
+            elif kind not in self._active:
+                self._active.add(kind)
+                value, message = firing
+                raised.append(Alert(step, kind, round(value, 6), message, REMEDIES[kind]))
+        self.alerts.extend(raised)
+        return raised
+
+    def _checks(self, logs: Mapping[str, Any]):
+        yield "no_signal", self._check_no_signal(logs)
+        yield "kl_blowup", self._check_kl(logs)
+        yield "entropy", self._check_entropy(logs)
+        yield "flat_reward", self._check_flat(logs)
+
+    def _check_no_signal(self, logs: Mapping[str, Any]):
+        frac = _number(logs, "frac_reward_zero_std")
+        if frac is None:
+            std = _number(logs, "reward_std")
+            if std is None:
+                return None
+            frac = 1.0 if std < _ZERO_STD else 0.0
+        self._zero_std.append(frac)
+        # Mean over the reward steps seen so far (at most `window`): on the first step it is the step's
+        # own value, so a run that starts without any signal is flagged at once.
+        mean = sum(self._zero_std) / len(self._zero_std)
+        if mean < self.cfg.zero_std_threshold:
+            return False
+        reward = _number(logs, "reward")
+        same = f" (all scored {reward:g})" if reward is not None and frac == 1.0 else ""
+        return mean, (f"no learning signal: {mean:.0%} of prompt groups had identical rewards{same} over the "
+                      f"last {len(self._zero_std)} reward step(s), so advantages and gradients are zero")
+
+    def _check_kl(self, logs: Mapping[str, Any]):
+        kl = _number(logs, "kl")
+        if kl is None:
+            return None
+        if kl <= self.cfg.kl_threshold:
+            return False
+        return kl, f"KL to the reference policy is {kl:.3g} > {self.cfg.kl_threshold:g}: the policy is running away"
+
+    def _check_entropy(self, logs: Mapping[str, Any]):
+        entropy = _number(logs, "entropy")
+        if entropy is None:
+            return None
+        if entropy >= self.cfg.min_entropy:
+            return False
+        return entropy, (f"token entropy {entropy:.3g} < {self.cfg.min_entropy:g}: generations are collapsing "
+                         "to a single output, so groups stop differing")
+
+    def _check_flat(self, logs: Mapping[str, Any]):
+        reward = _number(logs, "reward")
+        if reward is None:
+            return None
+        self._rewards.append(reward)
+        if len(self._rewards) < self.cfg.window:
+            return None
+        change = _fitted_change(list(self._rewards))
+        if change > self.cfg.flat_reward_tolerance:
+            return False
+        return change, (f"reward has not improved over the last {self.cfg.window} reward steps (fitted change "
+                        f"{change:+.3g}, mean {sum(self._rewards) / len(self._rewards):.3g})")
+
+
+class HealthCallback(TrainerCallback):
+    """Feeds every log to a :class:`HealthMonitor`; logs each alert with its remedy, optionally stops."""
+
+    def __init__(self, monitor: HealthMonitor, on_alert: str = "warn", stage: str = "grpo") -> None:
+        self.monitor = monitor
+        self.on_alert = on_alert
+        self.stage = stage
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs:
+            return control
+        for alert in self.monitor.observe(state.global_step, logs):
+            logger.warning("[%s] step %d health alert %s: %s. Remedy: %s", self.stage, alert.step, alert.kind,
+                           alert.message, alert.remedy)
+            if self.on_alert == "stop":
+                logger.warning("[%s] stopping training (monitor.on_alert: stop)", self.stage)
+                control.should_training_stop = True
+        return control
+
+    @property
+    def alerts(self) -> list[dict[str, Any]]:
+        return [a.as_dict() for a in self.monitor.alerts]

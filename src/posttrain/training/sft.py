@@ -1,0 +1,75 @@
+"""Supervised fine-tuning on GSM8K worked solutions rewritten into the trained XML format.
+
+SFT comes first because GRPO cannot invent a format it never produces: from an untrained small
+model every completion scores 0 on the format rewards and GRPO gets no gradient at all (see
+training/health.py). A few dozen steps of SFT make the ``<reasoning>``/``<answer>`` layout
+reachable, so later stages have differences between completions to learn from.
+
+Data is prompt/completion in chat form, so TRL computes the loss on the completion only (the
+model is not taught to reproduce the system prompt and the question).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from posttrain.config import ModelConfig, SFTStageConfig
+from posttrain.training.runner import (
+    StageContext,
+    TrainOutcome,
+    execute_stage,
+    load_policy,
+    trainer_arguments,
+)
+from posttrain.training.stage_io import StageResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_sft", "sft_dataset"]
+
+
+def sft_dataset(train_dataset: Any, num_examples: int | None = None):
+    """Prompt/completion conversational rows; prepared data (with ``solution``) is converted first."""
+    ds = train_dataset
+    if num_examples is not None and num_examples < len(ds):
+        ds = ds.select(range(num_examples))
+    if "completion" not in ds.column_names:
+        from posttrain.data.builders import build_sft_dataset
+
+        ds = build_sft_dataset(ds)
+    extra = [c for c in ds.column_names if c not in ("prompt", "completion")]
+    return ds.remove_columns(extra) if extra else ds
+
+
+def run_sft(sft_cfg: SFTStageConfig, model_cfg: ModelConfig, model_path: str | Path, train_dataset: Any,
+            output_dir: str | Path, *, seed: int = 0, report_to: str | list[str] = "none",
+            eval_dataset: Any = None) -> StageResult:
+    """Fine-tune ``model_path`` on ``train_dataset`` (prepared data or prompt/completion rows).
+
+    ``sft_cfg.num_examples`` keeps the first N examples; TRL options come from
+    ``sft_cfg.trainer_options()``. Returns the stage summary; the policy is in ``output_dir``.
+    """
+    options = sft_cfg.trainer_options()
+
+    def train(ctx: StageContext) -> TrainOutcome:
+        from trl import SFTConfig, SFTTrainer
+
+        from posttrain.training.trl_cpu import compact_fused_head_on_cpu
+
+        compact_fused_head_on_cpu()
+        data = sft_dataset(train_dataset, sft_cfg.num_examples)
+        model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
+        args = SFTConfig(**trainer_arguments(ctx, options))
+        eval_data = sft_dataset(eval_dataset) if eval_dataset is not None else None
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, eval_dataset=eval_data,
+                             processing_class=tokenizer, peft_config=peft_config)
+        output = trainer.train()
+        return TrainOutcome(model=trainer.model, tokenizer=tokenizer, log_history=trainer.state.log_history,
+                            metrics={**output.metrics, "train_examples": len(data),
+                                     "global_step": trainer.state.global_step})
+
+    return execute_stage(stage="sft", kind="sft", stage_cfg=sft_cfg, model_cfg=model_cfg, model_path=model_path,
+                         train_dataset=train_dataset, output_dir=output_dir, seed=seed, report_to=report_to,
+                         options=options, train_fn=train)

@@ -1,0 +1,331 @@
+"""What a training stage leaves on disk, and how the next stage (or the evaluator) reads it back.
+
+A stage output directory holds a loadable policy plus ``stage.json``::
+
+    <stage dir>/
+        model.safetensors, config.json, ...   merge policy / full fine-tuning: a standalone model
+        adapter_model.safetensors, ...        adapter policy: only the LoRA adapter
+        tokenizer files
+        stage.json                            what produced it (below)
+        log_history.jsonl                     every logged trainer step
+        completions/*.parquet                 GRPO samples with per-reward scores (when logged)
+        dpo_pairs.jsonl                       DPO: the on-policy pairs trained on
+
+``stage.json`` (schema 1): ``stage``, ``kind`` (sft/dpo/grpo), ``config`` and ``config_hash`` (the
+stage section, :func:`posttrain.config.stable_hash`), ``model_config_hash``, ``trainer_options`` and
+``trainer_options_hash`` (what reached TRL, defaults included), ``input_model`` {path, fingerprint},
+``data_fingerprint``, ``seed``, ``precision``, ``artifact`` (merged/full/adapter), ``adapter``
+{base, base_fingerprint, root} or null, ``metrics``, ``alerts``, ``samples``, ``duration_s``,
+``created``, ``versions`` (posttrain, torch, transformers, trl, peft, accelerate, datasets).
+
+Directories are written atomically: a stage trains into ``<dir>.tmp-<random>`` next to the final
+path and renames it at the very end, so a crash or a kill never leaves a directory that looks
+complete. ``stage.json`` is written last inside the temporary directory, which makes
+:func:`is_complete_stage` a reliable test.
+
+An adapter directory records in ``stage.json`` the model it was trained on (``adapter.base``), which
+may itself be an adapter directory: :func:`load_stage_model` follows that chain, merging each
+adapter into the weights below it, so a two-stage GRPO run in adapter mode costs two small adapters
+on disk and loads like any other model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import secrets
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from posttrain.training import modeling
+
+logger = logging.getLogger(__name__)
+
+STAGE_FILE = "stage.json"
+LOG_HISTORY_FILE = "log_history.jsonl"
+ADAPTER_CONFIG = "adapter_config.json"
+SCHEMA_VERSION = 1
+# Files that describe a run rather than the policy: two runs producing the same weights fingerprint equal.
+_NOT_POLICY = {STAGE_FILE, LOG_HISTORY_FILE, "dpo_pairs.jsonl", "README.md", "training_args.bin"}
+_NOT_POLICY_DIRS = ("completions", "checkpoint-", "runs")
+_VERSIONED_PACKAGES = ("posttrain", "torch", "transformers", "trl", "peft", "accelerate", "datasets")
+
+
+class StageError(RuntimeError):
+    """A stage that cannot run or whose output cannot be read; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """The small, picklable summary a stage returns (the pipeline caches and tracks it)."""
+
+    stage: str
+    """`sft`, `dpo` or `grpo-<name>`."""
+    output_dir: str
+    metrics: Mapping[str, float | int]
+    fingerprints: Mapping[str, str]
+    """`input_model`, `data`, `config` (the stage section) and `output` (the policy written)."""
+    alerts: tuple[Mapping[str, Any], ...] = ()
+    duration_s: float = 0.0
+    samples: tuple[str, ...] = ()
+    """Sample-completion files, relative to ``output_dir`` (GRPO only)."""
+    artifact: str = "merged"
+    """`merged` (LoRA folded in), `full` (full fine-tuning) or `adapter` (needs ``adapter_base``)."""
+    adapter_base: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _policy_files(root: Path) -> list[Path]:
+    files = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if not path.is_file() or rel.name in _NOT_POLICY or rel.name.startswith("."):
+            continue
+        if any(str(rel).startswith(prefix) for prefix in _NOT_POLICY_DIRS):
+            continue
+        files.append(path)
+    return files
+
+
+def fingerprint_dir(path: str | Path) -> str:
+    """A content hash of the policy in a model or stage directory (16 hex characters).
+
+    Hashes every file's relative name, size and sha256 (streamed: ~1 s per 500 MB), skipping run
+    records (``stage.json``, logs, sample completions, checkpoints) so the value changes exactly when
+    what a later stage loads changes. For an adapter directory the recorded fingerprint of its base
+    is mixed in, because the same adapter on another base is another model.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise StageError(f"cannot fingerprint {root}: not a directory")
+    digest = hashlib.sha256()
+    for file in _policy_files(root):
+        digest.update(f"{file.relative_to(root).as_posix()}\0{file.stat().st_size}\0".encode())
+        digest.update(_sha256_file(file).encode())
+    info = read_stage_json(root) if (root / STAGE_FILE).exists() else {}
+    base = (info.get("adapter") or {}).get("base_fingerprint")
+    if base:
+        digest.update(f"adapter-base\0{base}".encode())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint_model(name_or_path: str, cache_dir: str | Path | None = None, revision: str | None = None) -> str:
+    """Fingerprint of a stage input: a directory's content, a built-in's converted files, or a hub id."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return fingerprint_dir(path)
+    resolved = modeling.resolve_model_path(name_or_path, cache_dir)
+    if Path(resolved).is_dir():
+        return fingerprint_dir(resolved)
+    return hashlib.sha256(f"hub:{resolved}@{revision or 'main'}".encode()).hexdigest()[:16]
+
+
+def fingerprint_dataset(dataset: Any) -> str:
+    """The datasets library's own fingerprint (it tracks every transform), else a hash of the rows."""
+    fp = getattr(dataset, "_fingerprint", None)
+    if fp:
+        return str(fp)
+    blob = json.dumps(list(dataset), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- atomic output
+
+
+@contextlib.contextmanager
+def staging_dir(output_dir: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary directory that replaces ``output_dir`` only if the block succeeds.
+
+    The old output (a previous run of the same stage) is moved aside before the rename and deleted
+    after it, so at every instant ``output_dir`` is either the old complete stage or the new one.
+    """
+    final = Path(output_dir).resolve()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{secrets.token_hex(4)}")
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- stage.json
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def write_stage_json(directory: Path, *, stage: str, kind: str, config: Mapping[str, Any], config_hash: str,
+                     model_config_hash: str, input_model: str, input_fingerprint: str, data_fingerprint: str,
+                     seed: int, precision: str, metrics: Mapping[str, Any], alerts: list[Mapping[str, Any]],
+                     samples: list[str], artifact: str, adapter: Mapping[str, Any] | None,
+                     duration_s: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``stage.json``: everything needed to tell what produced this policy and to reload it."""
+    info = {
+        "schema": SCHEMA_VERSION,
+        "stage": stage,
+        "kind": kind,
+        "config_hash": config_hash,
+        "model_config_hash": model_config_hash,
+        "config": dict(config),
+        "input_model": {"path": input_model, "fingerprint": input_fingerprint},
+        "data_fingerprint": data_fingerprint,
+        "seed": seed,
+        "precision": precision,
+        "artifact": artifact,
+        "adapter": dict(adapter) if adapter else None,
+        "metrics": dict(metrics),
+        "alerts": list(alerts),
+        "samples": list(samples),
+        "duration_s": round(duration_s, 3),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": package_versions(),
+        **(dict(extra) if extra else {}),
+    }
+    info = _jsonable(info)
+    (directory / STAGE_FILE).write_text(json.dumps(info, indent=2, sort_keys=False))
+    return info
+
+
+def read_stage_json(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / STAGE_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StageError(f"{directory} is not a posttrain stage output (no {STAGE_FILE})") from None
+    except json.JSONDecodeError as exc:
+        raise StageError(f"{path} is corrupt: {exc}") from None
+
+
+def is_complete_stage(directory: str | Path) -> bool:
+    """True when ``directory`` holds a finished stage (stage.json is written last, then renamed)."""
+    directory = Path(directory)
+    if not (directory / STAGE_FILE).is_file():
+        return False
+    return (directory / "config.json").is_file() or (directory / ADAPTER_CONFIG).is_file()
+
+
+def write_log_history(directory: Path, log_history: list[Mapping[str, Any]]) -> None:
+    with (directory / LOG_HISTORY_FILE).open("w") as fh:
+        for row in log_history:
+            fh.write(json.dumps(_jsonable(row)) + "\n")
+
+
+# --------------------------------------------------------------------------- saving and loading
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def save_policy(model: Any, tokenizer: Any, directory: Path, *, adapter_policy: str) -> str:
+    """Save the trained policy as ``adapter_policy`` says; returns the artifact kind written.
+
+    ``merge`` folds LoRA into the weights (a standalone model any tool can load); ``adapter`` keeps
+    only the adapter (megabytes instead of the model's size, but it needs its base to load).
+    """
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        if adapter_policy == "adapter":
+            model.save_pretrained(directory)
+            artifact = "adapter"
+        else:
+            model.merge_and_unload().save_pretrained(directory)
+            artifact = "merged"
+    else:
+        if adapter_policy == "adapter":
+            logger.warning("adapter_policy: adapter needs LoRA (model.lora); full fine-tuning saves the whole model")
+        model.save_pretrained(directory)
+        artifact = "full"
+    tokenizer.save_pretrained(directory)
+    return artifact
+
+
+def adapter_root(path: str | Path) -> str:
+    """The full model at the bottom of an adapter chain (the path itself for a standalone model)."""
+    seen = set()
+    current = str(path)
+    while is_adapter_dir(current):
+        if current in seen:
+            raise StageError(f"adapter chain loops at {current}")
+        seen.add(current)
+        base = (read_stage_json(current).get("adapter") or {}).get("base")
+        if not base:
+            raise StageError(f"{current} is an adapter without a recorded base (adapter.base in {STAGE_FILE})")
+        current = base
+    return current
+
+
+def load_stage_model(name_or_path: str | Path, precision: str = "auto", cache_dir: str | Path | None = None,
+                     *, for_training: bool = False, quantization: str = "none",
+                     attn_implementation: str | None = None):
+    """Load any stage input or output as ``(model, tokenizer)``, following adapter chains.
+
+    Standalone models go straight to :func:`modeling.load_model_and_tokenizer`. An adapter directory
+    loads its base in fp32 (recursively), applies the adapter, merges it and only then casts to the
+    inference precision: merging into bf16 weights would round the update away. The tokenizer comes
+    from the adapter directory (stages save it next to the adapter).
+    """
+    import torch
+    from peft import PeftModel
+
+    path = str(name_or_path)
+    if not is_adapter_dir(path):
+        return modeling.load_model_and_tokenizer(path, precision, cache_dir, for_training=for_training,
+                                                 quantization=quantization,
+                                                 attn_implementation=attn_implementation)
+    base = (read_stage_json(path).get("adapter") or {}).get("base")
+    if not base:
+        raise StageError(f"{path} is an adapter without a recorded base (adapter.base in {STAGE_FILE})")
+    model, _ = load_stage_model(base, "fp32" if not modeling.cuda_available() else precision, cache_dir,
+                                for_training=True, quantization=quantization,
+                                attn_implementation=attn_implementation)
+    model = PeftModel.from_pretrained(model, path).merge_and_unload()
+    tokenizer = modeling.load_tokenizer(path, padding_side="right" if for_training else "left")
+    if not for_training:
+        model = model.to(modeling.resolve_dtype(precision)).eval()
+    elif not modeling.cuda_available():
+        model = model.to(torch.float32)
+    logger.info("loaded %s = %s + adapter(s)", path, adapter_root(path))
+    return model, tokenizer
+

@@ -1,0 +1,223 @@
+"""Stage outputs on disk: fingerprints, atomic replacement, sample pruning, the bf16 rollout copy."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain.training import stage_io
+from posttrain.training.grpo import prune_samples
+from posttrain.training.runner import precision_flags, summarize_history
+from posttrain.training.stage_io import StageError, fingerprint_dir, staging_dir
+
+
+def write(path, text="x"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_fingerprint_tracks_the_policy_not_the_run_records(tmp_path):
+    write(tmp_path / "model.safetensors", "weights")
+    write(tmp_path / "tokenizer.json", "{}")
+    before = fingerprint_dir(tmp_path)
+    assert len(before) == 16 and before == fingerprint_dir(tmp_path)
+    write(tmp_path / "stage.json", json.dumps({"metrics": {}}))
+    write(tmp_path / "log_history.jsonl", "{}")
+    write(tmp_path / "completions" / "completions_00001.parquet", "samples")
+    write(tmp_path / "checkpoint-5" / "model.safetensors", "old")
+    assert fingerprint_dir(tmp_path) == before  # run records do not change what a later stage loads
+    write(tmp_path / "model.safetensors", "weightz")
+    assert fingerprint_dir(tmp_path) != before
+
+
+def test_adapter_fingerprint_includes_its_base(tmp_path):
+    for base in ("aaaa", "bbbb"):
+        d = tmp_path / base
+        write(d / "adapter_model.safetensors", "same adapter")
+        write(d / "stage.json", json.dumps({"adapter": {"base": "/x", "base_fingerprint": base}}))
+    assert fingerprint_dir(tmp_path / "aaaa") != fingerprint_dir(tmp_path / "bbbb")
+
+
+def test_fingerprint_of_missing_dir_is_an_error(tmp_path):
+    with pytest.raises(StageError, match="not a directory"):
+        fingerprint_dir(tmp_path / "nope")
+
+
+def test_staging_dir_replaces_the_old_output_only_on_success(tmp_path):
+    out = tmp_path / "stage"
+    with staging_dir(out) as work:
+        assert work.parent == tmp_path and work.name.startswith("stage.tmp-")
+        write(work / "stage.json", "1")
+    assert (out / "stage.json").read_text() == "1"
+    with pytest.raises(RuntimeError), staging_dir(out) as work:
+        write(work / "stage.json", "2")
+        raise RuntimeError("training crashed")
+    assert (out / "stage.json").read_text() == "1"  # the previous complete output survives
+    with staging_dir(out) as work:
+        write(work / "stage.json", "3")
+    assert (out / "stage.json").read_text() == "3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage"]  # no temporary or old dirs left
+
+
+def test_is_complete_stage(tmp_path):
+    assert not stage_io.is_complete_stage(tmp_path)
+    write(tmp_path / "config.json", "{}")
+    assert not stage_io.is_complete_stage(tmp_path)  # weights without stage.json: unfinished
+    write(tmp_path / "stage.json", "{}")
+    assert stage_io.is_complete_stage(tmp_path)
+
+
+def test_adapter_chain_root_and_errors(tmp_path):
+    base, a1, a2 = tmp_path / "base", tmp_path / "a1", tmp_path / "a2"
+    write(base / "config.json", "{}")
+    for adapter, parent in ((a1, base), (a2, a1)):
+        write(adapter / "adapter_config.json", "{}")
+        write(adapter / "stage.json", json.dumps({"adapter": {"base": str(parent)}}))
+    assert stage_io.adapter_root(a2) == str(base)
+    write(a1 / "stage.json", json.dumps({"adapter": None}))
+    with pytest.raises(StageError, match="without a recorded base"):
+        stage_io.adapter_root(a2)
+
+
+@pytest.mark.parametrize("steps, every, kept", [
+    ([1, 2, 3, 4, 5, 6, 7], 3, [1, 3, 6, 7]),  # first, every 3rd, last
+    ([1, 2], 5, [1, 2]),  # short run: first and last
+    ([], 5, []),  # nothing logged
+])
+def test_prune_samples(tmp_path, steps, every, kept):
+    for step in steps:
+        write(tmp_path / "completions" / f"completions_{step:05d}.parquet")
+    listed = prune_samples(tmp_path, every)
+    assert listed == [f"completions/completions_{s:05d}.parquet" for s in kept]
+    assert sorted(p.name for p in (tmp_path / "completions").glob("*")) == [p.split("/")[1] for p in listed]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU flags")
+@pytest.mark.parametrize("precision, flags", [
+    ("bf16", {"use_cpu": True, "bf16": True, "fp16": False}),  # autocast, fp32 master weights
+    ("fp32", {"use_cpu": True, "bf16": False, "fp16": False}),
+])
+def test_precision_flags_on_cpu(precision, flags):
+    assert precision_flags(precision) == flags
+
+
+def test_summarize_history_keeps_last_values_and_first_reward():
+    history = [{"loss": 1.0, "reward": 0.1}, {"loss": 0.5, "reward": 0.4, "kl": float("nan")}, {"train_loss": 0.7}]
+    assert summarize_history(history) == {"loss": 0.5, "reward": 0.4, "train_loss": 0.7, "reward_first": 0.1}
+
+
+def test_shadow_policy_matches_the_lora_policy(tiny_model_dir):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.config import LoraConfig
+    from posttrain.training.fast_generation import ShadowPolicy
+    from posttrain.training.modeling import build_peft_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    policy = get_peft_model(model, build_peft_config(LoraConfig(r=4, alpha=8)))
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:  # B starts at zero; make the adapter do something
+            param.data.normal_(0, 0.5)
+    policy.eval()
+    ids = torch.randint(3, 300, (2, 12))
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+        exact = ShadowPolicy(policy, torch.float32)
+        exact.sync(policy)
+        assert torch.allclose(exact.model(input_ids=ids).logits, expected, atol=1e-4)
+        fast = ShadowPolicy(policy, torch.bfloat16)
+        fast.sync(policy)
+        assert fast.model.dtype == torch.bfloat16
+        assert torch.allclose(fast.model(input_ids=ids).logits.float(), expected, atol=0.1)
+
+
+def test_draw_tokens_samples_the_distribution():
+    from posttrain.training.fast_generation import draw_tokens
+
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.0, 0.5, 0.2, 0.0, 0.3]]).repeat(20000, 1)
+    counts = torch.bincount(draw_tokens(probs), minlength=5).float() / 20000
+    assert counts[0] == 0 and counts[3] == 0  # zero-probability tokens are never drawn
+    assert torch.allclose(counts, probs[0], atol=0.015)
+
+
+def test_plain_sampling_matches_generate_when_greedy(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from posttrain.training.fast_generation import generate_completion_ids, is_plain_sampling, sample_plain
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]  # different lengths: left padding must not leak
+    greedy = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=[2])
+    assert not is_plain_sampling(greedy)
+    expected = generate_completion_ids(model, prompts, greedy, pad_token_id=0, eos_token_ids=[2])
+    cold = sample_plain(model, prompts, max_new_tokens=12, temperature=1e-5, pad_token_id=0, eos_token_ids=[2])
+    assert cold == expected
+    assert is_plain_sampling(GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0))
+    assert not is_plain_sampling(GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=0.9))
+
+
+def test_generate_completion_ids_cuts_after_eos():
+    from posttrain.training.fast_generation import generate_completion_ids
+
+    class Fake:
+        def generate(self, input_ids, attention_mask, generation_config):
+            assert attention_mask.tolist() == [[0, 1, 1], [1, 1, 1]]  # left padding
+            tail = torch.tensor([[7, 9, 5, 5], [8, 8, 8, 8]])
+            return torch.cat([input_ids, tail], dim=1)
+
+    out = generate_completion_ids(Fake(), [[1, 2], [1, 2, 3]], SimpleNamespace(), pad_token_id=0, eos_token_ids=[9])
+    assert out == [[7, 9], [8, 8, 8, 8]]
+
+
+def test_modeling_loader_understands_adapter_stage_dirs(tiny_model_dir, tmp_path):
+    from peft import get_peft_model
+
+    from posttrain.config import LoraConfig
+    from posttrain.training.modeling import build_peft_config, load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(str(tiny_model_dir), "fp32", for_training=True)
+    policy = get_peft_model(model, build_peft_config(LoraConfig(r=4, alpha=8)))
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            param.data.fill_(0.01)
+    policy.eval()  # no LoRA dropout in the reference logits
+    adapter = tmp_path / "adapter"
+    assert stage_io.save_policy(policy, tokenizer, adapter, adapter_policy="adapter") == "adapter"
+    (adapter / "stage.json").write_text(json.dumps({"adapter": {"base": str(tiny_model_dir)}}))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+        loaded, _ = load_model_and_tokenizer(str(adapter), "fp32")
+        assert torch.allclose(loaded(input_ids=ids).logits, expected, atol=1e-5)
+
+
+def test_compact_fused_head_on_cpu_gives_the_same_logprobs_and_gradients(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from posttrain.training.trl_cpu import compact_fused_head_on_cpu
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+    ids = torch.randint(3, 300, (2, 10))
+    labels = ids.clone()
+    labels[:, :6] = -100  # prompt positions carry no label
+    results = []
+    try:
+        for enabled in (False, True):
+            assert compact_fused_head_on_cpu(enabled) is enabled
+            model.zero_grad()
+            out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+            (out.log_probs.sum() + out.entropy.sum()).backward()
+            results.append((out.log_probs.detach(), out.entropy.detach(), model.lm_head.weight.grad.clone()))
+    finally:
+        compact_fused_head_on_cpu(False)
+    for full, compact in zip(*results, strict=True):
+        assert torch.allclose(full, compact, atol=1e-5)
