@@ -24,5 +24,14 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
+# The built-in SmolLM2 on real GSM8K, end to end on the CPU (about 30 minutes on 2 cores).
+demo: setup
+	$(BIN)/posttrain models pull smollm2-135m-instruct
+	$(BIN)/posttrain run configs/smollm2-gsm8k-cpu.yaml
+	@echo
+	@echo "MLflow UI:  $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db   then open http://127.0.0.1:5000"
+	@echo "Prefect UI: PREFECT_HOME=.posttrain/prefect $(BIN)/prefect server start   then open http://127.0.0.1:4200"
+	@echo "Compare runs: $(BIN)/posttrain compare --experiment smollm2-gsm8k-cpu"
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Prefect: an isolated ephemeral API per test session, never a developer's configured server.
+os.environ.pop("PREFECT_API_URL", None)
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="posttrain-prefect-")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"

@@ -22,9 +22,11 @@ class CLIError(Exception):
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from posttrain.config import ConfigError
     from posttrain.data.gsm8k import DataError
+    from posttrain.store import StoreLockedError
     from posttrain.training.modeling import ModelError
+    from posttrain.training.stage_io import StageError
 
-    return (CLIError, ConfigError, DataError, ModelError, FileNotFoundError)
+    return (CLIError, ConfigError, DataError, ModelError, StageError, StoreLockedError, FileNotFoundError)
 
 
 # --------------------------------------------------------------------------- formatting
@@ -146,6 +148,86 @@ def cmd_rewards_check(args: argparse.Namespace) -> int:
     return status
 
 
+def _pipeline_config(args: argparse.Namespace):
+    from posttrain.config import load_config
+    from posttrain.store import Store, use_embedded_prefect
+
+    cfg = load_config(args.config, args.set)
+    use_embedded_prefect(Store.at(cfg.orchestration.store))
+    return cfg
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = _pipeline_config(args)
+    if args.dry_run:
+        from posttrain.flows.plan import dry_run
+
+        rows = dry_run(cfg, args.force)
+        print(format_table(rows, ("step", "plan", "why")))
+        return 0
+    from posttrain.flows.pipeline import posttrain_pipeline
+
+    summary = posttrain_pipeline(cfg, force=args.force)
+    rows = [(o["step"], o["status"], f"{o['metrics'].get('accuracy_strict', '')}", o["output"])
+            for o in summary["outcomes"]]
+    print(format_table(rows, ("step", "status", "accuracy (strict)", "output")))
+    if summary["run_id"]:
+        print(f"MLflow run {summary['run_id']} in experiment '{cfg.tracking.experiment or cfg.name}'")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from posttrain.evaluation import diff_reports, format_diff, format_summary_table, run_eval
+    from posttrain.evaluation.report import EvalReport
+
+    if args.diff:
+        a, b = (EvalReport.load(d) for d in args.diff)
+        print(format_diff(diff_reports(a, b, mode=args.mode), n_examples=args.examples))
+        return 0
+    if not args.model or not args.data:
+        raise CLIError("eval needs --model and --data (or --diff A B)")
+    from posttrain.config import EvalConfig
+
+    cfg = EvalConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                     backend=args.backend, limit=args.limit)
+    report = run_eval(args.model, args.data, args.limit, args.output, cfg, precision=args.precision)
+    print(format_summary_table(report))
+    if args.output:
+        print(f"report: {Path(args.output) / 'report.json'} (+ examples.jsonl)")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from posttrain.tracking import compare_runs, format_comparison, plot_comparison
+
+    if args.run_ids and args.last:
+        raise CLIError("give RUN_IDs or --last N, not both")
+    comparison = compare_runs(args.experiment, last=None if args.run_ids else args.last, run_ids=args.run_ids,
+                              tracking_uri=args.tracking_uri)
+    if not comparison.runs:
+        raise CLIError("no pipeline runs found (check --experiment and MLFLOW_TRACKING_URI)")
+    print(format_comparison(comparison))
+    png = plot_comparison(comparison, args.plot)
+    print(f"plot: {png}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    cfg = _pipeline_config(args)
+    if not os.environ.get("PREFECT_API_URL"):
+        raise CLIError("schedules need a Prefect server: run `prefect server start`, then "
+                       "`export PREFECT_API_URL=http://127.0.0.1:4200/api` and serve again")
+    from posttrain.flows.pipeline import posttrain_pipeline
+
+    name = args.name or cfg.name
+    print(f"serving deployment 'posttrain-pipeline/{name}' on cron '{args.cron}' (Ctrl-C stops)")
+    posttrain_pipeline.serve(name=name, cron=args.cron, parameters={"config": cfg.model_dump(mode="json")},
+                             tags=["posttrain", cfg.name])
+    return 0
+
+
 def cmd_models_pull(args: argparse.Namespace) -> int:
     from posttrain.training.modeling import pull_builtin
 
@@ -208,6 +290,43 @@ def build_parser() -> argparse.ArgumentParser:
     with_set(p)
     p.set_defaults(func=cmd_rewards_check)
 
+    p = sub.add_parser("run", help="run the pipeline (cached steps are reused)")
+    p.add_argument("config")
+    with_set(p)
+    p.add_argument("--force", action="append", default=[], metavar="STEP",
+                   help="rerun this step (data, sft, dpo, grpo-<name>) and everything after it")
+    p.add_argument("--dry-run", action="store_true", help="print which steps would run or be cached, and why")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("eval", help="evaluate a model on GSM8K-format data, or diff two reports")
+    p.add_argument("--model", help="built-in name, hub id, model or stage directory, .gguf file")
+    p.add_argument("--data", help="a GSM8K .jsonl file/folder, 'hub', 'hub:<split>' or 'synthetic'")
+    p.add_argument("--limit", type=int, default=None, help="first N questions (fixed order)")
+    p.add_argument("--output", help="directory for report.json and examples.jsonl")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm"])
+    p.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two saved reports by example id")
+    p.add_argument("--mode", default="strict", choices=["strict", "flexible"], help="--diff: which accuracy")
+    p.add_argument("--examples", type=int, default=3, help="--diff: examples shown per group")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("compare", help="side-by-side table and plot of pipeline runs in MLflow")
+    p.add_argument("run_ids", nargs="*", metavar="RUN_ID")
+    p.add_argument("--experiment", help="MLflow experiment (default: all posttrain runs)")
+    p.add_argument("--last", type=int, default=5, help="the N most recent pipeline runs")
+    p.add_argument("--plot", default="compare.png", help="where to write the comparison PNG")
+    p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("serve", help="schedule the pipeline as a Prefect deployment (needs a Prefect server)")
+    p.add_argument("config")
+    p.add_argument("--cron", required=True, help='e.g. "0 3 * * *"')
+    p.add_argument("--name", help="deployment name (default: the config name)")
+    with_set(p)
+    p.set_defaults(func=cmd_serve)
+
     models = sub.add_parser("models", help="built-in models").add_subparsers(
         dest="models_command", required=True
     )
@@ -228,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
+    for noisy in ("httpx", "httpcore", "prefect", "alembic", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     try:
         return args.func(args)
     except _expected_errors() as exc:

@@ -1,0 +1,1 @@
+"""Prefect @task wrappers around `posttrain.steps`: thin, no logic (see stages.py)."""

@@ -1,0 +1,115 @@
+"""The run store: where stage outputs, cache records and the embedded Prefect home live.
+
+Layout (default ``./.posttrain``, `orchestration.store`)::
+
+    lock                      held by the running pipeline (one writer per store)
+    data/<key>/               prepared train/eval datasets (datasets save_to_disk + stats.json)
+    stages/<stage>-<key>/     model + tokenizer + stage.json, written atomically by the stage
+    evals/<stage>-<key>/      report.json + examples.jsonl
+    results/                  Prefect result storage: one record per cache key
+    prefect/                  PREFECT_HOME of the embedded (ephemeral) Prefect API
+
+A stage's cache key says exactly what its output depends on: the stage name, the hash of its
+resolved config section, the fingerprints of its inputs (upstream model content, data) and the
+posttrain version. Prefect's default policy includes the flow-run id (never reused across runs)
+and its INPUTS policy hashes a path string, not the files behind it, so the key is built here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import posttrain
+
+
+class StoreLockedError(RuntimeError):
+    """Another pipeline run holds this store."""
+
+
+def cache_key(stage: str, config_hash: str, inputs: Mapping[str, str]) -> str:
+    """sha256 over everything a stage's output depends on (24 hex characters)."""
+    blob = json.dumps(
+        {"stage": stage, "config": config_hash, "inputs": dict(sorted(inputs.items())),
+         "posttrain": posttrain.__version__},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Store:
+    root: Path
+
+    @classmethod
+    def at(cls, path: str | Path) -> Store:
+        root = Path(path).expanduser().resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        return cls(root)
+
+    def data_dir(self, key: str) -> Path:
+        return self.root / "data" / key[:12]
+
+    def stage_dir(self, stage: str, key: str) -> Path:
+        return self.root / "stages" / f"{stage}-{key[:12]}"
+
+    def eval_dir(self, stage: str, key: str) -> Path:
+        return self.root / "evals" / f"{stage}-{key[:12]}"
+
+    @property
+    def results_dir(self) -> Path:
+        return self.root / "results"
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.root / "prefect"
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the store's lock for a pipeline run; a second concurrent run fails at once.
+
+        flock is released by the kernel when the process dies, so a SIGKILLed run never leaves a
+        stale lock behind.
+        """
+        path = self.root / "lock"
+        with path.open("a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                fh.seek(0)
+                holder = fh.read().strip() or "unknown"
+                raise StoreLockedError(f"{self.root} is in use by another posttrain run (pid {holder})") from None
+            fh.seek(0)
+            fh.truncate()
+            fh.write(str(os.getpid()))
+            fh.flush()
+            try:
+                yield
+            finally:
+                fh.seek(0)
+                fh.truncate()
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def use_embedded_prefect(store: Store) -> bool:
+    """Point Prefect at an ephemeral API whose home is inside the store, unless a server is configured.
+
+    Must run before `prefect` is imported: Prefect reads its settings at import. With
+    ``PREFECT_API_URL`` set, the real server is used and nothing is changed. Returns True when the
+    embedded mode is in effect.
+    """
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if os.environ.get("PREFECT_API_URL"):
+        return False
+    os.environ.setdefault("PREFECT_HOME", str(store.prefect_home))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    return True

@@ -1,0 +1,355 @@
+"""The read side of :mod:`posttrain.tracking`: run comparison, figures and text tables.
+
+:func:`compare_runs` reads pipeline runs back (parent params, stage runs' ``eval/*`` metrics, GRPO
+reward histories) into plain dataclasses, so the CLI, a notebook or a test can use them without
+MLflow objects.
+
+Figures are bare ``matplotlib.figure.Figure`` objects, not pyplot ones: pyplot keeps global state
+and picks an interactive backend, which is neither thread-safe (Prefect tasks run in threads) nor
+available on a headless training machine; ``savefig`` on a bare figure renders with Agg. matplotlib is imported inside functions so ``posttrain validate`` stays fast.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "Comparison",
+    "RunSummary",
+    "accuracy_by_stage_figure",
+    "cell_text",
+    "compare_runs",
+    "eval_metrics_by_stage",
+    "format_comparison",
+    "plot_comparison",
+    "reward_curves_figure",
+    "reward_series",
+]
+
+Curves = Mapping[str, Sequence[tuple[int, float]]]
+
+
+# --------------------------------------------------------------------------- reading runs back
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One pipeline run as ``posttrain compare`` shows it."""
+
+    run_id: str
+    name: str
+    status: str
+    start_time: datetime | None
+    duration_s: float | None
+    params: Mapping[str, str]
+    stage_metrics: Mapping[str, float]
+    """``<stage>/<metric>`` from each stage run's ``eval/*`` metrics, e.g. ``eval-sft/accuracy_strict``."""
+    reward_curves: Mapping[str, list[tuple[int, float]]]
+    """GRPO stage run name → its ``reward`` history as (step, value)."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    runs: list[RunSummary]
+    """Oldest first."""
+    param_diffs: dict[str, list[str | None]]
+    """Only params whose values differ across the runs: key → value per run (None = absent)."""
+    metric_names: list[str]
+    """Every ``<stage>/<metric>`` seen, in stage order."""
+
+    def table(self) -> list[dict[str, Any]]:
+        """Side-by-side rows, one per run: id, name, start, duration, differing params, stage metrics."""
+        return [
+            {
+                "run_id": r.run_id,
+                "name": r.name,
+                "start_time": r.start_time,
+                "duration_s": r.duration_s,
+                **{k: vals[i] for k, vals in self.param_diffs.items()},
+                **{m: r.stage_metrics.get(m) for m in self.metric_names},
+            }
+            for i, r in enumerate(self.runs)
+        ]
+
+
+def _stage_runs(client: Any, experiment_id: str, parent_run_id: str) -> list[Any]:
+    return client.search_runs(
+        [experiment_id],
+        f"tags.mlflow.parentRunId = '{parent_run_id}'",
+        order_by=["attributes.start_time ASC"],
+    )
+
+
+def _evals(stage_runs: Sequence[Any]) -> dict[str, dict[str, float]]:
+    return {
+        r.info.run_name: {k[5:]: v for k, v in r.data.metrics.items() if k.startswith("eval/")}
+        for r in stage_runs
+    }
+
+
+def eval_metrics_by_stage(client: Any, experiment_id: str, parent_run_id: str) -> dict[str, dict[str, float]]:
+    """Stage run name → its ``eval/*`` metrics (prefix dropped), in start order."""
+    return _evals(_stage_runs(client, experiment_id, parent_run_id))
+
+
+def compare_runs(
+    experiment: str | None = None,
+    last: int | None = None,
+    run_ids: Sequence[str] = (),
+    *,
+    tracking_uri: str | None = None,
+) -> Comparison:
+    """Compare pipeline runs: the given ids, else the ``last`` (default 2) in ``experiment`` (or any).
+
+    Pipeline runs are recognised by their ``posttrain.role=pipeline`` tag, so stage runs never show
+    up as candidates. ``tracking_uri`` defaults like :func:`posttrain.tracking.resolve_tracking_uri`.
+    """
+    from mlflow import MlflowClient
+
+    from posttrain.config import TrackingConfig
+    from posttrain.tracking.common import ROLE_TAG, resolve_tracking_uri
+
+    client = MlflowClient(tracking_uri=tracking_uri or resolve_tracking_uri(TrackingConfig()))
+    if run_ids:
+        runs = [client.get_run(r) for r in run_ids]
+    else:
+        if experiment is not None:
+            found = client.get_experiment_by_name(experiment)
+            if found is None:
+                raise ValueError(f"no MLflow experiment named {experiment!r}")
+            ids = [found.experiment_id]
+        else:
+            ids = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(
+            ids,
+            f"tags.`{ROLE_TAG}` = 'pipeline'",
+            max_results=last or 2,
+            order_by=["attributes.start_time DESC"],
+        )[::-1]
+    summaries = [_summarize(client, run) for run in runs]
+    keys = sorted({k for s in summaries for k in s.params})
+    diffs = {k: vals for k in keys if len(set(vals := [s.params.get(k) for s in summaries])) > 1}
+    metric_names = list(dict.fromkeys(m for s in summaries for m in s.stage_metrics))
+    return Comparison(summaries, diffs, metric_names)
+
+
+def _summarize(client: Any, run: Any) -> RunSummary:
+    info = run.info
+    stages = _stage_runs(client, info.experiment_id, info.run_id)
+    metrics = {f"{stage}/{k}": v for stage, values in _evals(stages).items() for k, v in values.items()}
+    curves = {
+        s.info.run_name: [(m.step, m.value) for m in client.get_metric_history(s.info.run_id, "reward")]
+        for s in stages
+        if s.info.run_name.startswith("grpo-")
+    }
+    start = datetime.fromtimestamp(info.start_time / 1000, tz=timezone.utc) if info.start_time else None
+    duration = (info.end_time - info.start_time) / 1000 if info.end_time and info.start_time else None
+    return RunSummary(
+        run_id=info.run_id,
+        name=info.run_name,
+        status=info.status,
+        start_time=start,
+        duration_s=duration,
+        params=dict(run.data.params),
+        stage_metrics=metrics,
+        reward_curves={k: v for k, v in curves.items() if v},
+    )
+
+
+def cell_text(cell: Any) -> Any:
+    """Chat messages (lists of role/content dicts, numpy arrays from parquet) as readable text.
+
+    TRL's completion tables hold conversations; MLflow's table viewer shows them as raw JSON.
+    """
+    if hasattr(cell, "tolist"):
+        cell = cell.tolist()
+    if isinstance(cell, Mapping):
+        cell = [cell]
+    if isinstance(cell, list) and cell and all(isinstance(m, Mapping) for m in cell):
+        if len(cell) == 1:
+            return str(cell[0].get("content", ""))
+        return "\n\n".join(f"[{m.get('role', '?')}] {m.get('content', '')}" for m in cell)
+    return cell if isinstance(cell, str | int | float | bool) or cell is None else str(cell)
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def _figure(width: float, height: float, ncols: int = 1) -> tuple[Figure, list[Any]]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def reward_series(
+    history: Sequence[Mapping[str, Any]], step_key: str = "step"
+) -> dict[str, list[tuple[int, float]]]:
+    """``reward`` and ``rewards/<fn>/mean`` from trainer log dicts; steps without a reward are skipped.
+
+    TRL logs rewards only on steps that generate, so the series may be sparse.
+    """
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for index, row in enumerate(history):
+        for key, value in row.items():
+            wanted = key == "reward" or (key.startswith("rewards/") and key.endswith("/mean"))
+            if wanted and isinstance(value, int | float) and not isinstance(value, bool):
+                curves.setdefault(key, []).append((int(row.get(step_key, index)), float(value)))
+    return dict(sorted(curves.items()))
+
+
+def _draw_curves(ax: Any, curves: Curves, bold: str | None = None) -> None:
+    for label, points in curves.items():
+        if points:
+            steps, values = zip(*sorted(points), strict=True)
+            ax.plot(
+                steps,
+                values,
+                marker="o" if len(points) < 30 else None,
+                markersize=3,
+                linewidth=2.5 if label == bold else 1.2,
+                label=label,
+            )
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
+
+
+def reward_curves_figure(curves: Curves, title: str = "rewards") -> Figure:
+    """One line per reward function (``rewards/<fn>/mean``) plus the weighted total ``reward`` in bold."""
+    fig, (ax,) = _figure(7, 4)
+    _draw_curves(ax, curves, bold="reward")
+    ax.set(title=title, xlabel="step", ylabel="mean reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _grouped_bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float | None]]) -> None:
+    """Bars per group (x) and series (colour); a missing value leaves a gap."""
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        heights = [math.nan if v is None else v for v in values]
+        bars = ax.bar(xs, heights, width=width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def accuracy_by_stage_figure(per_stage: Mapping[str, Mapping[str, float]]) -> Figure:
+    """Grouped bars: x = evaluation stage (in run order), one bar per metric (e.g. accuracy_strict)."""
+    stages = list(per_stage)
+    metrics = list(dict.fromkeys(m for values in per_stage.values() for m in values))
+    fig, (ax,) = _figure(max(5.0, 1.2 * len(stages) + 3), 4)
+    _grouped_bars(ax, stages, {m: [per_stage[s].get(m) for s in stages] for m in metrics})
+    ax.set(title="accuracy by stage", ylabel="value", ylim=(0, 1.05))
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _short(run_id: str, name: str) -> str:
+    return f"{name} ({run_id[:8]})"
+
+
+def plot_comparison(
+    comparison: Comparison, png_path: str | Path, accuracy_metric: str = "accuracy_strict"
+) -> Path:
+    """Reward curves of every GRPO stage (one line per run and stage) and accuracy by stage.
+
+    ``accuracy_metric`` picks the evaluation metric for the bars; when no run has it, the first
+    metric containing "accuracy" is used.
+    """
+    fig, (left, right) = _figure(13, 4.5, ncols=2)
+    curves = {
+        f"{_short(r.run_id, r.name)} {stage}": points
+        for r in comparison.runs
+        for stage, points in r.reward_curves.items()
+    }
+    _draw_curves(left, curves)
+    left.set(title="reward by GRPO step", xlabel="step", ylabel="reward")
+    left.grid(alpha=0.3)
+    if curves:
+        left.legend(fontsize=7)
+    else:
+        left.text(0.5, 0.5, "no GRPO reward history", ha="center", va="center", transform=left.transAxes)
+
+    names = comparison.metric_names
+    metric = (
+        accuracy_metric
+        if any(m.endswith("/" + accuracy_metric) for m in names)
+        else next((m.split("/", 1)[1] for m in names if "accuracy" in m), accuracy_metric)
+    )
+    stages = [m.rsplit("/", 1)[0] for m in names if m.endswith("/" + metric)]
+    _grouped_bars(
+        right,
+        stages,
+        {
+            _short(r.run_id, r.name): [r.stage_metrics.get(f"{s}/{metric}") for s in stages]
+            for r in comparison.runs
+        },
+    )
+    right.set(title=f"{metric} by stage", ylabel=metric, ylim=(0, 1.05))
+    if comparison.runs:
+        right.legend(fontsize=7)
+    path = Path(png_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def _cell(value: Any, width: int = 32) -> str:
+    if value is None:
+        text = "-"
+    elif isinstance(value, float):
+        text = f"{value:.4g}"
+    elif hasattr(value, "strftime"):
+        text = value.strftime("%Y-%m-%d %H:%M")
+    else:
+        text = str(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_comparison(comparison: Comparison) -> str:
+    """A side-by-side text table: one column per run; rows for attributes, config diffs and metrics."""
+    runs = comparison.runs
+    if not runs:
+        return "no runs to compare"
+    rows: list[tuple[str, list[Any]]] = [
+        ("run id", [r.run_id[:12] for r in runs]),
+        ("name", [r.name for r in runs]),
+        ("status", [r.status for r in runs]),
+        ("start", [r.start_time for r in runs]),
+        ("duration (s)", [None if r.duration_s is None else round(r.duration_s, 1) for r in runs]),
+    ]
+    sections = [
+        ("config differences", list(comparison.param_diffs.items())),
+        (
+            "evaluation by stage",
+            [(m, [r.stage_metrics.get(m) for r in runs]) for m in comparison.metric_names],
+        ),
+    ]
+    label_width = max([len(k) for k, _ in rows] + [len(k) for _, items in sections for k, _ in items])
+    label_width = min(label_width, 60)
+    cells = [[_cell(v) for v in values] for _, values in rows] + [
+        [_cell(v) for v in values] for _, items in sections for _, values in items
+    ]
+    widths = [max([len(c[i]) for c in cells] + [4]) for i in range(len(runs))]
+
+    def line(label: str, values: Sequence[Any]) -> str:
+        texts = [_cell(v).ljust(w) for v, w in zip(values, widths, strict=True)]
+        return "  ".join([_cell(label, label_width).ljust(label_width), *texts]).rstrip()
+
+    out = [line(label, values) for label, values in rows]
+    for title, items in sections:
+        out.append("")
+        out.append(f"{title}:" if items else f"{title}: none")
+        out += [line(key, values) for key, values in items]
+    return "\n".join(out)

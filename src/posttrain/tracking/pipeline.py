@@ -1,0 +1,302 @@
+"""The parent MLflow run of one pipeline run, cached-stage records, and the final model."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.config import PipelineConfig, dump_config, stable_hash
+from posttrain.tracking.common import (
+    CACHE_KEY_TAG,
+    ROLE_TAG,
+    _callback_env_guard,
+    _client,
+    _copy_metric_history,
+    _git_commit,
+    _log_metrics,
+    _log_params,
+    _mirror_eval,
+    _sqlite_path,
+    _versions,
+    experiment_name,
+    flatten_params,
+    resolve_tracking_uri,
+)
+from posttrain.tracking.stage import StageRun
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------- the pipeline run
+
+
+@dataclass
+class Tracker:
+    """The parent run of one pipeline run (or a disabled stand-in). Picklable: plain fields only."""
+
+    enabled: bool = False
+    tracking_uri: str | None = None
+    experiment_id: str | None = None
+    run_id: str | None = None
+    log_models: bool = False
+    _previous_uri: str | None = field(default=None, repr=False)
+    _finished: bool = field(default=False, repr=False)
+
+    @property
+    def report_to(self) -> list[str] | str:
+        """TRL ``report_to`` for training code: ``["mlflow"]`` when tracking, else ``"none"``."""
+        return ["mlflow"] if self.enabled else "none"
+
+    def _use_uri(self) -> None:
+        """Fluent calls (start_run, the trainer callback, log_model) follow the global URI: point it here.
+
+        Normally already set by :func:`start_pipeline_run`; not so in a process that unpickled us.
+        """
+        import mlflow
+
+        if mlflow.get_tracking_uri() != self.tracking_uri:
+            mlflow.set_tracking_uri(self.tracking_uri)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish("FINISHED" if exc_type is None else "FAILED")
+
+    @contextlib.contextmanager
+    def stage(
+        self,
+        name: str,
+        *,
+        params: Any = None,
+        cache_key: str | None = None,
+        tags: Mapping[str, Any] | None = None,
+    ) -> Iterator[StageRun]:
+        """A nested run named ``name``, active in this thread while the block runs.
+
+        ``report_to=["mlflow"]`` training inside the block logs into it. ``cache_key`` tags the run
+        as the producer of that cache entry (see :meth:`find_producer`). An exception marks it FAILED.
+        """
+        if not self.enabled:
+            yield StageRun(name)
+            return
+        import mlflow
+
+        self._use_uri()
+        run_tags = {"posttrain.stage": name, **(tags or {})}
+        if cache_key:
+            run_tags[CACHE_KEY_TAG] = cache_key
+        with (
+            _callback_env_guard(),
+            mlflow.start_run(
+                run_name=name,
+                experiment_id=self.experiment_id,
+                parent_run_id=self.run_id,
+                nested=True,
+                tags={k: str(v) for k, v in run_tags.items()},
+            ) as run,
+        ):
+            stage = StageRun(name, run.info.run_id, self.run_id, self.tracking_uri)
+            if params is not None:
+                stage.log_params(params)
+            try:
+                yield stage
+            finally:
+                mlflow.flush_async_logging()
+
+    def record_cached_stage(
+        self, name: str, *, producer_run_id: str | None = None, cache_key: str | None = None
+    ) -> StageRun:
+        """A finished nested run for a stage served from cache: ``cached=true``, ``cached_from_run_id``.
+
+        The producer is found from ``cache_key`` when not given. Its metrics (full histories) and
+        ``stage.*`` params are copied, so comparisons and plots treat the stage like one that ran.
+        """
+        if not self.enabled:
+            return StageRun(name)
+        client = _client(self.tracking_uri)
+        producer_run_id = producer_run_id or (self.find_producer(cache_key) if cache_key else None)
+        tags = {"mlflow.parentRunId": self.run_id, "posttrain.stage": name, "cached": "true"}
+        if producer_run_id:
+            tags["cached_from_run_id"] = producer_run_id
+        run = client.create_run(self.experiment_id, run_name=name, tags=tags)
+        stage = StageRun(name, run.info.run_id, self.run_id, self.tracking_uri)
+        if producer_run_id:
+            latest = _copy_metric_history(client, producer_run_id, stage.run_id)
+            _mirror_eval(client, self.run_id, name, latest)
+            params = client.get_run(producer_run_id).data.params
+            _log_params(client, stage.run_id, {k: v for k, v in params.items() if k.startswith("stage.")})
+        else:
+            logger.warning("stage %s was served from cache but no run produced key %s", name, cache_key)
+        client.set_terminated(stage.run_id, "FINISHED")
+        return stage
+
+    def find_producer(self, cache_key: str) -> str | None:
+        """Id of the latest finished run tagged with ``cache_key``: this experiment first, then any."""
+        if not self.enabled:
+            return None
+        client = _client(self.tracking_uri)
+        query = f"tags.`{CACHE_KEY_TAG}` = '{cache_key}' and attributes.status = 'FINISHED'"
+        everywhere = [e.experiment_id for e in client.search_experiments()]
+        for ids in ([self.experiment_id], everywhere):
+            runs = client.search_runs(ids, query, order_by=["attributes.start_time DESC"], max_results=1)
+            if runs:
+                return runs[0].info.run_id
+        return None
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Metrics on the parent run (pipeline totals: duration, final accuracy)."""
+        if self.enabled:
+            _log_metrics(_client(self.tracking_uri), self.run_id, metrics, step)
+
+    def log_final_model(
+        self, model_dir: str | Path, *, base_model_path: str | Path | None = None, name: str = "model"
+    ) -> str | None:
+        """Log a model directory with ``mlflow.transformers.log_model``; returns its ``models:/`` URI.
+
+        The model is loaded and passed as model + tokenizer: MLflow's path-only route (log a
+        checkpoint without loading it) fails on transformers 5.24 (``check_task`` returns the
+        pipeline class by name). A PEFT adapter directory needs ``base_model_path`` (a full model
+        directory): without it MLflow silently drops a local base; with it only the adapter is
+        stored and the base is referenced by path. Requirements are explicit because MLflow's
+        defaults include torchvision, which is absent. None when tracking or ``tracking.log_model``
+        is off.
+        """
+        if not (self.enabled and self.log_models):
+            return None
+        import mlflow
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model_dir = Path(model_dir)
+        adapter = (model_dir / "adapter_config.json").is_file()
+        has_tokenizer = any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        extra: dict[str, Any] = {}
+        if not adapter:
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
+        else:
+            if base_model_path is None or (Path(base_model_path) / "adapter_config.json").is_file():
+                raise ValueError(
+                    f"{model_dir} is a PEFT adapter: pass base_model_path (a full model "
+                    "directory, not another adapter; merge chained adapters first)"
+                )
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(base_model_path), str(model_dir)
+            )
+            extra["base_model_path"] = str(base_model_path)
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_dir if has_tokenizer or not adapter else base_model_path
+        )
+        # Created first so it lands in this experiment: log_model alone files a model under the
+        # thread's active experiment, which for our never-active parent run is "Default".
+        self._use_uri()
+        params = _client(self.tracking_uri).get_run(self.run_id).data.params
+        logged = mlflow.initialize_logged_model(
+            name=name, source_run_id=self.run_id, params=params, experiment_id=self.experiment_id
+        )
+        info = mlflow.transformers.log_model(
+            {"model": model, "tokenizer": tokenizer},
+            task="text-generation",
+            model_id=logged.model_id,
+            run_id=self.run_id,
+            pip_requirements=model_requirements(peft=adapter),
+            **extra,
+        )
+        _client(self.tracking_uri).set_tag(self.run_id, "posttrain.model_uri", info.model_uri)
+        return info.model_uri
+
+    def plot_accuracy_by_stage(self, metric_filter: str = "accuracy") -> bool:
+        """``accuracy_by_stage.png`` on the parent, from the ``eval/*`` metrics of its stage runs."""
+        if not self.enabled:
+            return False
+        from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
+
+        client = _client(self.tracking_uri)
+        per_stage = {
+            s: {k: v for k, v in m.items() if metric_filter in k}
+            for s, m in eval_metrics_by_stage(client, self.experiment_id, self.run_id).items()
+        }
+        per_stage = {s: m for s, m in per_stage.items() if m}
+        if not per_stage:
+            return False
+        client.log_figure(self.run_id, accuracy_by_stage_figure(per_stage), "accuracy_by_stage.png")
+        return True
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """End the parent run and restore the tracking URI that was set before this run."""
+        if not self.enabled or self._finished:
+            return
+        import mlflow
+
+        with contextlib.suppress(Exception):
+            mlflow.flush_async_logging()
+        _client(self.tracking_uri).set_terminated(self.run_id, status)
+        # set_tracking_uri(None) clears both the global and $MLFLOW_TRACKING_URI.
+        mlflow.set_tracking_uri(self._previous_uri)  # type: ignore[arg-type]
+        self._finished = True  # a second finish (or __exit__ after finish) is harmless
+
+
+def model_requirements(peft: bool = False) -> list[str]:
+    """Pinned requirements of a logged model, from this environment (local version labels dropped)."""
+    names = ["mlflow", "torch", "transformers", "accelerate", "tokenizers", "safetensors"] + (
+        ["peft"] if peft else []
+    )
+    return [f"{n}=={v.split('+')[0]}" for n, v in _versions(names).items()]
+
+
+def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> Tracker:
+    """Create the experiment (if needed) and the parent run; a disabled Tracker when tracking is off.
+
+    The parent gets tags (config hash and name, git commit, package versions), ``config.yaml``
+    and the flattened resolved config as params. Use as a context manager or call ``finish()``.
+    """
+    if not cfg.tracking.enabled:
+        return Tracker()
+    import mlflow
+
+    uri = resolve_tracking_uri(cfg.tracking)
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    client = _client(uri)
+    experiment_id = _get_or_create_experiment(client, experiment_name(cfg), uri)
+    tags = {
+        ROLE_TAG: "pipeline",
+        "posttrain.config_name": cfg.name,
+        "posttrain.config_hash": stable_hash(cfg),
+        **{f"posttrain.version.{k}": v for k, v in _versions().items()},
+    }
+    if commit := _git_commit():
+        tags.update({"posttrain.git_commit": commit, "mlflow.source.git.commit": commit})
+    run = client.create_run(experiment_id, run_name=run_name or cfg.name, tags=tags)
+    tracker = Tracker(True, uri, experiment_id, run.info.run_id, cfg.tracking.log_model, previous)
+    try:
+        client.log_text(tracker.run_id, dump_config(cfg), "config.yaml")
+        _log_params(client, tracker.run_id, flatten_params(cfg))
+    except Exception:
+        tracker.finish("FAILED")
+        raise
+    logger.info("MLflow run %s in experiment %r at %s", tracker.run_id, experiment_name(cfg), uri)
+    return tracker
+
+
+def _get_or_create_experiment(client: Any, name: str, uri: str) -> str:
+    """Existing (restored if deleted) or new experiment; a SQLite store keeps artifacts next to its DB."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        if experiment.lifecycle_stage == "deleted":
+            logger.warning("restoring deleted MLflow experiment %r", name)
+            client.restore_experiment(experiment.experiment_id)
+        return experiment.experiment_id
+    db = _sqlite_path(uri)
+    location = (db.parent / "mlruns").resolve().as_uri() if db is not None else None
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException:  # created concurrently by another process
+        return client.get_experiment_by_name(name).experiment_id

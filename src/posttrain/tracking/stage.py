@@ -1,0 +1,231 @@
+"""One nested MLflow run per pipeline step: what a step logs (params, metrics, data, evals, samples)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrain.tracking.common import (
+    MAX_TAG_LENGTH,
+    _client,
+    _jsonable,
+    _log_metrics,
+    _log_params,
+    _metric_batch,
+    _mirror_eval,
+    _safe_key,
+    _send_metrics,
+    _truncate,
+    flatten_params,
+)
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------- stage runs
+
+
+def _clip(value: Any, limit: int) -> Any:
+    """Long texts shortened for the UI table; numbers and missing cells (None) kept as they are."""
+    return _truncate(value, limit) if isinstance(value, str) else value
+
+
+@dataclass
+class StageRun:
+    """One nested run. Every method is a no-op when ``run_id`` is None (tracking disabled).
+
+    All writes use the run id explicitly, so helpers may be called from any thread and even after
+    the stage's ``with`` block has closed the run.
+    """
+
+    name: str
+    run_id: str | None = None
+    parent_run_id: str | None = None
+    tracking_uri: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.run_id is not None
+
+    @property
+    def report_to(self) -> list[str] | str:
+        """What to pass as TRL's ``report_to``: the callback then logs into this (active) run."""
+        return ["mlflow"] if self.enabled else "none"
+
+    @property
+    def _client(self) -> Any:
+        return _client(self.tracking_uri)
+
+    def log_params(self, section: Any, prefix: str = "stage") -> None:
+        """The stage's resolved config section, flattened under ``stage.`` (clear of the callback's keys)."""
+        if self.enabled:
+            _log_params(self._client, self.run_id, flatten_params(section, prefix))
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Numeric values only (text and None are skipped); bools log as 0/1."""
+        if self.enabled:
+            _log_metrics(self._client, self.run_id, metrics, step)
+            _mirror_eval(self._client, self.parent_run_id, self.name, metrics)
+
+    def log_history(self, rows: Sequence[Mapping[str, Any]], step_key: str = "step") -> None:
+        """Per-step metrics from log dicts (a trainer's ``log_history``, ``log_history.jsonl``), in one batch.
+
+        For stages whose trainer did not report to MLflow itself (or to replay a saved history).
+        """
+        if not self.enabled:
+            return
+        batch = [
+            metric
+            for index, row in enumerate(rows)
+            for metric in _metric_batch(
+                {k: v for k, v in row.items() if k != step_key}, int(row.get(step_key, index))
+            )
+        ]
+        _send_metrics(self._client, self.run_id, batch)
+        _mirror_eval(self._client, self.parent_run_id, self.name, {m.key: m.value for m in batch})
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if self.enabled:
+            from mlflow.entities import RunTag
+
+            batch = [RunTag(_safe_key(k), _truncate(str(v), MAX_TAG_LENGTH)) for k, v in tags.items()]
+            self._client.log_batch(self.run_id, tags=batch)
+
+    def log_stage_json(self, data: Mapping[str, Any]) -> None:
+        """``stage.json`` as an artifact: what produced the stage output, readable without the store."""
+        if self.enabled:
+            self._client.log_dict(self.run_id, _jsonable(dict(data)), "stage.json")
+
+    def log_dataset(
+        self,
+        dataset: Any,
+        name: str,
+        context: str = "training",
+        *,
+        digest: str | None = None,
+        hub_path: str | None = None,
+        source: str | None = None,
+    ) -> None:
+        """Data lineage: a ``datasets.Dataset`` (or a DataFrame) as a run input.
+
+        The digest defaults to the dataset's own ``_fingerprint`` (it changes with every transform), so
+        two runs trained on the same rows show the same digest. ``hub_path`` records a hub source;
+        ``source`` (a file, ``synthetic(seed=0)``) is kept as an input tag.
+        """
+        if not self.enabled:
+            return
+        import mlflow.data
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        digest = (digest or getattr(dataset, "_fingerprint", None) or "")[:36] or None
+        with warnings.catch_warnings():  # schema inference warns about int columns as if for a model
+            warnings.simplefilter("ignore", UserWarning)
+            if hasattr(dataset, "to_pandas") and not hasattr(dataset, "iloc"):
+                ds = mlflow.data.from_huggingface(dataset, path=hub_path, name=name, digest=digest)
+            else:
+                ds = mlflow.data.from_pandas(dataset, name=name, digest=digest)
+        tags = [InputTag("mlflow.data.context", context)]
+        if source:
+            tags.append(InputTag("posttrain.source", _truncate(source, 500)))
+        self._client.log_inputs(self.run_id, [DatasetInput(Dataset(**ds.to_dict()), tags)])
+
+    def log_eval(
+        self, summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]] = (), prefix: str = "eval/"
+    ) -> None:
+        """Summary metrics as ``eval/<m>`` (mirrored to the parent as ``<stage>/<m>``) and per-example rows.
+
+        Rows go to ``eval_examples.json`` (``log_table``, for the UI; reading it back with
+        ``mlflow.load_table`` re-infers types, e.g. ``"4"`` becomes 4) and ``eval_examples.jsonl``
+        (exact round trip).
+        """
+        if not self.enabled:
+            return
+        self.log_metrics({f"{prefix}{k}": v for k, v in summary.items()})
+        if records:
+            import pandas as pd
+
+            rows = _jsonable([dict(r) for r in records])
+            self._client.log_table(self.run_id, pd.DataFrame(rows), "eval_examples.json")
+            self._client.log_text(
+                self.run_id, "\n".join(json.dumps(r) for r in rows) + "\n", "eval_examples.jsonl"
+            )
+
+    def log_completions(self, directory: str | Path, max_chars: int = 4000) -> int:
+        """TRL's ``completions/*.parquet`` (``log_completions=True``) as one ``completions.json`` table.
+
+        ``directory`` is the trainer's output dir or its ``completions`` folder. The raw parquet
+        files are kept under ``completions/``; chat-format cells become text so the table renders.
+        Returns the number of rows logged.
+        """
+        folder = Path(directory)
+        folder = folder / "completions" if (folder / "completions").is_dir() else folder
+        files = sorted(folder.glob("*.parquet"))
+        if not self.enabled or not files:
+            return 0
+        import pandas as pd
+
+        from posttrain.tracking.compare import cell_text
+
+        table = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+        for column in table.columns:
+            if table[column].dtype == object:
+                table[column] = table[column].map(lambda cell: _clip(cell_text(cell), max_chars))
+        self._client.log_table(self.run_id, table, "completions.json")
+        for f in files:
+            self._client.log_artifact(self.run_id, str(f), "completions")
+        return len(table)
+
+    def log_alerts(self, alerts: Sequence[Any]) -> None:
+        """Health alerts: ``alert.<kind>`` tags (searchable, shown in the runs table) + ``alerts.json``.
+
+        Accepts dicts or objects with ``as_dict()`` (``training.health.Alert``); a kind that fired
+        several times keeps its first message in the tag and a count.
+        """
+        rows = [a.as_dict() if hasattr(a, "as_dict") else dict(a) for a in alerts]
+        if not self.enabled or not rows:
+            return
+        tags: dict[str, str] = {"alerts.count": str(len(rows))}
+        for kind in dict.fromkeys(r.get("kind", "unknown") for r in rows):
+            same = [r for r in rows if r.get("kind", "unknown") == kind]
+            more = f" (+{len(same) - 1} more)" if len(same) > 1 else ""
+            tags[f"alert.{kind}"] = f"step {same[0].get('step')}: {same[0].get('message', '')}{more}"
+        self.set_tags(tags)
+        self._client.log_dict(self.run_id, {"alerts": _jsonable(rows)}, "alerts.json")
+        if self.parent_run_id:  # visible from the pipeline run too: which stage raised what
+            kinds = ",".join(k.removeprefix("alert.") for k in tags if k.startswith("alert."))
+            self._client.set_tag(self.parent_run_id, _safe_key(f"alerts.{self.name}"), kinds)
+
+    def plot_rewards(self, history: Sequence[Mapping[str, Any]] | None = None) -> bool:
+        """``reward_curves.png``: ``reward`` and each ``rewards/<fn>/mean`` against the step.
+
+        Without ``history`` the curves are read back from this run's logged metrics (what the
+        callback wrote). Returns False when there was nothing to plot.
+        """
+        if not self.enabled:
+            return False
+        from posttrain.tracking.compare import reward_curves_figure, reward_series
+
+        curves = reward_series(history) if history is not None else self._reward_history()
+        if not curves:
+            return False
+        fig = reward_curves_figure(curves, title=f"{self.name}: rewards")
+        self._client.log_figure(self.run_id, fig, "reward_curves.png")
+        return True
+
+    def _reward_history(self) -> dict[str, list[tuple[int, float]]]:
+        import mlflow
+
+        mlflow.flush_async_logging()  # the callback logs asynchronously
+        client = self._client
+        keys = [
+            k
+            for k in client.get_run(self.run_id).data.metrics
+            if k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))
+        ]
+        return {
+            k: [(m.step, m.value) for m in client.get_metric_history(self.run_id, k)] for k in sorted(keys)
+        }

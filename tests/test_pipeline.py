@@ -1,0 +1,127 @@
+"""The Prefect pipeline on the smoke config: caching across runs, --force, eval-only reruns, MLflow lineage."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import load_config
+
+SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline")
+
+
+def smoke(workdir: Path, *overrides: str):
+    return load_config(SMOKE, [f"orchestration.store={workdir / 'store'}",
+                               f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",
+                               f"model.cache_dir={workdir / 'models'}", *overrides])
+
+
+def statuses(summary) -> dict[str, str]:
+    return {o["step"]: o["status"] for o in summary["outcomes"]}
+
+
+STEPS = ["data", "eval-baseline", "sft", "eval-sft", "dpo", "eval-dpo", "grpo-format", "eval-grpo-format",
+         "grpo-correctness", "eval-grpo-correctness"]
+
+
+@pytest.fixture(scope="module")
+def first_run(workdir):
+    from posttrain.flows.pipeline import posttrain_pipeline
+
+    return posttrain_pipeline(smoke(workdir))
+
+
+def test_first_run_executes_every_step(first_run):
+    assert list(statuses(first_run)) == STEPS
+    assert set(statuses(first_run).values()) == {"ran"}
+    eval_final = first_run["outcomes"][-1]["metrics"]
+    assert 0.0 <= eval_final["accuracy_strict"] <= 1.0
+
+
+def test_unchanged_rerun_is_all_cached_and_fast(first_run, workdir):
+    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.plan import dry_run
+
+    assert {status for _, status, _ in dry_run(smoke(workdir))} == {"cached"}
+    start = time.perf_counter()
+    summary = posttrain_pipeline(smoke(workdir))
+    assert set(statuses(summary).values()) == {"cached"}
+    assert time.perf_counter() - start < 60
+
+
+def test_force_reruns_the_stage_and_what_follows(first_run, workdir):
+    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.plan import dry_run
+
+    planned = {step: status for step, status, _ in dry_run(smoke(workdir), ["grpo-format"])}
+    got = statuses(posttrain_pipeline(smoke(workdir), force=["grpo-format"]))
+    expected = {s: ("run" if i >= STEPS.index("grpo-format") else "cached") for i, s in enumerate(STEPS)}
+    assert planned == expected
+    assert got == {s: ("ran" if v == "run" else "cached") for s, v in expected.items()}
+
+
+def test_changing_eval_options_reruns_only_evaluation(first_run, workdir):
+    from posttrain.flows.pipeline import posttrain_pipeline
+
+    got = statuses(posttrain_pipeline(smoke(workdir, "eval.max_new_tokens=12")))
+    assert {s for s, v in got.items() if v == "ran"} == {s for s in STEPS if s.startswith("eval-")}
+
+
+def test_missing_output_is_recomputed(first_run, workdir):
+    import shutil
+
+    from posttrain.flows.pipeline import posttrain_pipeline
+
+    sft_dir = next(o["output"] for o in first_run["outcomes"] if o["step"] == "sft")
+    shutil.rmtree(sft_dir)
+    got = statuses(posttrain_pipeline(smoke(workdir)))
+    assert got["sft"] == "ran" and got["data"] == "cached"
+
+
+def test_mlflow_holds_parent_and_nested_stage_runs(first_run, workdir):
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    parent = client.get_run(first_run["run_id"])
+    assert parent.data.tags["posttrain.config_name"] == "smoke"
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_name = {r.info.run_name: r for r in children}
+    assert set(by_name) == set(STEPS)
+    grpo = by_name["grpo-format"]
+    assert any(k.startswith("rewards/") for k in grpo.data.metrics)
+    assert "eval/accuracy_strict" in by_name["eval-sft"].data.metrics
+    artifacts = {a.path for a in client.list_artifacts(grpo.info.run_id)}
+    assert "stage.json" in artifacts
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"config.yaml"}
+
+
+def test_cli_dry_run_compare_and_serve_without_server(first_run, workdir, capsys, monkeypatch):
+    from posttrain.cli import main
+
+    sets = ["--set", f"orchestration.store={workdir / 'store'}", "--set", f"model.cache_dir={workdir / 'models'}",
+            "--set", f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}"]
+    assert main(["run", str(SMOKE), *sets, "--dry-run", "--force", "dpo"]) == 0
+    out = capsys.readouterr().out
+    assert "sft                    cached" in out and "dpo                    run     forced" in out
+
+    png = workdir / "compare.png"
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    assert main(["compare", "--experiment", "smoke", "--last", "2", "--tracking-uri", uri, "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "eval-grpo-correctness" in out or "grpo-correctness" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert main(["serve", str(SMOKE), "--cron", "0 3 * * *", *sets]) == 2
+    assert "prefect server start" in capsys.readouterr().err
+
+    assert main(["run", str(SMOKE), *sets, "--force", "nope"]) == 2
+    assert "not a step of smoke" in capsys.readouterr().err

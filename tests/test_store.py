@@ -1,0 +1,47 @@
+"""Store layout, cache keys and the one-writer lock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from posttrain.store import Store, StoreLockedError, cache_key
+
+
+@pytest.mark.parametrize(
+    "a, b, same",
+    [
+        (("sft", "h1", {"model": "m", "data": "d"}), ("sft", "h1", {"data": "d", "model": "m"}), True),  # order-free
+        (("sft", "h1", {"model": "m"}), ("sft", "h2", {"model": "m"}), False),  # config changed
+        (("sft", "h1", {"model": "m"}), ("sft", "h1", {"model": "m2"}), False),  # upstream output changed
+        (("sft", "h1", {"model": "m"}), ("dpo", "h1", {"model": "m"}), False),  # another stage
+    ],
+)
+def test_cache_key_says_what_the_output_depends_on(a, b, same):
+    assert (cache_key(*a) == cache_key(*b)) is same
+
+
+def test_lock_admits_one_run_and_is_released(tmp_path):
+    store = Store.at(tmp_path / "store")
+    with store.lock():
+        code = f"from posttrain.store import Store; Store.at({str(store.root)!r}).lock().__enter__()"
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert other.returncode != 0 and "in use by another posttrain run" in other.stderr
+    with store.lock():  # released on exit
+        pass
+
+
+def test_lock_in_the_same_process_is_refused_too(tmp_path):
+    store = Store.at(tmp_path)
+    with store.lock(), pytest.raises(StoreLockedError, match="pid"), store.lock():
+        pass
+
+
+def test_layout(tmp_path):
+    store = Store.at(tmp_path)
+    key = "0123456789abcdef01234567"
+    assert store.stage_dir("grpo-format", key).name == "grpo-format-0123456789ab"
+    assert store.eval_dir("baseline", key).parent.name == "evals"
+    assert store.results_dir == tmp_path.resolve() / "results"

@@ -1,0 +1,448 @@
+"""MLflow tracking against real SQLite stores (one per test), plus a real 1-step TRL trainer.
+
+A new SQLite store costs seconds of migrations, so one migrated empty database is built per module
+and copied for each test: every test still gets its own ``sqlite:///{tmp_path}/mlflow.db``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import parse_config
+from posttrain.tracking import (
+    MAX_PARAM_LENGTH,
+    Tracker,
+    compare_runs,
+    flatten_params,
+    format_comparison,
+    plot_comparison,
+    resolve_tracking_uri,
+    start_pipeline_run,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def template_db(tmp_path_factory) -> Path:
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()  # runs the migrations
+    return path
+
+
+@pytest.fixture
+def uri(tmp_path, template_db, monkeypatch) -> str:
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # anything written relative to the cwd stays in the test's folder
+    return f"sqlite:///{tmp_path}/mlflow.db"
+
+
+def make_cfg(uri: str | None, name: str = "track-test", **sections):
+    raw = {"name": name, "model": {"name": "tiny-random"}, "tracking": {"tracking_uri": uri}, **sections}
+    return parse_config(raw)
+
+
+def client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def children(uri: str, tracker: Tracker) -> dict[str, object]:
+    runs = client(uri).search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.run_id}'")
+    return {r.info.run_name: r for r in runs}
+
+
+def artifact_paths(uri: str, run_id: str, path: str | None = None) -> set[str]:
+    return {a.path for a in client(uri).list_artifacts(run_id, path)}
+
+
+def download(uri: str, run_id: str, path: str, dst: Path) -> Path:
+    return Path(client(uri).download_artifacts(run_id, path, str(dst)))
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def test_flatten_params_dotted_keys_json_values_and_mlflow_limit():
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+    assert MAX_PARAM_LENGTH == MAX_PARAM_VAL_LENGTH == 6000
+    flat = flatten_params(
+        {
+            "a": {"b": 1, "c": [1, 2], "d": None, "e": True},
+            "stages": [{"name": "x", "rewards": [{"w": 0.5}]}],
+            "empty": {},
+            "long": "y" * 7000,
+        }
+    )
+    assert flat["a.b"] == "1" and flat["a.c"] == "[1, 2]" and flat["a.d"] == "null" and flat["a.e"] == "true"
+    assert flat["stages.0.name"] == "x" and flat["stages.0.rewards.0.w"] == "0.5"
+    assert flat["empty"] == "{}"
+    assert len(flat["long"]) == 6000 and flat["long"].endswith("[truncated]")
+
+
+def test_resolve_tracking_uri_precedence(tmp_path, monkeypatch):
+    from posttrain.config import TrackingConfig
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(TrackingConfig()) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert resolve_tracking_uri(TrackingConfig()) == "http://127.0.0.1:5999"
+    assert resolve_tracking_uri(TrackingConfig(tracking_uri="sqlite:////x/y.db")) == "sqlite:////x/y.db"
+
+
+def test_importing_tracking_is_light():
+    """`posttrain validate` imports the package; mlflow (~1.6 s) and matplotlib load only when used."""
+    code = (
+        "import sys, posttrain.tracking; print(sorted({'mlflow', 'matplotlib', 'pandas'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_disabled_tracker_is_a_no_op(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = make_cfg(None, tracking={"enabled": False})
+    with start_pipeline_run(cfg) as tracker:
+        assert tracker.report_to == "none" and tracker.run_id is None
+        with tracker.stage("sft", params=cfg.model, cache_key="k") as stage:
+            assert stage.report_to == "none"
+            stage.log_metrics({"loss": 1.0})
+            stage.log_eval({"accuracy": 0.5}, [{"q": "1"}])
+            stage.log_alerts([{"kind": "no_signal", "step": 1, "message": "m"}])
+            stage.log_stage_json({"a": 1})
+            assert stage.plot_rewards([{"step": 1, "reward": 0.1}]) is False
+            assert stage.log_completions(tmp_path) == 0
+        assert tracker.record_cached_stage("dpo", cache_key="k").run_id is None
+        assert tracker.find_producer("k") is None
+        assert tracker.log_final_model(tmp_path) is None
+        assert tracker.plot_accuracy_by_stage() is False
+    assert list(tmp_path.iterdir()) == []  # no mlflow.db, no mlruns
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def test_parent_and_nested_stage_runs(uri, tmp_path):
+    import datasets
+
+    cfg = make_cfg(uri, sft={"trainer": {"max_steps": 2}})
+    with start_pipeline_run(cfg) as tracker:
+        assert os.environ["MLFLOW_TRACKING_URI"] == uri and tracker.report_to == ["mlflow"]
+        ds = datasets.Dataset.from_list([{"question": "1+1?", "answer": "2"}] * 3)
+        with tracker.stage("data", cache_key="data-key") as stage:
+            stage.log_dataset(ds, "train", "training", source="synthetic(seed=0)")
+            stage.log_metrics({"train_examples": 3, "note": "text is skipped", "flag": True})
+        with tracker.stage("sft", params=cfg.sft) as stage:
+            import mlflow
+
+            assert mlflow.active_run().info.run_id == stage.run_id
+            stage.log_history([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "epoch": 1.0}])
+            stage.log_stage_json({"stage": "sft", "output": Path("/x"), "metrics": {"loss": 1.5}})
+        with pytest.raises(RuntimeError), tracker.stage("dpo"):
+            raise RuntimeError("boom")
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # restored, nothing leaks into the next test
+
+    c = client(uri)
+    parent = c.get_run(tracker.run_id)
+    assert parent.info.status == "FINISHED"
+    tags = parent.data.tags
+    assert tags["posttrain.config_name"] == "track-test" and tags["posttrain.role"] == "pipeline"
+    assert len(tags["posttrain.config_hash"]) == 16
+    assert {
+        "posttrain.version.mlflow",
+        "posttrain.version.transformers",
+        "posttrain.version.posttrain",
+    } <= set(tags)
+    assert parent.data.params["model.name"] == "tiny-random"
+    assert parent.data.params["sft.trainer.max_steps"] == "2"
+    assert "config.yaml" in artifact_paths(uri, tracker.run_id)
+    assert "tiny-random" in download(uri, tracker.run_id, "config.yaml", tmp_path / "dl").read_text()
+
+    kids = children(uri, tracker)
+    assert set(kids) == {"data", "sft", "dpo"}
+    assert kids["dpo"].info.status == "FAILED" and kids["sft"].info.status == "FINISHED"
+    assert kids["data"].data.tags["posttrain.cache_key"] == "data-key"
+    assert kids["data"].data.metrics == {"train_examples": 3.0, "flag": 1.0}
+    [inp] = kids["data"].inputs.dataset_inputs
+    assert inp.dataset.name == "train" and inp.dataset.digest == ds._fingerprint
+    assert {t.key: t.value for t in inp.tags}["mlflow.data.context"] == "training"
+    sft = kids["sft"]
+    assert sft.data.params["stage.trainer.max_steps"] == "2"
+    assert [(m.step, m.value) for m in c.get_metric_history(sft.info.run_id, "loss")] == [(1, 2.0), (2, 1.5)]
+    stage_json = json.loads(download(uri, sft.info.run_id, "stage.json", tmp_path / "dl2").read_text())
+    assert stage_json["output"] == "/x"
+
+
+def test_stages_in_worker_threads_get_their_own_active_run(uri):
+    """Prefect runs tasks in threads and MLflow's active run is thread-local: each stage must still be
+    the active run of its own thread (where the trainer's callback logs) and a child of the parent."""
+    import mlflow
+
+    def task(name: str) -> str:
+        with tracker.stage(name) as stage:
+            mlflow.log_metric("fluent", 1.0)  # what transformers' MLflowCallback does
+            return stage.run_id
+
+    with start_pipeline_run(make_cfg(uri)) as tracker, ThreadPoolExecutor(2) as pool:
+        run_ids = list(pool.map(task, ["sft", "eval-baseline"]))
+    kids = children(uri, tracker)
+    assert {k: r.info.run_id for k, r in kids.items()} == dict(
+        zip(["sft", "eval-baseline"], run_ids, strict=True)
+    )
+    assert all(r.data.metrics == {"fluent": 1.0} and r.info.status == "FINISHED" for r in kids.values())
+    assert len(client(uri).search_runs([tracker.experiment_id])) == 3
+
+
+def test_param_relogging_with_another_value_is_kept_as_a_tag(uri):
+    with start_pipeline_run(make_cfg(uri)) as tracker, tracker.stage("sft") as stage:
+        stage.log_params({"lr": 1e-5})
+        stage.log_params({"lr": 1e-5, "epochs": 1})  # same value again: fine
+        stage.log_params({"lr": 2e-5})  # MLflow would reject this; posttrain keeps the first
+    run = client(uri).get_run(stage.run_id)
+    assert run.data.params == {"stage.lr": "1e-05", "stage.epochs": "1"}
+    assert run.data.tags["param_conflict.stage.lr"] == "2e-05"
+
+
+def test_eval_table_round_trip_and_parent_mirror(uri, tmp_path):
+    records = [
+        {"question": "2+2?", "gold": "4", "completion": "<answer>\n4\n</answer>", "correct": True},
+        {"question": "3*3?", "gold": "9", "completion": "ten", "correct": False},
+    ]
+    with start_pipeline_run(make_cfg(uri)) as tracker, tracker.stage("eval-sft") as stage:
+        stage.log_eval({"accuracy_strict": 0.5, "format_rate": 1.0}, records)
+    table = client(uri).load_table(tracker.experiment_id, "eval_examples.json", run_ids=[stage.run_id])
+    assert table["question"].tolist() == ["2+2?", "3*3?"] and table["correct"].tolist() == [True, False]
+    assert table["gold"].tolist() == [4, 9]  # log_table's documented type change: "4" -> 4
+    exact = download(uri, stage.run_id, "eval_examples.jsonl", tmp_path / "dl").read_text().splitlines()
+    assert [json.loads(line) for line in exact] == records  # the JSONL copy is exact
+    assert client(uri).get_run(stage.run_id).data.metrics == {
+        "eval/accuracy_strict": 0.5,
+        "eval/format_rate": 1.0,
+    }
+    parent = client(uri).get_run(tracker.run_id).data.metrics
+    assert parent == {"eval-sft/accuracy_strict": 0.5, "eval-sft/format_rate": 1.0}
+
+
+def test_alerts_completions_and_plots(uri, tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "grpo-out" / "completions"
+    out.mkdir(parents=True)
+    for step in (1, 2):  # the layout TRL's GRPOTrainer writes with log_completions=True
+        pd.DataFrame(
+            {
+                "step": [step] * 2,
+                "prompt": [[{"role": "system", "content": "fmt"}, {"role": "user", "content": "1+1?"}]] * 2,
+                "completion": [[{"role": "assistant", "content": f"<answer>{step}</answer>"}]] * 2,
+                "strict_format": [0.0, 1.0],
+                "advantage": [-0.5, 0.5],
+            }
+        ).to_parquet(out / f"completions_{step:05d}.parquet")
+    alerts = [
+        {"step": 1, "kind": "no_signal", "value": 1.0, "message": "all rewards equal", "remedy": "SFT first"},
+        {"step": 4, "kind": "no_signal", "value": 1.0, "message": "still equal", "remedy": "SFT first"},
+        {"step": 3, "kind": "kl_blowup", "value": 2.5, "message": "kl 2.5", "remedy": "raise beta"},
+    ]
+    history = [
+        {
+            "step": s,
+            "reward": 0.1 * s,
+            "rewards/strict_format/mean": 0.05 * s,
+            "rewards/correctness/mean": 0.02 * s,
+            "loss": 0.1,
+        }
+        for s in range(1, 6)
+    ]
+    with start_pipeline_run(make_cfg(uri)) as tracker:
+        with tracker.stage("eval-baseline") as stage:
+            stage.log_eval({"accuracy_strict": 0.0, "accuracy_flexible": 0.1})
+        with tracker.stage("grpo-format") as stage:
+            stage.log_history(history)  # what the trainer callback would have logged
+            assert stage.log_completions(out.parent) == 4
+            stage.log_alerts(alerts)
+            assert stage.plot_rewards() is True  # read back from the run's metric history
+        with tracker.stage("eval-grpo-format") as ev:
+            ev.log_eval({"accuracy_strict": 0.4, "accuracy_flexible": 0.5})
+        assert tracker.plot_accuracy_by_stage() is True
+
+    run = client(uri).get_run(stage.run_id)
+    assert run.data.tags["alert.no_signal"] == "step 1: all rewards equal (+1 more)"
+    assert run.data.tags["alert.kl_blowup"] == "step 3: kl 2.5" and run.data.tags["alerts.count"] == "3"
+    assert client(uri).get_run(tracker.run_id).data.tags["alerts.grpo-format"] == "no_signal,kl_blowup"
+    saved = json.loads(download(uri, stage.run_id, "alerts.json", tmp_path / "a").read_text())
+    assert saved == {"alerts": alerts}
+    assert artifact_paths(uri, stage.run_id, "completions") == {
+        "completions/completions_00001.parquet",
+        "completions/completions_00002.parquet",
+    }
+    table = json.loads(download(uri, stage.run_id, "completions.json", tmp_path / "c").read_text())
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2]
+    assert (
+        rows[0]["completion"] == "<answer>1</answer>" and rows[0]["prompt"] == "[system] fmt\n\n[user] 1+1?"
+    )
+    for run_id, name in ((stage.run_id, "reward_curves.png"), (tracker.run_id, "accuracy_by_stage.png")):
+        png = download(uri, run_id, name, tmp_path / name).read_bytes()
+        assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+def test_cached_stage_points_at_its_producer(uri):
+    cfg = make_cfg(uri)
+    with start_pipeline_run(cfg) as first:
+        with first.stage("sft", params={"lr": 1e-5}, cache_key="sft-abc") as producer:
+            producer.log_history([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}])
+        with first.stage("eval-sft", cache_key="eval-abc") as ev:
+            ev.log_eval({"accuracy_strict": 0.25})
+    with start_pipeline_run(cfg) as second:
+        assert second.find_producer("sft-abc") == producer.run_id
+        assert second.find_producer("missing") is None
+        cached = second.record_cached_stage("sft", cache_key="sft-abc")
+        cached_eval = second.record_cached_stage("eval-sft", producer_run_id=ev.run_id)
+    c = client(uri)
+    run = c.get_run(cached.run_id)
+    assert run.data.tags["cached"] == "true" and run.data.tags["cached_from_run_id"] == producer.run_id
+    assert run.data.tags["mlflow.parentRunId"] == second.run_id and run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in c.get_metric_history(cached.run_id, "loss")] == [(1, 2.0), (2, 1.0)]
+    assert run.data.params == {"stage.lr": "1e-05"}
+    assert "posttrain.cache_key" not in run.data.tags  # a cached copy never becomes a producer
+    assert second.find_producer("sft-abc") == producer.run_id
+    assert c.get_run(cached_eval.run_id).data.metrics == {"eval/accuracy_strict": 0.25}
+    assert c.get_run(second.run_id).data.metrics == {"eval-sft/accuracy_strict": 0.25}
+    assert set(children(uri, second)) == {"sft", "eval-sft"}
+
+
+def test_compare_runs_shows_only_the_differing_param_and_stage_metrics(uri, tmp_path, monkeypatch):
+    trackers = []
+    for lr, accuracy in ((1e-5, 0.2), (3e-5, 0.4)):
+        cfg = make_cfg(uri, sft={"trainer": {"learning_rate": lr}})
+        with start_pipeline_run(cfg) as tracker:
+            with tracker.stage("eval-baseline") as s:
+                s.log_eval({"accuracy_strict": 0.1})
+            with tracker.stage("grpo-format") as s:
+                s.log_history([{"step": i, "reward": accuracy * i} for i in range(1, 4)])
+            with tracker.stage("eval-grpo-format") as s:
+                s.log_eval({"accuracy_strict": accuracy})
+        trackers.append(tracker)
+    ids = [t.run_id for t in trackers]
+
+    comparison = compare_runs(experiment="track-test", last=2, tracking_uri=uri)
+    assert [r.run_id for r in comparison.runs] == ids  # oldest first
+    assert comparison.param_diffs == {"sft.trainer.learning_rate": ["1e-05", "3e-05"]}
+    assert comparison.metric_names == ["eval-baseline/accuracy_strict", "eval-grpo-format/accuracy_strict"]
+    assert [r.stage_metrics["eval-grpo-format/accuracy_strict"] for r in comparison.runs] == [0.2, 0.4]
+    assert comparison.runs[1].reward_curves["grpo-format"] == [(1, 0.4), (2, 0.8), (3, 1.2000000000000002)]
+    assert comparison.runs[0].duration_s is not None and comparison.runs[0].start_time is not None
+    assert comparison.table()[1]["sft.trainer.learning_rate"] == "3e-05"
+    assert compare_runs(run_ids=ids[::-1], tracking_uri=uri).runs[0].run_id == ids[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the CLI's default: the environment
+    assert [r.run_id for r in compare_runs(last=1).runs] == ids[1:]
+
+    text = format_comparison(comparison)
+    assert "sft.trainer.learning_rate" in text and "3e-05" in text and "0.4" in text
+    assert "model.name" not in text  # equal params are not shown
+    png = plot_comparison(comparison, tmp_path / "cmp.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+# --------------------------------------------------------------------------- transformers / TRL
+
+
+def test_trl_trainer_logs_into_the_stage_run(uri, tiny_model_dir, tmp_path, monkeypatch):
+    """report_to=["mlflow"] inside a stage: the callback uses our run, starts no other, ends nothing.
+
+    MLFLOW_NESTED_RUN=1 would make the callback open (and close) a grandchild run; the stage hides it.
+    """
+    import datasets
+    import mlflow
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    monkeypatch.setenv("MLFLOW_NESTED_RUN", "1")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = datasets.Dataset.from_list([{"text": "Natalia sold 48 clips. <answer>72</answer>"}] * 4)
+    with start_pipeline_run(make_cfg(uri)) as tracker:
+        with tracker.stage("sft") as stage:
+            args = SFTConfig(
+                output_dir=str(tmp_path / "out"),
+                max_steps=1,
+                per_device_train_batch_size=2,
+                logging_steps=1,
+                save_strategy="no",
+                report_to=stage.report_to,
+                use_cpu=True,
+                bf16=False,
+                max_length=32,
+                run_name="sft",
+            )
+            SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer).train()
+            assert mlflow.active_run().info.run_id == stage.run_id  # not ended by the callback
+            assert os.environ.get("MLFLOW_NESTED_RUN") is None
+        assert os.environ["MLFLOW_NESTED_RUN"] == "1"
+        assert mlflow.active_run() is None
+    c = client(uri)
+    everything = c.search_runs([tracker.experiment_id])
+    assert {r.info.run_id for r in everything} == {tracker.run_id, stage.run_id}  # no extra run
+    run = c.get_run(stage.run_id)
+    assert run.info.status == "FINISHED"
+    assert "loss" in run.data.metrics and "train_runtime" in run.data.metrics
+    assert run.data.params["learning_rate"] and run.data.params["max_steps"] == "1"
+
+
+def test_log_final_model_full_and_peft_adapter(uri, tiny_model_dir, tmp_path):
+    import mlflow
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter_dir = tmp_path / "adapter"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(adapter_dir)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(adapter_dir)
+
+    with start_pipeline_run(make_cfg(uri)) as tracker:
+        full_uri = tracker.log_final_model(tiny_model_dir)
+        with pytest.raises(ValueError, match="base_model_path"):
+            tracker.log_final_model(adapter_dir)
+        adapter_uri = tracker.log_final_model(adapter_dir, base_model_path=tiny_model_dir, name="adapter")
+    assert client(uri).get_run(tracker.run_id).data.tags["posttrain.model_uri"] == adapter_uri
+    for model_uri in (full_uri, adapter_uri):
+        logged = client(uri).get_logged_model(model_uri.removeprefix("models:/"))
+        assert logged.experiment_id == tracker.experiment_id and logged.source_run_id == tracker.run_id
+        assert logged.status == "READY" and logged.params["model.name"] == "tiny-random"
+
+    mlflow.set_tracking_uri(uri)
+    try:
+        for model_uri in (full_uri, adapter_uri):
+            local = Path(
+                mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path / model_uri[9:]))
+            )
+            reqs = (local / "requirements.txt").read_text()
+            assert "transformers==" in reqs and "torchvision" not in reqs
+        assert (local / "peft").is_dir() and not list(local.rglob("model.safetensors"))  # base by reference
+        pipe = mlflow.transformers.load_model(adapter_uri)
+        assert type(pipe.model).__name__.startswith("Peft")
+        full = mlflow.transformers.load_model(full_uri, return_type="components")["model"].state_dict()
+        reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+        assert full.keys() == reference.keys() and all(torch.equal(full[k], reference[k]) for k in reference)
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def test_log_final_model_respects_the_config_switch(uri, tiny_model_dir):
+    with start_pipeline_run(make_cfg(uri, tracking={"tracking_uri": uri, "log_model": False})) as tracker:
+        assert tracker.log_final_model(tiny_model_dir) is None
