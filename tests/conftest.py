@@ -12,6 +12,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Idle OpenMP threads spin-wait; on a loaded 2-core machine that makes each small op ~100x slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Prefect: an isolated ephemeral API per test session, never a developer's configured server.
 os.environ.pop("PREFECT_API_URL", None)
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="posttrain-prefect-")

@@ -80,9 +80,10 @@ def stage_section(cfg: PipelineConfig, stage: str):
 
 
 def train_key(cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult) -> str:
-    config_hash = stable_hash(
-        {"stage": stable_hash(stage_section(cfg, stage)), "model": stable_hash(cfg.model), "seed": cfg.seed}
-    )
+    section = stage_section(cfg, stage)
+    # trainer_options() includes posttrain's code-side defaults, which the section hash does not.
+    config_hash = stable_hash({"stage": stable_hash(section), "trainer": section.trainer_options(),
+                               "model": stable_hash(cfg.model), "seed": cfg.seed})
     return cache_key(stage, config_hash, {"model": model.fingerprint, "data": data.train_fingerprint})
 
 

@@ -62,6 +62,8 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         "save_strategy": "no",
         "activation_checkpointing": False,
         "log_completions": True,
+        "disable_dropout": True,
+        "num_completions_to_print": 2,
     },
 }
 

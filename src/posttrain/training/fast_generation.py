@@ -10,6 +10,11 @@ refreshes it once per generation round (one cast per step, not per token) and ge
 Samples are therefore drawn from the bf16-rounded policy while the loss uses the autocast fp32
 policy; the difference is the same rounding autocast already applies to every matmul, and GRPO's
 old log-probabilities are recomputed from the training model, so the objective is unchanged.
+
+With TRL's default sampling settings (temperature only) the rollout is a short KV-cache loop
+(:func:`sample_plain`) instead of ``generate``: same distribution, but inverse-CDF draws instead of
+``torch.multinomial`` (8 ms per step on a 49k vocabulary here) and none of ``generate``'s per-token
+bookkeeping; measured ~25% faster for 8 x 64 tokens of SmolLM2. Other settings use ``generate``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,79 @@
+"""What Prefect + MLflow + caching cost on top of the work itself, measured side by side in one run.
+
+1. direct: the smoke config's steps called as plain functions (`posttrain.steps`), no Prefect, no MLflow.
+2. flow:   `posttrain run configs/smoke.yaml` in a fresh process with a fresh store (everything runs).
+3. rerun:  the same command again, unchanged (everything cached): the wall time a user waits.
+
+Prints the overhead (flow - direct) and the rerun time. Targets: overhead <= 10 s, rerun <= 15 s.
+Usage: .venv/bin/python benchmarks/pipeline_overhead.py [--config configs/smoke.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_direct(config: Path, workdir: Path) -> float:
+    """Every step of the pipeline, in order, as plain function calls."""
+    from posttrain import steps
+    from posttrain.config import load_config
+    from posttrain.store import Store
+
+    cfg = load_config(config, [f"orchestration.store={workdir / 'direct-store'}"])
+    store = Store.at(cfg.orchestration.store)
+    start = time.perf_counter()
+    base = steps.base_model(cfg)
+    data = steps.prepare_step(cfg, base, store.data_dir(steps.data_key(cfg, base.fingerprint)))
+    model = base
+    if cfg.eval.baseline:
+        steps.eval_step(cfg, "baseline", model, data, store.eval_dir("baseline", steps.eval_key(cfg, "baseline", model, data)))
+    stages = cfg.stage_names()
+    for i, stage in enumerate(stages):
+        result = steps.train_step(cfg, stage, model, data, store.stage_dir(stage, steps.train_key(cfg, stage, model, data)))
+        model = steps.ModelRef(result.output_dir, result.fingerprints["output"])
+        if cfg.eval.after_each_stage or i == len(stages) - 1:
+            steps.eval_step(cfg, stage, model, data, store.eval_dir(stage, steps.eval_key(cfg, stage, model, data)))
+    return time.perf_counter() - start
+
+
+def run_cli(config: Path, workdir: Path) -> float:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    cmd = [str(Path(sys.executable).parent / "posttrain"), "-q", "run", str(config),
+           "--set", f"orchestration.store={workdir / 'flow-store'}"]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=workdir, env=env, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "smoke.yaml")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="posttrain-bench-") as tmp:
+        workdir = Path(tmp)
+        # Warm the built-in model cache and imports once so neither side pays for them.
+        from posttrain.config import load_config
+        from posttrain.training.modeling import resolve_model_path
+
+        resolve_model_path(load_config(args.config).model.name)
+        direct = run_direct(args.config.resolve(), workdir)
+        flow = run_cli(args.config.resolve(), workdir)
+        rerun = run_cli(args.config.resolve(), workdir)
+    overhead = flow - direct
+    print(f"config: {args.config}")
+    print(f"direct step calls:       {direct:7.1f} s")
+    print(f"posttrain run (cold):    {flow:7.1f} s   (new process, new store, Prefect + MLflow)")
+    print(f"overhead:                {overhead:7.1f} s   target <= 10 s  {'ok' if overhead <= 10 else 'MISSED'}")
+    print(f"unchanged rerun:         {rerun:7.1f} s   target <= 15 s  {'ok' if rerun <= 15 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
