@@ -1,0 +1,165 @@
+"""Throughput of posttrain's evaluator against the two usual ways of running GSM8K generation.
+
+(a) one ``model.generate`` call per question, fp32 (the naive loop);
+(b) ``model.generate`` on padded batches of 32, fp32 (the usual "batched" eval);
+(c) posttrain's evaluator: continuous batching, precision ``auto`` (bf16 where the CPU has AMX).
+
+All three decode greedily with the same prompts and ``max_new_tokens``. Throughput counts *useful*
+tokens: generated tokens up to and including the first EOS, never padding or post-EOS tokens.
+(a) is slow (~19 tok/s for SmolLM2 on 2 cores), so by default it runs on the first ``--limit-a``
+questions only and its tokens/s is taken as representative; the output says so.
+
+    .venv/bin/python benchmarks/eval_throughput.py --data ../shared/data/gsm8k/train.jsonl --limit 128
+    .venv/bin/python benchmarks/eval_throughput.py --model tiny-random --limit 16 --limit-a 4  # self-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+import torch
+
+from posttrain.config import EvalConfig
+from posttrain.data.gsm8k import load_jsonl
+from posttrain.data.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt
+from posttrain.evaluation import evaluate
+from posttrain.evaluation.generation import encode_prompts, stop_token_ids
+from posttrain.evaluation.scoring import score_completion
+from posttrain.training.modeling import load_model_and_tokenizer
+
+TARGETS = {"c/a": 20.0, "c/b": 3.0, "agreement": 0.95}
+
+
+class LoadWatch:
+    """Highest 1-minute load average seen at phase boundaries: other jobs on a shared CPU skew timings."""
+
+    def __init__(self) -> None:
+        self.peak = os.getloadavg()[0]
+
+    def mark(self) -> float:
+        self.peak = max(self.peak, os.getloadavg()[0])
+        return self.peak
+
+
+def useful_tokens(generated: list[int], stop: set[int]) -> list[int]:
+    """Generated ids up to and including the first stop token (what a user actually gets)."""
+    for index, token in enumerate(generated):
+        if token in stop:
+            return generated[: index + 1]
+    return generated
+
+
+def run_generate(model, tokenizer, prompts: list[list[int]], batch_size: int, max_new_tokens: int,
+                 stop: set[int]) -> tuple[list[list[int]], float]:
+    """Greedy ``generate`` in fixed-size left-padded batches, in dataset order; (useful ids, seconds)."""
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(prompts), batch_size):
+            chunk = prompts[first:first + batch_size]
+            enc = tokenizer.pad({"input_ids": chunk}, padding=True, return_tensors="pt")
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=sorted(stop), pad_token_id=tokenizer.pad_token_id)
+            width = enc["input_ids"].shape[1]
+            outputs += [useful_tokens(row[width:].tolist(), stop) for row in out]
+            print(f"    {len(outputs)}/{len(prompts)} done, {time.perf_counter() - start:.0f} s", flush=True)
+    return outputs, time.perf_counter() - start
+
+
+def parsed(tokenizer, ids: list[int], gold: str) -> tuple[str | None, str | None]:
+    score = score_completion(tokenizer.decode(ids, skip_special_tokens=True), gold)
+    return score.strict, score.flexible
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default="../shared/data/gsm8k/train.jsonl", help="GSM8K-format .jsonl")
+    parser.add_argument("--limit", type=int, default=128, help="questions for (b) and (c)")
+    parser.add_argument("--limit-a", type=int, default=16, help="questions timed for (a); 0 = all of --limit")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--precision", default="auto", help="precision of (c)")
+    parser.add_argument("--refill-at", type=float, default=None, help="engine refill fraction for (c)")
+    parser.add_argument("--skip-b", action="store_true", help="skip (b) (minutes on SmolLM2)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    watch = LoadWatch()
+    records = load_jsonl(args.data, limit=args.limit).records
+    limit_a = min(args.limit_a or len(records), len(records))
+    model32, tokenizer = load_model_and_tokenizer(args.model, precision="fp32")
+    stop = stop_token_ids(model32, tokenizer)
+    prompts = encode_prompts(tokenizer, [build_prompt(r["question"], DEFAULT_SYSTEM_PROMPT) for r in records])
+    print(f"model {args.model}; {len(records)} questions; mean prompt {sum(map(len, prompts)) / len(prompts):.0f}"
+          f" tokens; max_new_tokens {args.max_new_tokens}; greedy; torch threads {torch.get_num_threads()}")
+
+    print(f"(a) one generate call per question, fp32, on the first {limit_a} questions")
+    out_a, sec_a = run_generate(model32, tokenizer, prompts[:limit_a], 1, args.max_new_tokens, stop)
+    tps_a = sum(map(len, out_a)) / sec_a
+    print(f"    load average so far <= {watch.mark():.1f}")
+    out_b, tps_b = None, None
+    if not args.skip_b:
+        print(f"(b) batched generate, fp32, batch {args.batch_size}, left padding, {len(records)} questions")
+        out_b, sec_b = run_generate(model32, tokenizer, prompts, args.batch_size, args.max_new_tokens, stop)
+        tps_b = sum(map(len, out_b)) / sec_b
+        print(f"    load average so far <= {watch.mark():.1f}")
+    del model32
+
+    print(f"(c) posttrain evaluator, precision {args.precision}, batch {args.batch_size}, {len(records)} questions")
+    cfg = EvalConfig(data="local", path=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                     batch_size=args.batch_size)
+    extra = {"refill_at": args.refill_at} if args.refill_at is not None else {}
+    report = evaluate(args.model, records, cfg, precision=args.precision, progress=True, **extra)
+    tps_c = report.timings["tokens_per_second"]
+
+    print("\nuseful tokens/s (generated up to and including EOS; padding and post-EOS tokens excluded)")
+    print(f"  (a) per-question generate, fp32 : {tps_a:8.1f}  ({sum(map(len, out_a))} tokens in {sec_a:.1f} s "
+          f"on {limit_a} questions; full run extrapolated: ~{sec_a * len(records) / limit_a:.0f} s)")
+    if tps_b is not None:
+        print(f"  (b) batched generate, fp32      : {tps_b:8.1f}  ({sum(map(len, out_b))} tokens in {sec_b:.1f} s)")
+    print(f"  (c) posttrain evaluator ({report.meta.get('dtype')}) : {tps_c:8.1f}  "
+          f"({report.timings['generated_tokens']} tokens in {report.timings['seconds']:.1f} s, "
+          f"mean batch rows {report.timings['mean_batch_rows']}, {report.timings['prefills']} prefills)")
+    ratios = {"c/a": tps_c / tps_a}
+    if tps_b:
+        ratios["c/b"] = tps_c / tps_b
+    agree = [i for i in range(limit_a)
+             if parsed(tokenizer, out_a[i], records[i]["answer"])
+             == (report.records[i].strict, report.records[i].flexible)]
+    ratios["agreement"] = len(agree) / limit_a
+    extrap = " (a timed on a subset)" if limit_a < len(records) else ""
+    print(f"\nc/a = {ratios['c/a']:.1f}x{extrap}" + (f"   c/b = {ratios['c/b']:.1f}x" if "c/b" in ratios else ""))
+    differing = [records[i]["id"] for i in range(limit_a) if i not in set(agree)]
+    print(f"parsed answers (strict, flexible) of (c) equal to (a)'s on {len(agree)}/{limit_a} questions"
+          + (f"; differ: {', '.join(differing)}" if differing else ""))
+    if out_b is not None:
+        same_b = sum(parsed(tokenizer, out_b[i], records[i]["answer"])
+                     == (report.records[i].strict, report.records[i].flexible) for i in range(len(records)))
+        print(f"parsed answers of (c) equal to (b)'s on {same_b}/{len(records)} questions")
+        b_vs_a = sum(parsed(tokenizer, out_b[i], records[i]["answer"]) == parsed(tokenizer, out_a[i], records[i]["answer"])
+                     for i in range(limit_a))
+        same_tokens = sum(out_b[i] == out_a[i] for i in range(limit_a))
+        print(f"reference noise: (b) (fp32, padded batch) vs (a) (fp32, alone): parsed answers equal on "
+              f"{b_vs_a}/{limit_a}, identical tokens on {same_tokens}/{limit_a}")
+    print(f"(c) accuracy strict {report.summary['accuracy_strict']:.1%}, flexible "
+          f"{report.summary['accuracy_flexible']:.1%}, truncated {report.summary['truncation_rate']:.1%}")
+    cores = os.cpu_count() or 1
+    if watch.mark() > cores + 0.5:
+        print(f"WARNING: load average reached {watch.peak:.1f} on {cores} cores: other processes shared the CPU "
+              "during this run, so the timings and ratios above are not reliable; rerun on an idle machine.")
+    for key, target in TARGETS.items():
+        if key in ratios:
+            verdict = "met" if ratios[key] >= target else "NOT met"
+            shown = f"{ratios[key]:.1%}" if key == "agreement" else f"{ratios[key]:.1f}x"
+            print(f"target {key} >= {target:g}: {shown} -> {verdict}")
+
+
+if __name__ == "__main__":
+    main()
