@@ -56,13 +56,15 @@ def _source_fingerprint(cfg: PipelineConfig) -> str:
     """Content hash of local data files (a path string says nothing about what is in the file)."""
     if cfg.data.source != "local" or not cfg.data.path:
         return "-"
+    from posttrain.training.modeling import sha256_file
+
     root = Path(cfg.data.path)
     files = sorted(root.glob("*.jsonl")) if root.is_dir() else [root]
     digest = hashlib.sha256()
     for file in files:
         if file.exists():
             digest.update(file.name.encode())
-            digest.update(hashlib.sha256(file.read_bytes()).digest())
+            digest.update(sha256_file(file).encode())
     return digest.hexdigest()[:16]
 
 

