@@ -52,17 +52,23 @@ def useful_tokens(generated: list[int], stop: set[int]) -> list[int]:
     return generated
 
 
-def run_generate(model, tokenizer, prompts: list[list[int]], batch_size: int, max_new_tokens: int,
-                 stop: set[int]) -> tuple[list[list[int]], float]:
+def run_generate(
+    model, tokenizer, prompts: list[list[int]], batch_size: int, max_new_tokens: int, stop: set[int]
+) -> tuple[list[list[int]], float]:
     """Greedy ``generate`` in fixed-size left-padded batches, in dataset order; (useful ids, seconds)."""
     outputs: list[list[int]] = []
     start = time.perf_counter()
     with torch.inference_mode():
         for first in range(0, len(prompts), batch_size):
-            chunk = prompts[first:first + batch_size]
+            chunk = prompts[first : first + batch_size]
             enc = tokenizer.pad({"input_ids": chunk}, padding=True, return_tensors="pt")
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=sorted(stop), pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=sorted(stop),
+                pad_token_id=tokenizer.pad_token_id,
+            )
             width = enc["input_ids"].shape[1]
             outputs += [useful_tokens(row[width:].tolist(), stop) for row in out]
             print(f"    {len(outputs)}/{len(prompts)} done, {time.perf_counter() - start:.0f} s", flush=True)
@@ -97,8 +103,10 @@ def main() -> None:
     model32, tokenizer = load_model_and_tokenizer(args.model, precision="fp32")
     stop = stop_token_ids(model32, tokenizer)
     prompts = encode_prompts(tokenizer, [build_prompt(r["question"], DEFAULT_SYSTEM_PROMPT) for r in records])
-    print(f"model {args.model}; {len(records)} questions; mean prompt {sum(map(len, prompts)) / len(prompts):.0f}"
-          f" tokens; max_new_tokens {args.max_new_tokens}; greedy; torch threads {torch.get_num_threads()}")
+    print(
+        f"model {args.model}; {len(records)} questions; mean prompt {sum(map(len, prompts)) / len(prompts):.0f}"
+        f" tokens; max_new_tokens {args.max_new_tokens}; greedy; torch threads {torch.get_num_threads()}"
+    )
 
     print(f"(a) one generate call per question, fp32, on the first {limit_a} questions")
     out_a, sec_a = run_generate(model32, tokenizer, prompts[:limit_a], 1, args.max_new_tokens, stop)
@@ -112,48 +120,81 @@ def main() -> None:
         print(f"    load average so far <= {watch.mark():.1f}")
     del model32
 
-    print(f"(c) posttrain evaluator, precision {args.precision}, batch {args.batch_size}, {len(records)} questions")
-    cfg = EvalConfig(data="local", path=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                     batch_size=args.batch_size)
+    print(
+        f"(c) posttrain evaluator, precision {args.precision}, batch {args.batch_size}, {len(records)} questions"
+    )
+    cfg = EvalConfig(
+        data="local",
+        path=args.data,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+    )
     extra = {"refill_at": args.refill_at} if args.refill_at is not None else {}
     report = evaluate(args.model, records, cfg, precision=args.precision, progress=True, **extra)
     tps_c = report.timings["tokens_per_second"]
 
     print("\nuseful tokens/s (generated up to and including EOS; padding and post-EOS tokens excluded)")
-    print(f"  (a) per-question generate, fp32 : {tps_a:8.1f}  ({sum(map(len, out_a))} tokens in {sec_a:.1f} s "
-          f"on {limit_a} questions; full run extrapolated: ~{sec_a * len(records) / limit_a:.0f} s)")
+    print(
+        f"  (a) per-question generate, fp32 : {tps_a:8.1f}  ({sum(map(len, out_a))} tokens in {sec_a:.1f} s "
+        f"on {limit_a} questions; full run extrapolated: ~{sec_a * len(records) / limit_a:.0f} s)"
+    )
     if tps_b is not None:
-        print(f"  (b) batched generate, fp32      : {tps_b:8.1f}  ({sum(map(len, out_b))} tokens in {sec_b:.1f} s)")
-    print(f"  (c) posttrain evaluator ({report.meta.get('dtype')}) : {tps_c:8.1f}  "
-          f"({report.timings['generated_tokens']} tokens in {report.timings['seconds']:.1f} s, "
-          f"mean batch rows {report.timings['mean_batch_rows']}, {report.timings['prefills']} prefills)")
+        print(
+            f"  (b) batched generate, fp32      : {tps_b:8.1f}  ({sum(map(len, out_b))} tokens in {sec_b:.1f} s)"
+        )
+    print(
+        f"  (c) posttrain evaluator ({report.meta.get('dtype')}) : {tps_c:8.1f}  "
+        f"({report.timings['generated_tokens']} tokens in {report.timings['seconds']:.1f} s, "
+        f"mean batch rows {report.timings['mean_batch_rows']}, {report.timings['prefills']} prefills)"
+    )
     ratios = {"c/a": tps_c / tps_a}
     if tps_b:
         ratios["c/b"] = tps_c / tps_b
-    agree = [i for i in range(limit_a)
-             if parsed(tokenizer, out_a[i], records[i]["answer"])
-             == (report.records[i].strict, report.records[i].flexible)]
+    agree = [
+        i
+        for i in range(limit_a)
+        if parsed(tokenizer, out_a[i], records[i]["answer"])
+        == (report.records[i].strict, report.records[i].flexible)
+    ]
     ratios["agreement"] = len(agree) / limit_a
     extrap = " (a timed on a subset)" if limit_a < len(records) else ""
-    print(f"\nc/a = {ratios['c/a']:.1f}x{extrap}" + (f"   c/b = {ratios['c/b']:.1f}x" if "c/b" in ratios else ""))
+    print(
+        f"\nc/a = {ratios['c/a']:.1f}x{extrap}"
+        + (f"   c/b = {ratios['c/b']:.1f}x" if "c/b" in ratios else "")
+    )
     differing = [records[i]["id"] for i in range(limit_a) if i not in set(agree)]
-    print(f"parsed answers (strict, flexible) of (c) equal to (a)'s on {len(agree)}/{limit_a} questions"
-          + (f"; differ: {', '.join(differing)}" if differing else ""))
+    print(
+        f"parsed answers (strict, flexible) of (c) equal to (a)'s on {len(agree)}/{limit_a} questions"
+        + (f"; differ: {', '.join(differing)}" if differing else "")
+    )
     if out_b is not None:
-        same_b = sum(parsed(tokenizer, out_b[i], records[i]["answer"])
-                     == (report.records[i].strict, report.records[i].flexible) for i in range(len(records)))
+        same_b = sum(
+            parsed(tokenizer, out_b[i], records[i]["answer"])
+            == (report.records[i].strict, report.records[i].flexible)
+            for i in range(len(records))
+        )
         print(f"parsed answers of (c) equal to (b)'s on {same_b}/{len(records)} questions")
-        b_vs_a = sum(parsed(tokenizer, out_b[i], records[i]["answer"]) == parsed(tokenizer, out_a[i], records[i]["answer"])
-                     for i in range(limit_a))
+        b_vs_a = sum(
+            parsed(tokenizer, out_b[i], records[i]["answer"])
+            == parsed(tokenizer, out_a[i], records[i]["answer"])
+            for i in range(limit_a)
+        )
         same_tokens = sum(out_b[i] == out_a[i] for i in range(limit_a))
-        print(f"reference noise: (b) (fp32, padded batch) vs (a) (fp32, alone): parsed answers equal on "
-              f"{b_vs_a}/{limit_a}, identical tokens on {same_tokens}/{limit_a}")
-    print(f"(c) accuracy strict {report.summary['accuracy_strict']:.1%}, flexible "
-          f"{report.summary['accuracy_flexible']:.1%}, truncated {report.summary['truncation_rate']:.1%}")
+        print(
+            f"reference noise: (b) (fp32, padded batch) vs (a) (fp32, alone): parsed answers equal on "
+            f"{b_vs_a}/{limit_a}, identical tokens on {same_tokens}/{limit_a}"
+        )
+    print(
+        f"(c) accuracy strict {report.summary['accuracy_strict']:.1%}, flexible "
+        f"{report.summary['accuracy_flexible']:.1%}, truncated {report.summary['truncation_rate']:.1%}"
+    )
     cores = os.cpu_count() or 1
     if watch.mark() > cores + 0.5:
-        print(f"WARNING: load average reached {watch.peak:.1f} on {cores} cores: other processes shared the CPU "
-              "during this run, so the timings and ratios above are not reliable; rerun on an idle machine.")
+        print(
+            f"WARNING: load average reached {watch.peak:.1f} on {cores} cores: other processes shared the CPU "
+            "during this run, so the timings and ratios above are not reliable; rerun on an idle machine."
+        )
     for key, target in TARGETS.items():
         if key in ratios:
             verdict = "met" if ratios[key] >= target else "NOT met"

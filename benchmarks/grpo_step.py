@@ -71,12 +71,15 @@ def build_data(model_path: str, num_examples: int):
     from posttrain.data.prepare import prepare_data
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    cfg = DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=num_examples + 20, seed=1),
-                     eval_size=10)
+    cfg = DataConfig(
+        source="synthetic", synthetic=SyntheticConfig(num_examples=num_examples + 20, seed=1), eval_size=10
+    )
     return prepare_data(cfg, tokenizer).train
 
 
-def run_trl(model_path: str, data, shapes: dict, steps: int, seed: int, workdir: str) -> tuple[StepTimer, list]:
+def run_trl(
+    model_path: str, data, shapes: dict, steps: int, seed: int, workdir: str
+) -> tuple[StepTimer, list]:
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain.config import LoraConfig
@@ -86,13 +89,28 @@ def run_trl(model_path: str, data, shapes: dict, steps: int, seed: int, workdir:
 
     compact_fused_head_on_cpu(False)  # TRL as shipped
     model, tokenizer = load_model_and_tokenizer(model_path, "fp32", for_training=True)
-    args = GRPOConfig(output_dir=workdir, use_cpu=True, bf16=False, max_steps=steps + 1, logging_steps=1,
-                      seed=seed, report_to="none", save_strategy="no", **shapes)
+    args = GRPOConfig(
+        output_dir=workdir,
+        use_cpu=True,
+        bf16=False,
+        max_steps=steps + 1,
+        logging_steps=1,
+        seed=seed,
+        report_to="none",
+        save_strategy="no",
+        **shapes,
+    )
     rewards = [build_reward("xml_count"), build_reward("correctness")]
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=data,
-                          processing_class=tokenizer, peft_config=build_peft_config(LoraConfig(r=16, alpha=32)),
-                          callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=rewards,
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=build_peft_config(LoraConfig(r=16, alpha=32)),
+        callbacks=[timer],
+    )
     time_generation(trainer, timer)
     trainer.train()
     return timer, [row["reward"] for row in trainer.state.log_history if "reward" in row]
@@ -109,8 +127,9 @@ ABLATIONS = {
 }
 
 
-def run_posttrain(model_path: str, data, shapes: dict, steps: int, seed: int, workdir: str,
-                  variant: str = "posttrain"):
+def run_posttrain(
+    model_path: str, data, shapes: dict, steps: int, seed: int, workdir: str, variant: str = "posttrain"
+):
     from posttrain.config import GRPOStageConfig, ModelConfig
     from posttrain.training import modeling
     from posttrain.training.grpo import make_grpo_trainer
@@ -118,14 +137,31 @@ def run_posttrain(model_path: str, data, shapes: dict, steps: int, seed: int, wo
     from posttrain.training.trl_cpu import compact_fused_head_on_cpu
 
     trainer_overrides, other = ABLATIONS[variant]
-    stage = GRPOStageConfig(name="bench", rewards=[{"name": "xml_count"}, {"name": "correctness"}],
-                            trainer={"max_steps": steps + 1, **shapes, **trainer_overrides})
-    model_cfg = ModelConfig(name=model_path, lora={"r": 16, "alpha": 32}, precision=other.get("precision", "auto"))
-    ctx = StageContext(stage="grpo-bench", work_dir=Path(workdir), seed=seed, report_to="none",
-                       precision=modeling.resolve_precision(model_cfg.precision))
+    stage = GRPOStageConfig(
+        name="bench",
+        rewards=[{"name": "xml_count"}, {"name": "correctness"}],
+        trainer={"max_steps": steps + 1, **shapes, **trainer_overrides},
+    )
+    model_cfg = ModelConfig(
+        name=model_path, lora={"r": 16, "alpha": 32}, precision=other.get("precision", "auto")
+    )
+    ctx = StageContext(
+        stage="grpo-bench",
+        work_dir=Path(workdir),
+        seed=seed,
+        report_to="none",
+        precision=modeling.resolve_precision(model_cfg.precision),
+    )
     timer = StepTimer()
-    trainer, _ = make_grpo_trainer(stage, model_cfg, model_path, data, ctx, callbacks=[timer],
-                                   fast_generation=other.get("fast_generation", True))
+    trainer, _ = make_grpo_trainer(
+        stage,
+        model_cfg,
+        model_path,
+        data,
+        ctx,
+        callbacks=[timer],
+        fast_generation=other.get("fast_generation", True),
+    )
     compact_fused_head_on_cpu(other.get("compact_head", True))
     time_generation(trainer, timer)
     trainer.train()
@@ -137,8 +173,10 @@ def report(name: str, timer: StepTimer, rewards: list) -> float:
     mean = statistics.mean(timed)
     share = sum(generation) / sum(timed)
     trend = " ".join(f"{r:.3f}" for r in rewards)
-    print(f"{name:10s} {mean:7.2f} s/step (steps: {', '.join(f'{t:.1f}' for t in timed)}; "
-          f"generation {share:.0%}; warm-up {timer.steps[0]:.1f} s)  reward per step: {trend}")
+    print(
+        f"{name:10s} {mean:7.2f} s/step (steps: {', '.join(f'{t:.1f}' for t in timed)}; "
+        f"generation {share:.0%}; warm-up {timer.steps[0]:.1f} s)  reward per step: {trend}"
+    )
     return mean
 
 
@@ -150,8 +188,11 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--variants", default="trl,posttrain",
-                        help=f"comma list of trl and {', '.join(ABLATIONS)} (ablations of posttrain's defaults)")
+    parser.add_argument(
+        "--variants",
+        default="trl,posttrain",
+        help=f"comma list of trl and {', '.join(ABLATIONS)} (ablations of posttrain's defaults)",
+    )
     opts = parser.parse_args()
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -160,12 +201,17 @@ def main() -> None:
     from posttrain.training.modeling import cpu_has_fast_bf16, resolve_model_path
 
     model_path = resolve_model_path(opts.model)
-    shapes = {"num_generations": opts.num_generations, "per_device_train_batch_size": opts.num_generations,
-              "max_completion_length": opts.max_completion_length}
+    shapes = {
+        "num_generations": opts.num_generations,
+        "per_device_train_batch_size": opts.num_generations,
+        "max_completion_length": opts.max_completion_length,
+    }
     data = build_data(model_path, opts.steps + 1)
-    print(f"model {opts.model}; {opts.steps} timed steps + 1 warm-up; {shapes}; torch threads "
-          f"{torch.get_num_threads()}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; CPU fast bf16: "
-          f"{cpu_has_fast_bf16()}; load {os.getloadavg()[0]:.2f}")
+    print(
+        f"model {opts.model}; {opts.steps} timed steps + 1 warm-up; {shapes}; torch threads "
+        f"{torch.get_num_threads()}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; CPU fast bf16: "
+        f"{cpu_has_fast_bf16()}; load {os.getloadavg()[0]:.2f}"
+    )
     results = {}
     for name in opts.variants.split(","):
         with tempfile.TemporaryDirectory() as workdir:

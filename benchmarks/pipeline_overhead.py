@@ -34,20 +34,36 @@ def run_direct(config: Path, workdir: Path) -> float:
     data = steps.prepare_step(cfg, base, store.data_dir(steps.data_key(cfg, base.fingerprint)))
     model = base
     if cfg.eval.baseline:
-        steps.eval_step(cfg, "baseline", model, data, store.eval_dir("baseline", steps.eval_key(cfg, "baseline", model, data)))
+        steps.eval_step(
+            cfg,
+            "baseline",
+            model,
+            data,
+            store.eval_dir("baseline", steps.eval_key(cfg, "baseline", model, data)),
+        )
     stages = cfg.stage_names()
     for i, stage in enumerate(stages):
-        result = steps.train_step(cfg, stage, model, data, store.stage_dir(stage, steps.train_key(cfg, stage, model, data)))
+        result = steps.train_step(
+            cfg, stage, model, data, store.stage_dir(stage, steps.train_key(cfg, stage, model, data))
+        )
         model = steps.ModelRef(result.output_dir, result.fingerprints["output"])
         if cfg.eval.after_each_stage or i == len(stages) - 1:
-            steps.eval_step(cfg, stage, model, data, store.eval_dir(stage, steps.eval_key(cfg, stage, model, data)))
+            steps.eval_step(
+                cfg, stage, model, data, store.eval_dir(stage, steps.eval_key(cfg, stage, model, data))
+            )
     return time.perf_counter() - start
 
 
 def run_cli(config: Path, workdir: Path) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    cmd = [str(Path(sys.executable).parent / "posttrain"), "-q", "run", str(config),
-           "--set", f"orchestration.store={workdir / 'flow-store'}"]
+    cmd = [
+        str(Path(sys.executable).parent / "posttrain"),
+        "-q",
+        "run",
+        str(config),
+        "--set",
+        f"orchestration.store={workdir / 'flow-store'}",
+    ]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=workdir, env=env, stdout=subprocess.DEVNULL)
     return time.perf_counter() - start
@@ -71,7 +87,9 @@ def main() -> None:
     print(f"config: {args.config}")
     print(f"direct step calls:       {direct:7.1f} s")
     print(f"posttrain run (cold):    {flow:7.1f} s   (new process, new store, Prefect + MLflow)")
-    print(f"overhead:                {overhead:7.1f} s   target <= 10 s  {'ok' if overhead <= 10 else 'MISSED'}")
+    print(
+        f"overhead:                {overhead:7.1f} s   target <= 10 s  {'ok' if overhead <= 10 else 'MISSED'}"
+    )
     print(f"unchanged rerun:         {rerun:7.1f} s   target <= 15 s  {'ok' if rerun <= 15 else 'MISSED'}")
 
 

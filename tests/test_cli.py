@@ -80,8 +80,21 @@ def test_format_table_aligns_columns():
 
 def test_eval_writes_a_report_and_diffs_two(tiny_model_dir, tmp_path, capsys):
     for name, tokens in (("a", "8"), ("b", "12")):
-        argv = ["eval", "--model", str(tiny_model_dir), "--data", "synthetic", "--limit", "4",
-                "--max-new-tokens", tokens, "--precision", "fp32", "--output", str(tmp_path / name)]
+        argv = [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            "synthetic",
+            "--limit",
+            "4",
+            "--max-new-tokens",
+            tokens,
+            "--precision",
+            "fp32",
+            "--output",
+            str(tmp_path / name),
+        ]
         assert main(argv) == 0
     out = capsys.readouterr().out
     assert "accuracy (strict, <answer>)" in out and (tmp_path / "a" / "examples.jsonl").exists()

@@ -12,8 +12,19 @@ from posttrain.evaluation import EvalReport, evaluate, load_eval_records, run_ev
 from posttrain.evaluation.data import eval_records_for
 from posttrain.training.modeling import HardwareError
 
-FIELDS = {"id", "question", "gold", "completion", "strict", "flexible", "correct_strict", "correct_flexible",
-          "strict_format", "tokens", "truncated"}
+FIELDS = {
+    "id",
+    "question",
+    "gold",
+    "completion",
+    "strict",
+    "flexible",
+    "correct_strict",
+    "correct_flexible",
+    "strict_format",
+    "tokens",
+    "truncated",
+}
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +67,14 @@ def test_evaluate_tiny_model_on_synthetic(tiny, tmp_path):
 def test_evaluate_with_prompts_given_and_a_datasets_dataset(tiny):
     from datasets import Dataset
 
-    rows = [{"id": 7, "question": "1+1?", "answer": "2", "prompt": [{"role": "user", "content": "1+1?"}]},
-            {"id": 8, "question": "2+2?", "answer": "4", "prompt": [{"role": "user", "content": "2+2?"}]}]
+    rows = [
+        {"id": 7, "question": "1+1?", "answer": "2", "prompt": [{"role": "user", "content": "1+1?"}]},
+        {"id": 8, "question": "2+2?", "answer": "4", "prompt": [{"role": "user", "content": "2+2?"}]},
+    ]
     model, tokenizer = tiny
-    report = evaluate(model, Dataset.from_list(rows), EvalConfig(limit=None, max_new_tokens=8), tokenizer=tokenizer)
+    report = evaluate(
+        model, Dataset.from_list(rows), EvalConfig(limit=None, max_new_tokens=8), tokenizer=tokenizer
+    )
     _check_consistent(report, 2, 8)
     assert [r.id for r in report.records] == ["7", "8"]
 
@@ -81,19 +96,34 @@ def test_evaluate_rejects_bad_inputs(tiny):
     with pytest.raises(ValueError, match="tokenizer"):
         evaluate(tiny[0], [{"id": 1, "question": "q", "answer": "1"}], EvalConfig(max_new_tokens=4))
     with pytest.raises(ValueError, match="temperature"):
-        evaluate(tiny, [{"id": 1, "question": "q", "answer": "1"}], EvalConfig(max_new_tokens=4), num_samples=2)
+        evaluate(
+            tiny, [{"id": 1, "question": "q", "answer": "1"}], EvalConfig(max_new_tokens=4), num_samples=2
+        )
 
 
 def test_run_eval_from_a_local_file(tiny_model_dir, tmp_path):
     data = tmp_path / "test.jsonl"
-    rows = [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = <<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}"}
-            for i in range(1, 6)]
+    rows = [
+        {
+            "question": f"What is {i} plus {i}?",
+            "answer": f"{i} + {i} = <<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}",
+        }
+        for i in range(1, 6)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "report"
-    report = run_eval(str(tiny_model_dir), str(data), limit=3, output_dir=out,
-                      cfg=EvalConfig(max_new_tokens=8), precision="fp32", progress=False)
+    report = run_eval(
+        str(tiny_model_dir),
+        str(data),
+        limit=3,
+        output_dir=out,
+        cfg=EvalConfig(max_new_tokens=8),
+        precision="fp32",
+        progress=False,
+    )
     assert [r.id for r in report.records] == ["test-00001", "test-00002", "test-00003"]
     assert report.config["data_source"] == f"local:{data}" and report.config["limit"] == 3
+    assert (report.config["data"], report.config["path"]) == ("local", str(data))
     assert EvalReport.load(out).summary == report.summary
 
 
@@ -153,8 +183,13 @@ def test_in_memory_model_precision_copy_leaves_the_original(tiny):
 
     model, tokenizer = tiny
     model.train()
-    report = evaluate(model, [{"id": "1", "question": "1+1?", "answer": "2"}], EvalConfig(max_new_tokens=4),
-                      tokenizer=tokenizer, precision="bf16")
+    report = evaluate(
+        model,
+        [{"id": "1", "question": "1+1?", "answer": "2"}],
+        EvalConfig(max_new_tokens=4),
+        tokenizer=tokenizer,
+        precision="bf16",
+    )
     assert report.meta["dtype"] == "bfloat16"
     assert model.dtype == torch.float32 and model.training  # the caller's model is untouched
     model.eval()

@@ -58,9 +58,14 @@ def _reference(model, tokenizer, prompts, stop, max_new=MAX_NEW):
     out = []
     with torch.inference_mode():
         for prompt in prompts:
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                                 eos_token_id=sorted(stop), pad_token_id=tokenizer.pad_token_id)
-            out.append(ids[0, len(prompt):].tolist())
+            ids = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=sorted(stop),
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            out.append(ids[0, len(prompt) :].tolist())
     return out
 
 
@@ -83,11 +88,17 @@ def reference(lively_model, tiny_tokenizer, prompts, stops):
         (4, 0.75),
     ],
 )
-def test_greedy_matches_generate_token_for_token(lively_model, tiny_tokenizer, prompts, stops, reference,
-                                                 batch_size, refill_at):
+def test_greedy_matches_generate_token_for_token(
+    lively_model, tiny_tokenizer, prompts, stops, reference, batch_size, refill_at
+):
     completions, stats = generate_continuous(
-        lively_model, prompts, max_new_tokens=MAX_NEW, stop_ids=stops, pad_token_id=tiny_tokenizer.pad_token_id,
-        batch_size=batch_size, refill_at=refill_at,
+        lively_model,
+        prompts,
+        max_new_tokens=MAX_NEW,
+        stop_ids=stops,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+        batch_size=batch_size,
+        refill_at=refill_at,
     )
     assert [list(c.token_ids) for c in completions] == reference
     assert [c.finished for c in completions] == [r[-1] in stops for r in reference]
@@ -99,8 +110,14 @@ def test_greedy_matches_generate_token_for_token(lively_model, tiny_tokenizer, p
 
 def test_finished_rows_cost_no_decode_steps(lively_model, tiny_tokenizer, prompts, stops, reference):
     """Each decode step feeds one token per still-running row: no row is decoded after its stop token."""
-    _, stats = generate_continuous(lively_model, prompts, max_new_tokens=MAX_NEW, stop_ids=stops,
-                                   pad_token_id=tiny_tokenizer.pad_token_id, batch_size=len(prompts))
+    _, stats = generate_continuous(
+        lively_model,
+        prompts,
+        max_new_tokens=MAX_NEW,
+        stop_ids=stops,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+        batch_size=len(prompts),
+    )
     # Prefill yields each row's first token; every later token costs exactly one row-step.
     assert stats.row_steps == sum(len(r) - 1 for r in reference)
 
@@ -114,12 +131,16 @@ def test_cache_layers_are_slot_layers(lively_model):
 
 def test_sampling_is_seeded_per_sequence(lively_model, tiny_tokenizer, prompts, stops):
     """A sequence's sample depends on its seed, not on the batch it shared or the order of prompts."""
-    kwargs = dict(max_new_tokens=12, stop_ids=stops, pad_token_id=tiny_tokenizer.pad_token_id, temperature=1.0)
+    kwargs = dict(
+        max_new_tokens=12, stop_ids=stops, pad_token_id=tiny_tokenizer.pad_token_id, temperature=1.0
+    )
     seeds = list(range(100, 100 + len(prompts)))
     wide, _ = generate_continuous(lively_model, prompts, batch_size=7, seeds=seeds, **kwargs)
     narrow, _ = generate_continuous(lively_model, prompts, batch_size=2, seeds=seeds, **kwargs)
     assert wide == narrow
-    other, _ = generate_continuous(lively_model, prompts, batch_size=7, seeds=[s + 1 for s in seeds], **kwargs)
+    other, _ = generate_continuous(
+        lively_model, prompts, batch_size=7, seeds=[s + 1 for s in seeds], **kwargs
+    )
     assert other != wide
 
 

@@ -24,7 +24,15 @@ SCORING_CASES = [
     (GOOD, "42", "42", "42", True, True, True),  # the trained format, right
     (GOOD, "41", "42", "42", False, False, True),  # the trained format, wrong
     ("6 * 7 = 42", "42", None, "42", False, True, False),  # right number, no answer block
-    ("<answer>42</answer>", "42", "42", "42", True, True, False),  # block without reasoning: strict yes, format no
+    (
+        "<answer>42</answer>",
+        "42",
+        "42",
+        "42",
+        True,
+        True,
+        False,
+    ),  # block without reasoning: strict yes, format no
     ("<reasoning>\nso 42\n</reasoning>\n<answer>\n40\n</answer>", "42", "40", "40", False, False, True),
     ("<answer>\n$1,234.00\n</answer> done", "1234", "1234", "1234", True, True, False),  # currency + commas
     ("<answer>42</answer> no wait, 43", "42", "42", "43", True, False, False),  # last number after block
@@ -62,7 +70,10 @@ def test_pass_at_k_rejects_too_few_samples():
 
 
 def test_summarize_with_samples_reports_pass_at_k():
-    right, wrong = score_completion(GOOD, "42", tokens=20), score_completion("no", "42", tokens=40, truncated=True)
+    right, wrong = (
+        score_completion(GOOD, "42", tokens=20),
+        score_completion("no", "42", tokens=40, truncated=True),
+    )
     metrics = summarize([[right, wrong], [wrong, wrong]], k=2)
     assert metrics["accuracy_strict"] == pytest.approx(0.25)  # (1/2 + 0) / 2
     assert metrics["pass@2_strict"] == pytest.approx(0.5)
@@ -79,15 +90,27 @@ def _record(example_id: str, correct: bool, *, extra: tuple = ()) -> EvalRecord:
 def _report(model: str, flags: dict[str, bool]) -> EvalReport:
     records = tuple(_record(i, ok) for i, ok in flags.items())
     summary = summarize([r.samples for r in records])
-    return EvalReport(model=model, summary=summary, records=records, config={"data_source": "test", "limit": 4},
-                      timings={"seconds": 1.5, "tokens_per_second": 100.0}, meta={"dtype": "float32"})
+    return EvalReport(
+        model=model,
+        summary=summary,
+        records=records,
+        config={"data_source": "test", "limit": 4},
+        timings={"seconds": 1.5, "tokens_per_second": 100.0},
+        meta={"dtype": "float32"},
+    )
 
 
 def test_report_save_load_round_trip(tmp_path):
     sampled = _record("q3", True, extra=(score_completion("42 ü", "42", tokens=3, truncated=True),))
     report = _report("model-a", {"q1": True, "q2": False})
-    report = EvalReport(model=report.model, summary=report.summary, records=(*report.records, sampled),
-                        config=report.config, timings=report.timings, meta=report.meta)
+    report = EvalReport(
+        model=report.model,
+        summary=report.summary,
+        records=(*report.records, sampled),
+        config=report.config,
+        timings=report.timings,
+        meta=report.meta,
+    )
     report.save(tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["examples.jsonl", "report.json"]
     head = json.loads((tmp_path / "out" / "report.json").read_text())

@@ -10,8 +10,13 @@ from posttrain.training.health import REMEDIES, HealthCallback, HealthMonitor
 
 
 def healthy(step: int) -> dict[str, float]:
-    return {"reward": 0.1 + 0.05 * step, "reward_std": 0.3, "frac_reward_zero_std": 0.25, "kl": 0.02,
-            "entropy": 1.2}
+    return {
+        "reward": 0.1 + 0.05 * step,
+        "reward_std": 0.3,
+        "frac_reward_zero_std": 0.25,
+        "kl": 0.02,
+        "entropy": 1.2,
+    }
 
 
 def run(stream: list[dict[str, float]], **cfg) -> list:
@@ -24,19 +29,39 @@ def run(stream: list[dict[str, float]], **cfg) -> list:
 CASES = [
     # (name, stream, config, expected [(step, kind)])
     ("healthy run", [healthy(s) for s in range(30)], {}, []),
-    ("untrained model: every completion scores 0", [{"reward": 0.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0}],
-     {}, [(1, "no_signal")]),
-    ("signal dies after a good start (and the reward stops moving)",
-     [healthy(s) for s in range(5)] + [{**healthy(5), "frac_reward_zero_std": 1.0}] * 10, {"window": 5},
-     [(10, "no_signal"), (10, "flat_reward")]),
+    (
+        "untrained model: every completion scores 0",
+        [{"reward": 0.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0}],
+        {},
+        [(1, "no_signal")],
+    ),
+    (
+        "signal dies after a good start (and the reward stops moving)",
+        [healthy(s) for s in range(5)] + [{**healthy(5), "frac_reward_zero_std": 1.0}] * 10,
+        {"window": 5},
+        [(10, "no_signal"), (10, "flat_reward")],
+    ),
     ("zero reward_std without frac metric", [{"reward": 1.0, "reward_std": 0.0}], {}, [(1, "no_signal")]),
     ("KL blow-up", [healthy(s) for s in range(3)] + [{**healthy(3), "kl": 5.0}], {}, [(4, "kl_blowup")]),
-    ("entropy collapse", [healthy(s) for s in range(3)] + [{**healthy(3), "entropy": 0.01}], {}, [(4, "entropy")]),
+    (
+        "entropy collapse",
+        [healthy(s) for s in range(3)] + [{**healthy(3), "entropy": 0.01}],
+        {},
+        [(4, "entropy")],
+    ),
     ("flat reward", [{**healthy(0), "reward": 0.3}] * 6, {"window": 5}, [(5, "flat_reward")]),
-    ("declining reward counts as not improving", [{**healthy(0), "reward": 0.5 - 0.05 * s} for s in range(5)],
-     {"window": 5}, [(5, "flat_reward")]),
-    ("steps without reward metrics are ignored by the reward checks",
-     [{"loss": 0.1}] * 20 + [healthy(1)], {"window": 5}, []),
+    (
+        "declining reward counts as not improving",
+        [{**healthy(0), "reward": 0.5 - 0.05 * s} for s in range(5)],
+        {"window": 5},
+        [(5, "flat_reward")],
+    ),
+    (
+        "steps without reward metrics are ignored by the reward checks",
+        [{"loss": 0.1}] * 20 + [healthy(1)],
+        {"window": 5},
+        [],
+    ),
     ("NaN metrics are ignored", [{"kl": float("nan"), "entropy": float("nan")}], {}, []),
 ]
 

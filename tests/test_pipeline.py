@@ -18,17 +18,33 @@ def workdir(tmp_path_factory):
 
 
 def smoke(workdir: Path, *overrides: str):
-    return load_config(SMOKE, [f"orchestration.store={workdir / 'store'}",
-                               f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",
-                               f"model.cache_dir={workdir / 'models'}", *overrides])
+    return load_config(
+        SMOKE,
+        [
+            f"orchestration.store={workdir / 'store'}",
+            f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",
+            f"model.cache_dir={workdir / 'models'}",
+            *overrides,
+        ],
+    )
 
 
 def statuses(summary) -> dict[str, str]:
     return {o["step"]: o["status"] for o in summary["outcomes"]}
 
 
-STEPS = ["data", "eval-baseline", "sft", "eval-sft", "dpo", "eval-dpo", "grpo-format", "eval-grpo-format",
-         "grpo-correctness", "eval-grpo-correctness"]
+STEPS = [
+    "data",
+    "eval-baseline",
+    "sft",
+    "eval-sft",
+    "dpo",
+    "eval-dpo",
+    "grpo-format",
+    "eval-grpo-format",
+    "grpo-correctness",
+    "eval-grpo-correctness",
+]
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +107,9 @@ def test_mlflow_holds_parent_and_nested_stage_runs(first_run, workdir):
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     parent = client.get_run(first_run["run_id"])
     assert parent.data.tags["posttrain.config_name"] == "smoke"
-    children = client.search_runs([parent.info.experiment_id],
-                                  f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
     by_name = {r.info.run_name: r for r in children}
     assert set(by_name) == set(STEPS)
     grpo = by_name["grpo-format"]
@@ -106,15 +123,24 @@ def test_mlflow_holds_parent_and_nested_stage_runs(first_run, workdir):
 def test_cli_dry_run_compare_and_serve_without_server(first_run, workdir, capsys, monkeypatch):
     from posttrain.cli import main
 
-    sets = ["--set", f"orchestration.store={workdir / 'store'}", "--set", f"model.cache_dir={workdir / 'models'}",
-            "--set", f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}"]
+    sets = [
+        "--set",
+        f"orchestration.store={workdir / 'store'}",
+        "--set",
+        f"model.cache_dir={workdir / 'models'}",
+        "--set",
+        f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",
+    ]
     assert main(["run", str(SMOKE), *sets, "--dry-run", "--force", "dpo"]) == 0
     out = capsys.readouterr().out
     assert "sft                    cached" in out and "dpo                    run     forced" in out
 
     png = workdir / "compare.png"
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
-    assert main(["compare", "--experiment", "smoke", "--last", "2", "--tracking-uri", uri, "--plot", str(png)]) == 0
+    assert (
+        main(["compare", "--experiment", "smoke", "--last", "2", "--tracking-uri", uri, "--plot", str(png)])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "eval-grpo-correctness" in out or "grpo-correctness" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

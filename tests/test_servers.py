@@ -44,7 +44,9 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
 
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -60,21 +62,47 @@ def stop(proc: subprocess.Popen) -> None:
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("servers")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env.update(PREFECT_HOME=str(tmp / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_LOGGING_LEVEL="WARNING")
+    env.update(
+        PREFECT_HOME=str(tmp / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_LOGGING_LEVEL="WARNING",
+    )
     mlflow_port, prefect_port = free_port(), free_port()
     procs = []
     try:
-        procs.append(start([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
-                            "--backend-store-uri", f"sqlite:///{tmp / 'mlflow-server.db'}",
-                            "--artifacts-destination", str(tmp / "artifacts"), "--workers", "1"],
-                           env, tmp / "mlflow.log"))
-        procs.append(start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                            str(prefect_port)], env, tmp / "prefect.log"))
+        procs.append(
+            start(
+                [
+                    str(BIN / "mlflow"),
+                    "server",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(mlflow_port),
+                    "--backend-store-uri",
+                    f"sqlite:///{tmp / 'mlflow-server.db'}",
+                    "--artifacts-destination",
+                    str(tmp / "artifacts"),
+                    "--workers",
+                    "1",
+                ],
+                env,
+                tmp / "mlflow.log",
+            )
+        )
+        procs.append(
+            start(
+                [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+                env,
+                tmp / "prefect.log",
+            )
+        )
         wait_http(f"http://127.0.0.1:{mlflow_port}/health", procs[0])
         wait_http(f"http://127.0.0.1:{prefect_port}/api/health", procs[1])
-        env.update(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{mlflow_port}",
-                   PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api")
+        env.update(
+            MLFLOW_TRACKING_URI=f"http://127.0.0.1:{mlflow_port}",
+            PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
+        )
         yield env, tmp
     finally:
         for proc in reversed(procs):
@@ -83,9 +111,23 @@ def servers(tmp_path_factory):
 
 def test_serve_registers_a_cron_deployment_whose_triggered_run_completes(servers):
     env, tmp = servers
-    serve = start([str(BIN / "posttrain"), "serve", str(REPO / "configs" / "smoke.yaml"), "--cron", "0 3 * * *",
-                   "--name", "nightly", "--set", f"orchestration.store={tmp / 'store'}",
-                   "--set", f"model.cache_dir={tmp / 'models'}"], env, tmp / "serve.log")
+    serve = start(
+        [
+            str(BIN / "posttrain"),
+            "serve",
+            str(REPO / "configs" / "smoke.yaml"),
+            "--cron",
+            "0 3 * * *",
+            "--name",
+            "nightly",
+            "--set",
+            f"orchestration.store={tmp / 'store'}",
+            "--set",
+            f"model.cache_dir={tmp / 'models'}",
+        ],
+        env,
+        tmp / "serve.log",
+    )
     try:
         result = subprocess.run(
             [sys.executable, "-c", TRIGGER], env=env, capture_output=True, text=True, timeout=600, cwd=tmp

@@ -13,7 +13,11 @@ from posttrain.store import Store, StoreLockedError, cache_key
 @pytest.mark.parametrize(
     "a, b, same",
     [
-        (("sft", "h1", {"model": "m", "data": "d"}), ("sft", "h1", {"data": "d", "model": "m"}), True),  # order-free
+        (
+            ("sft", "h1", {"model": "m", "data": "d"}),
+            ("sft", "h1", {"data": "d", "model": "m"}),
+            True,
+        ),  # order-free
         (("sft", "h1", {"model": "m"}), ("sft", "h2", {"model": "m"}), False),  # config changed
         (("sft", "h1", {"model": "m"}), ("sft", "h1", {"model": "m2"}), False),  # upstream output changed
         (("sft", "h1", {"model": "m"}), ("dpo", "h1", {"model": "m"}), False),  # another stage

@@ -82,11 +82,14 @@ def test_adapter_chain_root_and_errors(tmp_path):
         stage_io.adapter_root(a2)
 
 
-@pytest.mark.parametrize("steps, every, kept", [
-    ([1, 2, 3, 4, 5, 6, 7], 3, [1, 3, 6, 7]),  # first, every 3rd, last
-    ([1, 2], 5, [1, 2]),  # short run: first and last
-    ([], 5, []),  # nothing logged
-])
+@pytest.mark.parametrize(
+    "steps, every, kept",
+    [
+        ([1, 2, 3, 4, 5, 6, 7], 3, [1, 3, 6, 7]),  # first, every 3rd, last
+        ([1, 2], 5, [1, 2]),  # short run: first and last
+        ([], 5, []),  # nothing logged
+    ],
+)
 def test_prune_samples(tmp_path, steps, every, kept):
     for step in steps:
         write(tmp_path / "completions" / f"completions_{step:05d}.parquet")
@@ -96,16 +99,23 @@ def test_prune_samples(tmp_path, steps, every, kept):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU flags")
-@pytest.mark.parametrize("precision, flags", [
-    ("bf16", {"use_cpu": True, "bf16": True, "fp16": False}),  # autocast, fp32 master weights
-    ("fp32", {"use_cpu": True, "bf16": False, "fp16": False}),
-])
+@pytest.mark.parametrize(
+    "precision, flags",
+    [
+        ("bf16", {"use_cpu": True, "bf16": True, "fp16": False}),  # autocast, fp32 master weights
+        ("fp32", {"use_cpu": True, "bf16": False, "fp16": False}),
+    ],
+)
 def test_precision_flags_on_cpu(precision, flags):
     assert precision_flags(precision) == flags
 
 
 def test_summarize_history_keeps_last_values_and_first_reward():
-    history = [{"loss": 1.0, "reward": 0.1}, {"loss": 0.5, "reward": 0.4, "kl": float("nan")}, {"train_loss": 0.7}]
+    history = [
+        {"loss": 1.0, "reward": 0.1},
+        {"loss": 0.5, "reward": 0.4, "kl": float("nan")},
+        {"train_loss": 0.7},
+    ]
     assert summarize_history(history) == {"loss": 0.5, "reward": 0.4, "train_loss": 0.7, "reward_first": 0.1}
 
 
@@ -156,7 +166,9 @@ def test_plain_sampling_matches_generate_when_greedy(tiny_model_dir):
     greedy = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=[2])
     assert not is_plain_sampling(greedy)
     expected = generate_completion_ids(model, prompts, greedy, pad_token_id=0, eos_token_ids=[2])
-    cold = sample_plain(model, prompts, max_new_tokens=12, temperature=1e-5, pad_token_id=0, eos_token_ids=[2])
+    cold = sample_plain(
+        model, prompts, max_new_tokens=12, temperature=1e-5, pad_token_id=0, eos_token_ids=[2]
+    )
     assert cold == expected
     assert is_plain_sampling(GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0))
     assert not is_plain_sampling(GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=0.9))
@@ -171,7 +183,9 @@ def test_generate_completion_ids_cuts_after_eos():
             tail = torch.tensor([[7, 9, 5, 5], [8, 8, 8, 8]])
             return torch.cat([input_ids, tail], dim=1)
 
-    out = generate_completion_ids(Fake(), [[1, 2], [1, 2, 3]], SimpleNamespace(), pad_token_id=0, eos_token_ids=[9])
+    out = generate_completion_ids(
+        Fake(), [[1, 2], [1, 2, 3]], SimpleNamespace(), pad_token_id=0, eos_token_ids=[9]
+    )
     assert out == [[7, 9], [8, 8, 8, 8]]
 
 

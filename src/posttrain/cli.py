@@ -168,8 +168,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from posttrain.flows.pipeline import posttrain_pipeline
 
     summary = posttrain_pipeline(cfg, force=args.force)
-    rows = [(o["step"], o["status"], f"{o['metrics'].get('accuracy_strict', '')}", o["output"])
-            for o in summary["outcomes"]]
+    rows = [
+        (o["step"], o["status"], f"{o['metrics'].get('accuracy_strict', '')}", o["output"])
+        for o in summary["outcomes"]
+    ]
     print(format_table(rows, ("step", "status", "accuracy (strict)", "output")))
     if summary["run_id"]:
         print(f"MLflow run {summary['run_id']} in experiment '{cfg.tracking.experiment or cfg.name}'")
@@ -188,8 +190,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise CLIError("eval needs --model and --data (or --diff A B)")
     from posttrain.config import EvalConfig
 
-    cfg = EvalConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                     backend=args.backend, limit=args.limit)
+    cfg = EvalConfig(
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, backend=args.backend, limit=args.limit
+    )
     report = run_eval(args.model, args.data, args.limit, args.output, cfg, precision=args.precision)
     print(format_summary_table(report))
     if args.output:
@@ -202,8 +205,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     if args.run_ids and args.last:
         raise CLIError("give RUN_IDs or --last N, not both")
-    comparison = compare_runs(args.experiment, last=None if args.run_ids else args.last, run_ids=args.run_ids,
-                              tracking_uri=args.tracking_uri)
+    comparison = compare_runs(
+        args.experiment,
+        last=None if args.run_ids else args.last,
+        run_ids=args.run_ids,
+        tracking_uri=args.tracking_uri,
+    )
     if not comparison.runs:
         raise CLIError("no pipeline runs found (check --experiment and MLFLOW_TRACKING_URI)")
     print(format_comparison(comparison))
@@ -217,14 +224,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = _pipeline_config(args)
     if not os.environ.get("PREFECT_API_URL"):
-        raise CLIError("schedules need a Prefect server: run `prefect server start`, then "
-                       "`export PREFECT_API_URL=http://127.0.0.1:4200/api` and serve again")
+        raise CLIError(
+            "schedules need a Prefect server: run `prefect server start`, then "
+            "`export PREFECT_API_URL=http://127.0.0.1:4200/api` and serve again"
+        )
     from posttrain.flows.pipeline import posttrain_pipeline
 
     name = args.name or cfg.name
     print(f"serving deployment 'posttrain-pipeline/{name}' on cron '{args.cron}' (Ctrl-C stops)")
-    posttrain_pipeline.serve(name=name, cron=args.cron, parameters={"config": cfg.model_dump(mode="json")},
-                             tags=["posttrain", cfg.name])
+    posttrain_pipeline.serve(
+        name=name,
+        cron=args.cron,
+        parameters={"config": cfg.model_dump(mode="json")},
+        tags=["posttrain", cfg.name],
+    )
     return 0
 
 
@@ -293,8 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the pipeline (cached steps are reused)")
     p.add_argument("config")
     with_set(p)
-    p.add_argument("--force", action="append", default=[], metavar="STEP",
-                   help="rerun this step (data, sft, dpo, grpo-<name>) and everything after it")
+    p.add_argument(
+        "--force",
+        action="append",
+        default=[],
+        metavar="STEP",
+        help="rerun this step (data, sft, dpo, grpo-<name>) and everything after it",
+    )
     p.add_argument("--dry-run", action="store_true", help="print which steps would run or be cached, and why")
     p.set_defaults(func=cmd_run)
 
@@ -317,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", help="MLflow experiment (default: all posttrain runs)")
     p.add_argument("--last", type=int, default=5, help="the N most recent pipeline runs")
     p.add_argument("--plot", default="compare.png", help="where to write the comparison PNG")
-    p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+    p.add_argument(
+        "--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db"
+    )
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("serve", help="schedule the pipeline as a Prefect deployment (needs a Prefect server)")

@@ -70,7 +70,9 @@ def _source_fingerprint(cfg: PipelineConfig) -> str:
 
 def data_key(cfg: PipelineConfig, model_fingerprint: str) -> str:
     # The tokenizer decides which prompts are too long, so the model's identity is an input.
-    return cache_key("data", stable_hash(cfg.data), {"source": _source_fingerprint(cfg), "tokenizer": model_fingerprint})
+    return cache_key(
+        "data", stable_hash(cfg.data), {"source": _source_fingerprint(cfg), "tokenizer": model_fingerprint}
+    )
 
 
 def stage_section(cfg: PipelineConfig, stage: str):
@@ -84,14 +86,22 @@ def stage_section(cfg: PipelineConfig, stage: str):
 def train_key(cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult) -> str:
     section = stage_section(cfg, stage)
     # trainer_options() includes posttrain's code-side defaults, which the section hash does not.
-    config_hash = stable_hash({"stage": stable_hash(section), "trainer": section.trainer_options(),
-                               "model": stable_hash(cfg.model), "seed": cfg.seed})
+    config_hash = stable_hash(
+        {
+            "stage": stable_hash(section),
+            "trainer": section.trainer_options(),
+            "model": stable_hash(cfg.model),
+            "seed": cfg.seed,
+        }
+    )
     return cache_key(stage, config_hash, {"model": model.fingerprint, "data": data.train_fingerprint})
 
 
 def eval_key(cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult) -> str:
     config_hash = stable_hash({"eval": stable_hash(cfg.eval), "precision": cfg.model.precision})
-    return cache_key(f"eval-{stage}", config_hash, {"model": model.fingerprint, "data": data.eval_fingerprint})
+    return cache_key(
+        f"eval-{stage}", config_hash, {"model": model.fingerprint, "data": data.eval_fingerprint}
+    )
 
 
 # --------------------------------------------------------------------------- steps
@@ -132,8 +142,14 @@ def _external_eval_records(cfg: PipelineConfig) -> list[dict[str, Any]]:
         return []
     from posttrain.evaluation.data import load_eval_records
 
-    return load_eval_records(cfg.eval.data, path=cfg.eval.path, limit=cfg.eval.limit,
-                             hub_id=cfg.data.hub_id, hub_config=cfg.data.hub_config, hub_split=cfg.eval.hub_split)
+    return load_eval_records(
+        cfg.eval.data,
+        path=cfg.eval.path,
+        limit=cfg.eval.limit,
+        hub_id=cfg.data.hub_id,
+        hub_config=cfg.data.hub_config,
+        hub_split=cfg.eval.hub_split,
+    )
 
 
 def load_data(data: DataResult):
@@ -150,7 +166,9 @@ def eval_records(cfg: PipelineConfig, data: DataResult) -> list[dict[str, Any]]:
     return [heldout[i] for i in range(limit)]
 
 
-def eval_step(cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult, output_dir: str | Path) -> EvalResult:
+def eval_step(
+    cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult, output_dir: str | Path
+) -> EvalResult:
     """Evaluate one model on the configured evaluation set; write report.json + examples.jsonl."""
     from posttrain.data.prompts import select_few_shot
     from posttrain.evaluation import evaluate
@@ -158,18 +176,40 @@ def eval_step(cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult
 
     records = eval_records(cfg, data)
     # Adapter outputs are merged onto their base here; vLLM loads from a path itself.
-    loaded = model.path if cfg.eval.backend == "vllm" else load_stage_model(model.path, cfg.model.precision,
-                                                                            cfg.model.cache_dir)
-    report = evaluate(loaded, records, cfg.eval, precision=cfg.model.precision, data_name=cfg.eval.data, progress=True,
-                      system_prompt=cfg.data.system_prompt or None, few_shot=select_few_shot(cfg.data.few_shot))
+    loaded = (
+        model.path
+        if cfg.eval.backend == "vllm"
+        else load_stage_model(model.path, cfg.model.precision, cfg.model.cache_dir)
+    )
+    report = evaluate(
+        loaded,
+        records,
+        cfg.eval,
+        precision=cfg.model.precision,
+        data_name=cfg.eval.data,
+        progress=True,
+        system_prompt=cfg.data.system_prompt or None,
+        few_shot=select_few_shot(cfg.data.few_shot),
+    )
     with staging_dir(output_dir) as tmp:
         report.save(tmp)
-    return EvalResult(stage=stage, report_dir=str(Path(output_dir).resolve()), summary=dict(report.summary),
-                      timings=dict(report.timings), model_fingerprint=model.fingerprint)
+    return EvalResult(
+        stage=stage,
+        report_dir=str(Path(output_dir).resolve()),
+        summary=dict(report.summary),
+        timings=dict(report.timings),
+        model_fingerprint=model.fingerprint,
+    )
 
 
-def train_step(cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult, output_dir: str | Path,
-               report_to: str | list[str] = "none"):
+def train_step(
+    cfg: PipelineConfig,
+    stage: str,
+    model: ModelRef,
+    data: DataResult,
+    output_dir: str | Path,
+    report_to: str | list[str] = "none",
+):
     """Run one training stage (`sft`, `dpo` or `grpo-<name>`) from ``model`` into ``output_dir``."""
     train = load_data(data).train
     common = {"seed": cfg.seed, "report_to": report_to}

@@ -37,8 +37,12 @@ class StoreLockedError(RuntimeError):
 def cache_key(stage: str, config_hash: str, inputs: Mapping[str, str]) -> str:
     """sha256 over everything a stage's output depends on (24 hex characters)."""
     blob = json.dumps(
-        {"stage": stage, "config": config_hash, "inputs": dict(sorted(inputs.items())),
-         "posttrain": posttrain.__version__},
+        {
+            "stage": stage,
+            "config": config_hash,
+            "inputs": dict(sorted(inputs.items())),
+            "posttrain": posttrain.__version__,
+        },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -87,7 +91,9 @@ class Store:
                     raise
                 fh.seek(0)
                 holder = fh.read().strip() or "unknown"
-                raise StoreLockedError(f"{self.root} is in use by another posttrain run (pid {holder})") from None
+                raise StoreLockedError(
+                    f"{self.root} is in use by another posttrain run (pid {holder})"
+                ) from None
             fh.seek(0)
             fh.truncate()
             fh.write(str(os.getpid()))

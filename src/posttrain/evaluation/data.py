@@ -20,7 +20,7 @@ from posttrain.data.gsm8k import DataError, load_hub, load_jsonl
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SYNTHETIC_EVAL_SEED", "SYNTHETIC_EVAL_SIZE", "eval_records_for", "load_eval_records"]
+__all__ = ["SYNTHETIC_EVAL_SEED", "SYNTHETIC_EVAL_SIZE", "eval_records_for", "load_eval_records", "parse_data_arg"]
 
 SYNTHETIC_EVAL_SEED = 1_000_003
 """Seed of the synthetic eval set; training uses ``data.synthetic.seed`` (default 0)."""
@@ -71,14 +71,27 @@ def load_eval_records(
     return records
 
 
+def parse_data_arg(data: str, hub_split: str = "test") -> dict[str, str]:
+    """The CLI's ``--data`` string as EvalConfig fields: ``hub``, ``hub:<split>``, ``synthetic`` or a path.
+
+    >>> parse_data_arg("hub:train"), parse_data_arg("synthetic"), parse_data_arg("test.jsonl")
+    ({'data': 'hub', 'hub_split': 'train'}, {'data': 'synthetic'}, {'data': 'local', 'path': 'test.jsonl'})
+    """
+    if data == "synthetic":
+        return {"data": "synthetic"}
+    if data == "hub" or data.startswith("hub:"):
+        return {"data": "hub", "hub_split": data.partition(":")[2] or hub_split}
+    return {"data": "local", "path": data}
+
+
 def eval_records_for(data: str, limit: int | None = None, hub_split: str = "test") -> tuple[str, list[dict]]:
-    """Resolve the CLI's ``--data`` string: ``hub``, ``hub:<split>``, ``synthetic``, or a path.
+    """Resolve the CLI's ``--data`` string (see :func:`parse_data_arg`).
 
     Returns a description of the source (stored in the report) and the records.
     """
-    if data == "synthetic":
+    spec = parse_data_arg(data, hub_split)
+    if spec["data"] == "synthetic":
         return "synthetic", load_eval_records("synthetic", limit=limit)
-    if data == "hub" or data.startswith("hub:"):
-        split = data.partition(":")[2] or hub_split
-        return f"hub:{split}", load_eval_records("hub", hub_split=split, limit=limit)
+    if spec["data"] == "hub":
+        return f"hub:{spec['hub_split']}", load_eval_records("hub", hub_split=spec["hub_split"], limit=limit)
     return f"local:{data}", load_eval_records("local", path=data, limit=limit)

@@ -37,9 +37,14 @@ class ReportDiff:
 
     @property
     def counts(self) -> dict[str, int]:
-        return {"fixed": len(self.fixed), "broken": len(self.broken), "stayed_right": len(self.stayed_right),
-                "stayed_wrong": len(self.stayed_wrong), "only_in_a": len(self.only_in_a),
-                "only_in_b": len(self.only_in_b)}
+        return {
+            "fixed": len(self.fixed),
+            "broken": len(self.broken),
+            "stayed_right": len(self.stayed_right),
+            "stayed_wrong": len(self.stayed_wrong),
+            "only_in_a": len(self.only_in_a),
+            "only_in_b": len(self.only_in_b),
+        }
 
     @property
     def matched(self) -> int:
@@ -65,12 +70,19 @@ def diff_reports(a: EvalReport, b: EvalReport, mode: str = "strict") -> ReportDi
     only_a = tuple(r.id for r in a.records if r.id not in by_id)
     only_b = tuple(r.id for r in b.records if r.id not in ids_a)
     if only_a or only_b:
-        logger.warning("reports cover different questions: %d only in A, %d only in B", len(only_a), len(only_b))
+        logger.warning(
+            "reports cover different questions: %d only in A, %d only in B", len(only_a), len(only_b)
+        )
     return ReportDiff(
-        model_a=a.model, model_b=b.model, mode=mode,
-        fixed=tuple(groups[(False, True)]), broken=tuple(groups[(True, False)]),
-        stayed_right=tuple(groups[(True, True)]), stayed_wrong=tuple(groups[(False, False)]),
-        only_in_a=only_a, only_in_b=only_b,
+        model_a=a.model,
+        model_b=b.model,
+        mode=mode,
+        fixed=tuple(groups[(False, True)]),
+        broken=tuple(groups[(True, False)]),
+        stayed_right=tuple(groups[(True, True)]),
+        stayed_wrong=tuple(groups[(False, False)]),
+        only_in_a=only_a,
+        only_in_b=only_b,
     )
 
 
@@ -103,7 +115,10 @@ def format_diff(diff: ReportDiff, n_examples: int = 3) -> str:
         lines.append(f"  {name.replace('_', ' '):<13} {count:>6}  ({count / total:.1%})")
     if diff.only_in_a or diff.only_in_b:
         lines.append(f"  unmatched: {len(diff.only_in_a)} only in A, {len(diff.only_in_b)} only in B")
-    for name, label in (("fixed", "fixed (wrong in A, right in B)"), ("broken", "broken (right in A, wrong in B)")):
+    for name, label in (
+        ("fixed", "fixed (wrong in A, right in B)"),
+        ("broken", "broken (right in A, wrong in B)"),
+    ):
         pairs = getattr(diff, name)
         if pairs and n_examples > 0:
             lines.append(f"\n{label}, {min(n_examples, len(pairs))} of {len(pairs)}:")

@@ -21,7 +21,7 @@ from typing import Any
 
 from posttrain.config import EvalConfig
 from posttrain.data.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt
-from posttrain.evaluation.data import eval_records_for
+from posttrain.evaluation.data import eval_records_for, parse_data_arg
 from posttrain.evaluation.generation import (
     Completion,
     GenerationStats,
@@ -48,14 +48,18 @@ def _records(dataset: Any, limit: int | None) -> list[dict[str, Any]]:
     for index, record in enumerate(records):
         missing = [key for key in ("id", "question", "answer") if key not in record]
         if missing:
-            raise ValueError(f"eval example {index} lacks field(s) {', '.join(missing)} (needs id, question, answer)")
+            raise ValueError(
+                f"eval example {index} lacks field(s) {', '.join(missing)} (needs id, question, answer)"
+            )
         record["id"] = str(record["id"])
     if not records:
         raise ValueError("the evaluation dataset is empty")
     return records
 
 
-def _load(model: Any, tokenizer: Any, precision: str | None, backend: str) -> tuple[Any, Any, str, str | None]:
+def _load(
+    model: Any, tokenizer: Any, precision: str | None, backend: str
+) -> tuple[Any, Any, str, str | None]:
     """(model or None for vLLM, tokenizer, display name, local path for vLLM)."""
     from posttrain.training.modeling import (
         load_model_and_tokenizer,
@@ -76,7 +80,9 @@ def _load(model: Any, tokenizer: Any, precision: str | None, backend: str) -> tu
     if backend == "vllm":
         raise ValueError("the vLLM backend loads the model itself: pass a model path or name, not an object")
     if tokenizer is None:
-        raise ValueError("pass the tokenizer along with an in-memory model (tokenizer=... or (model, tokenizer))")
+        raise ValueError(
+            "pass the tokenizer along with an in-memory model (tokenizer=... or (model, tokenizer))"
+        )
     name = str(getattr(model, "name_or_path", None) or type(model).__name__)
     if precision is not None and resolve_dtype(precision) != model.dtype:
         # Training on a CPU keeps fp32 weights; generating from a bf16 copy is ~4x faster where the CPU has AMX.
@@ -85,8 +91,12 @@ def _load(model: Any, tokenizer: Any, precision: str | None, backend: str) -> tu
     return model, tokenizer, name, None
 
 
-def _prompt_ids(tokenizer: Any, records: Sequence[Mapping[str, Any]], system_prompt: str | None,
-                few_shot: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+def _prompt_ids(
+    tokenizer: Any,
+    records: Sequence[Mapping[str, Any]],
+    system_prompt: str | None,
+    few_shot: Sequence[Mapping[str, Any]],
+) -> list[list[int]]:
     """Token ids per record: its own ``prompt`` (messages, or already-templated text) or a built one."""
     ids: list[list[int] | None] = [None] * len(records)
     chats, chat_rows = [], []
@@ -112,9 +122,16 @@ def sample_seed(seed: int, example_id: str, index: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def _generate_hf(model: Any, tokenizer: Any, records: Sequence[Mapping[str, Any]], prompts: list[list[int]],
-                 cfg: EvalConfig, samples: int, refill_at: float, progress: bool
-                 ) -> tuple[list[list[Completion]], GenerationStats]:
+def _generate_hf(
+    model: Any,
+    tokenizer: Any,
+    records: Sequence[Mapping[str, Any]],
+    prompts: list[list[int]],
+    cfg: EvalConfig,
+    samples: int,
+    refill_at: float,
+    progress: bool,
+) -> tuple[list[list[Completion]], GenerationStats]:
     requests = [p for p in prompts for _ in range(samples)]
     seeds = [sample_seed(cfg.seed, r["id"], j) for r in records for j in range(samples)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -122,24 +139,38 @@ def _generate_hf(model: Any, tokenizer: Any, records: Sequence[Mapping[str, Any]
     model.eval()  # dropout off; the caller's mode is restored after
     try:
         flat, stats = generate_continuous(
-            model, requests, max_new_tokens=cfg.max_new_tokens, stop_ids=stop_token_ids(model, tokenizer),
-            pad_token_id=pad, batch_size=cfg.batch_size, temperature=cfg.temperature, seeds=seeds,
-            refill_at=refill_at, progress=progress, desc="eval",
+            model,
+            requests,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_ids=stop_token_ids(model, tokenizer),
+            pad_token_id=pad,
+            batch_size=cfg.batch_size,
+            temperature=cfg.temperature,
+            seeds=seeds,
+            refill_at=refill_at,
+            progress=progress,
+            desc="eval",
         )
     finally:
         model.train(was_training)
-    return [flat[i * samples:(i + 1) * samples] for i in range(len(records))], stats
+    return [flat[i * samples : (i + 1) * samples] for i in range(len(records))], stats
 
 
 def _meta(model: Any) -> dict[str, Any]:
     import torch
     import transformers
 
-    meta = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
+    meta = {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
     if model is not None:
-        meta.update(dtype=str(getattr(model, "dtype", "?")).removeprefix("torch."),
-                    device=str(getattr(model, "device", "?")))
+        meta.update(
+            dtype=str(getattr(model, "dtype", "?")).removeprefix("torch."),
+            device=str(getattr(model, "device", "?")),
+        )
     return meta
 
 
@@ -187,15 +218,25 @@ def evaluate(
         from posttrain.evaluation.vllm_backend import generate_vllm
 
         stop = stop_token_ids(None, tokenizer)
-        groups, stats = generate_vllm(vllm_path, prompts, max_new_tokens=cfg.max_new_tokens, stop_ids=stop,
-                                      samples=samples, temperature=cfg.temperature, seed=cfg.seed,
-                                      precision=precision or "auto")
+        groups, stats = generate_vllm(
+            vllm_path,
+            prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_ids=stop,
+            samples=samples,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            precision=precision or "auto",
+        )
     else:
         groups, stats = _generate_hf(model, tokenizer, records, prompts, cfg, samples, refill_at, progress)
     scoring_start = time.perf_counter()
     texts = iter(tokenizer.batch_decode([c.token_ids for g in groups for c in g], skip_special_tokens=True))
     scored = [
-        [score_completion(next(texts), record["answer"], tokens=c.num_tokens, truncated=not c.finished) for c in group]
+        [
+            score_completion(next(texts), record["answer"], tokens=c.num_tokens, truncated=not c.finished)
+            for c in group
+        ]
         for record, group in zip(records, groups, strict=True)
     ]
     report_records = tuple(
@@ -203,16 +244,32 @@ def evaluate(
         for r, s in zip(records, scored, strict=True)
     )
     summary = summarize(scored, cfg.pass_k)
-    timings = {**stats.as_dict(), "load_seconds": round(load_seconds, 3),
-               "scoring_seconds": round(time.perf_counter() - scoring_start, 3)}
-    config = {**cfg.model_dump(mode="json"), "data_source": data_name or cfg.data, "num_samples": samples,
-              "system_prompt": system_prompt, "few_shot": len(few_shot), "precision": precision,
-              "refill_at": refill_at}
-    report = EvalReport(model=name, summary=summary, records=report_records, config=config, timings=timings,
-                        meta=_meta(model))
-    logger.info("eval %s: strict %.1f%%, flexible %.1f%%, format %.1f%% on %d examples (%.0f tok/s)",
-                name, 100 * summary["accuracy_strict"], 100 * summary["accuracy_flexible"],
-                100 * summary["strict_format_rate"], len(records), stats.tokens_per_second)
+    timings = {
+        **stats.as_dict(),
+        "load_seconds": round(load_seconds, 3),
+        "scoring_seconds": round(time.perf_counter() - scoring_start, 3),
+    }
+    config = {
+        **cfg.model_dump(mode="json"),
+        "data_source": data_name or cfg.data,
+        "num_samples": samples,
+        "system_prompt": system_prompt,
+        "few_shot": len(few_shot),
+        "precision": precision,
+        "refill_at": refill_at,
+    }
+    report = EvalReport(
+        model=name, summary=summary, records=report_records, config=config, timings=timings, meta=_meta(model)
+    )
+    logger.info(
+        "eval %s: strict %.1f%%, flexible %.1f%%, format %.1f%% on %d examples (%.0f tok/s)",
+        name,
+        100 * summary["accuracy_strict"],
+        100 * summary["accuracy_flexible"],
+        100 * summary["strict_format_rate"],
+        len(records),
+        stats.tokens_per_second,
+    )
     return report
 
 
@@ -234,11 +291,18 @@ def run_eval(
     the first N questions. ``output_dir`` receives ``report.json`` and ``examples.jsonl``.
     """
     cfg = cfg or EvalConfig()
-    if limit is not None:
-        cfg = cfg.model_copy(update={"limit": limit})
+    # Record in the report's config what was actually evaluated, not the pipeline default (heldout).
+    cfg = cfg.model_copy(update={**parse_data_arg(data, cfg.hub_split), **({"limit": limit} if limit is not None else {})})
     data_name, records = eval_records_for(data, cfg.limit, cfg.hub_split)
-    report = evaluate(model, records, cfg, precision=precision, system_prompt=system_prompt,
-                      data_name=data_name, progress=progress)
+    report = evaluate(
+        model,
+        records,
+        cfg,
+        precision=precision,
+        system_prompt=system_prompt,
+        data_name=data_name,
+        progress=progress,
+    )
     if output_dir is not None:
         report.save(output_dir)
     return report

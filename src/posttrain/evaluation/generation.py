@@ -119,8 +119,15 @@ def encode_prompts(tokenizer: Any, conversations: Iterable[Sequence[dict[str, st
 class _Batch:
     """The rows being decoded: KV cache, 2-D padding mask, next position and last token per row."""
 
-    def __init__(self, cache: Any, mergeable: bool, mask: torch.Tensor, positions: torch.Tensor,
-                 last: torch.Tensor, requests: list[int]) -> None:
+    def __init__(
+        self,
+        cache: Any,
+        mergeable: bool,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        last: torch.Tensor,
+        requests: list[int],
+    ) -> None:
         self.cache, self.mergeable, self.mask = cache, mergeable, mask
         self.positions, self.last, self.requests = positions, last, requests
 
@@ -180,8 +187,9 @@ class _Sampler:
         return torch.empty(vocab).exponential_(generator=self.generators[request])
 
 
-def _prefill(model: Any, prompts: Sequence[Sequence[int]], requests: list[int], pad_id: int) -> tuple[
-        _Batch, torch.Tensor]:
+def _prefill(
+    model: Any, prompts: Sequence[Sequence[int]], requests: list[int], pad_id: int
+) -> tuple[_Batch, torch.Tensor]:
     """Run the prompts of ``requests`` together (left-padded); return their batch and last logits."""
     device = model.device
     length = max(len(prompts[r]) for r in requests)
@@ -189,13 +197,19 @@ def _prefill(model: Any, prompts: Sequence[Sequence[int]], requests: list[int], 
     mask = torch.zeros((len(requests), length), dtype=torch.long)
     for row, request in enumerate(requests):
         prompt = prompts[request]
-        ids[row, length - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, length - len(prompt):] = 1
+        ids[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, length - len(prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache, mergeable = new_cache(model)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                logits_to_keep=1)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     batch = _Batch(cache, mergeable, mask, mask.sum(-1), ids[:, -1], list(requests))
     return batch, out.logits[:, -1]
 
@@ -203,8 +217,14 @@ def _prefill(model: Any, prompts: Sequence[Sequence[int]], requests: list[int], 
 def _decode_step(model: Any, batch: _Batch) -> torch.Tensor:
     """Feed every row its last token; return the next-token logits."""
     mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch), 1))], dim=1)
-    out = model(input_ids=batch.last[:, None], attention_mask=mask, position_ids=batch.positions[:, None],
-                cache=batch.cache, use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=batch.last[:, None],
+        attention_mask=mask,
+        position_ids=batch.positions[:, None],
+        cache=batch.cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     batch.mask = mask
     batch.positions = batch.positions + 1
     return out.logits[:, -1]
@@ -265,7 +285,7 @@ def generate_continuous(
 
     while waiting or batch is not None:
         active = len(batch) if batch is not None else 0
-        if waiting and (active <= threshold or active == 0) and (batch is None or batch.mergeable):
+        if waiting and active <= threshold and (batch is None or batch.mergeable):
             newcomers = [waiting.popleft() for _ in range(min(batch_size - active, len(waiting)))]
             fresh, logits = _prefill(model, prompts, newcomers, pad_token_id)
             stats.prefills += 1

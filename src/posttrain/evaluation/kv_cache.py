@@ -41,16 +41,17 @@ class SlotLayer(DynamicLayer):
         self.length = 0
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
         end = self.length + new
         if end > self._k.shape[-2]:
             self._resize(end + GROW)
-        self._k[:, :, self.length:end] = key_states
-        self._v[:, :, self.length:end] = value_states
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
         self.length = end
         self._refresh()
         return self.keys, self.values
@@ -86,8 +87,8 @@ class SlotLayer(DynamicLayer):
         k, v = self._k.new_zeros(shape), self._v.new_zeros(shape)
         for start, layer in ((0, self), (self._k.shape[0], other)):
             stop = start + layer._k.shape[0]
-            k[start:stop, :, length - layer.length: length] = layer.keys
-            v[start:stop, :, length - layer.length: length] = layer.values
+            k[start:stop, :, length - layer.length : length] = layer.keys
+            v[start:stop, :, length - layer.length : length] = layer.values
         self._k, self._v, self.length = k, v, length
         self._refresh()
 

@@ -54,10 +54,18 @@ class EvalRecord:
     def from_samples(cls, id: str, question: str, gold: str, samples: Sequence[SampleScore]) -> EvalRecord:
         first = samples[0]
         return cls(
-            id=id, question=question, gold=gold, completion=first.completion, strict=first.strict,
-            flexible=first.flexible, correct_strict=first.correct_strict,
-            correct_flexible=first.correct_flexible, strict_format=first.strict_format,
-            tokens=first.tokens, truncated=first.truncated, num_samples=len(samples),
+            id=id,
+            question=question,
+            gold=gold,
+            completion=first.completion,
+            strict=first.strict,
+            flexible=first.flexible,
+            correct_strict=first.correct_strict,
+            correct_flexible=first.correct_flexible,
+            strict_format=first.strict_format,
+            tokens=first.tokens,
+            truncated=first.truncated,
+            num_samples=len(samples),
             num_correct_strict=sum(s.correct_strict for s in samples),
             num_correct_flexible=sum(s.correct_flexible for s in samples),
             extra_samples=tuple(samples[1:]),
@@ -65,8 +73,16 @@ class EvalRecord:
 
     @property
     def samples(self) -> tuple[SampleScore, ...]:
-        first = SampleScore(self.completion, self.strict, self.flexible, self.correct_strict,
-                            self.correct_flexible, self.strict_format, self.tokens, self.truncated)
+        first = SampleScore(
+            self.completion,
+            self.strict,
+            self.flexible,
+            self.correct_strict,
+            self.correct_flexible,
+            self.strict_format,
+            self.tokens,
+            self.truncated,
+        )
         return (first, *self.extra_samples)
 
     def correct(self, mode: str = "strict") -> bool:
@@ -111,8 +127,14 @@ class EvalReport:
         """Write ``report.json`` and ``examples.jsonl`` into ``directory`` (created); return it."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        head = {"format_version": FORMAT_VERSION, "model": self.model, "summary": self.summary,
-                "config": self.config, "timings": self.timings, "meta": self.meta}
+        head = {
+            "format_version": FORMAT_VERSION,
+            "model": self.model,
+            "summary": self.summary,
+            "config": self.config,
+            "timings": self.timings,
+            "meta": self.meta,
+        }
         (directory / REPORT_FILE).write_text(json.dumps(head, indent=2, sort_keys=False, default=str) + "\n")
         with (directory / EXAMPLES_FILE).open("w", encoding="utf-8") as fh:
             for record in self.records:
@@ -128,10 +150,18 @@ class EvalReport:
             head = json.loads((directory / REPORT_FILE).read_text())
             lines = (directory / EXAMPLES_FILE).read_text(encoding="utf-8").splitlines()
         except FileNotFoundError as exc:
-            raise FileNotFoundError(f"{directory} is not an evaluation report: {exc.filename} is missing") from None
+            raise FileNotFoundError(
+                f"{directory} is not an evaluation report: {exc.filename} is missing"
+            ) from None
         records = tuple(EvalRecord.from_dict(json.loads(line)) for line in lines if line.strip())
-        return cls(model=head["model"], summary=head["summary"], records=records,
-                   config=head.get("config", {}), timings=head.get("timings", {}), meta=head.get("meta", {}))
+        return cls(
+            model=head["model"],
+            summary=head["summary"],
+            records=records,
+            config=head.get("config", {}),
+            timings=head.get("timings", {}),
+            meta=head.get("meta", {}),
+        )
 
 
 def _metric_rows(summary: Mapping[str, float]) -> list[tuple[str, str]]:
@@ -142,8 +172,11 @@ def _metric_rows(summary: Mapping[str, float]) -> list[tuple[str, str]]:
         ("mean completion tokens", f"{summary.get('mean_completion_tokens', 0.0):.1f}"),
         ("truncated (no EOS)", f"{summary.get('truncation_rate', 0.0):.1%}"),
     ]
-    rows += [(f"{key.split('_')[0]} ({key.split('_')[1]})", f"{value:.1%}")
-             for key, value in summary.items() if key.startswith("pass@")]
+    rows += [
+        (f"{key.split('_')[0]} ({key.split('_')[1]})", f"{value:.1%}")
+        for key, value in summary.items()
+        if key.startswith("pass@")
+    ]
     return rows
 
 
@@ -157,8 +190,13 @@ def format_summary_table(report: EvalReport) -> str:
         title += f" x {samples} samples (temperature {report.config.get('temperature')})"
     rows = _metric_rows(s)
     if report.timings:
-        rows.append(("throughput", f"{report.timings.get('tokens_per_second', 0.0):.0f} tok/s, "
-                                   f"{report.timings.get('seconds', 0.0):.1f} s generating"))
+        rows.append(
+            (
+                "throughput",
+                f"{report.timings.get('tokens_per_second', 0.0):.0f} tok/s, "
+                f"{report.timings.get('seconds', 0.0):.1f} s generating",
+            )
+        )
     width = max(len(name) for name, _ in rows)
     lines = [title, "-" * (width + 14)] + [f"{name:<{width}}  {value:>10}" for name, value in rows]
     return "\n".join(lines)

@@ -56,8 +56,14 @@ def generate_vllm(
         raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
     llm = LLM(model=model_path, dtype=_DTYPES[precision], seed=seed, **(llm_kwargs or {}))
     params = SamplingParams(
-        n=samples, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=max_new_tokens,
-        stop_token_ids=sorted(set(stop_ids)), seed=seed, skip_special_tokens=False,
+        n=samples,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=-1,
+        max_tokens=max_new_tokens,
+        stop_token_ids=sorted(set(stop_ids)),
+        seed=seed,
+        skip_special_tokens=False,
     )
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
@@ -67,8 +73,10 @@ def generate_vllm(
         for request in outputs
     ]
     stats = GenerationStats(
-        sequences=len(prompts) * samples, prompt_tokens=sum(len(p) for p in prompts) * samples,
-        generated_tokens=sum(c.num_tokens for group in results for c in group), seconds=seconds,
+        sequences=len(prompts) * samples,
+        prompt_tokens=sum(len(p) for p in prompts) * samples,
+        generated_tokens=sum(c.num_tokens for group in results for c in group),
+        seconds=seconds,
     )
     logger.info("vLLM generated %d tokens in %.1f s", stats.generated_tokens, seconds)
     return results, stats

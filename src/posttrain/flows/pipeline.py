@@ -68,12 +68,16 @@ class _Runner:
             with self.tracker.stage(step, params=_section(self.cfg, step), cache_key=key) as run:
                 if step.startswith(("sft", "dpo", "grpo")):
                     kwargs["report_to"] = run.report_to
-                state = task.with_options(**options)(**kwargs, output_dir=output_dir, key=key, return_state=True)
+                state = task.with_options(**options)(
+                    **kwargs, output_dir=output_dir, key=key, return_state=True
+                )
                 result = state.result()
                 _log_result(run, result)
         metrics = _metrics_of(result)
         status = "cached" if decision.status == "cached" else "ran"
-        self.summary.outcomes.append(StepOutcome(step, status, decision.reason, key, _output_of(result), metrics))
+        self.summary.outcomes.append(
+            StepOutcome(step, status, decision.reason, key, _output_of(result), metrics)
+        )
         logger.info("%-22s %-6s %s", step, decision.status, decision.reason)
         return result
 
@@ -137,26 +141,52 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
         model = base
         if cfg.eval.baseline:
             key = steps.eval_key(cfg, "baseline", model, data)
-            runner.run("eval-baseline", eval_task, key, str(store.eval_dir("baseline", key)), cfg=cfg,
-                       stage="baseline", model=model, data=data)
+            runner.run(
+                "eval-baseline",
+                eval_task,
+                key,
+                str(store.eval_dir("baseline", key)),
+                cfg=cfg,
+                stage="baseline",
+                model=model,
+                data=data,
+            )
         stages = cfg.stage_names()
         for i, stage in enumerate(stages):
             key = steps.train_key(cfg, stage, model, data)
-            result = runner.run(stage, train_task, key, str(store.stage_dir(stage, key)), cfg=cfg, stage=stage,
-                                model=model, data=data)
+            result = runner.run(
+                stage,
+                train_task,
+                key,
+                str(store.stage_dir(stage, key)),
+                cfg=cfg,
+                stage=stage,
+                model=model,
+                data=data,
+            )
             model = steps.ModelRef(result.output_dir, result.fingerprints["output"])
             if cfg.eval.after_each_stage or i == len(stages) - 1:
                 key = steps.eval_key(cfg, stage, model, data)
-                runner.run(f"eval-{stage}", eval_task, key, str(store.eval_dir(stage, key)), cfg=cfg, stage=stage,
-                           model=model, data=data)
+                runner.run(
+                    f"eval-{stage}",
+                    eval_task,
+                    key,
+                    str(store.eval_dir(stage, key)),
+                    cfg=cfg,
+                    stage=stage,
+                    model=model,
+                    data=data,
+                )
         tracker.plot_accuracy_by_stage()
         last_training = next((o for o in reversed(runner.summary.outcomes) if o.step in stages), None)
         if last_training is not None and last_training.status == "ran":
             # A cached final model was logged by the run that produced it (see cached_from_run_id).
             tracker.log_final_model(model.path, base_model_path=_adapter_base(model.path))
-        create_markdown_artifact(key=f"{cfg.name.lower().replace('.', '-')}-summary",
-                                 markdown=summary_markdown(runner.summary),
-                                 description=f"posttrain {cfg.name}: evaluation per stage")
+        create_markdown_artifact(
+            key=f"{cfg.name.lower().replace('.', '-')}-summary",
+            markdown=summary_markdown(runner.summary),
+            description=f"posttrain {cfg.name}: evaluation per stage",
+        )
     return runner.summary.as_dict()
 
 
@@ -168,11 +198,19 @@ def _adapter_base(path: str) -> str | None:
 
 def summary_markdown(summary: PipelineSummary) -> str:
     """Eval metrics per stage, for the Prefect UI."""
-    lines = [f"# {summary.config}", "", f"MLflow run: `{summary.run_id}`", "",
-             "| step | status | accuracy (strict) | accuracy (flexible) | strict format |", "|---|---|---|---|---|"]
+    lines = [
+        f"# {summary.config}",
+        "",
+        f"MLflow run: `{summary.run_id}`",
+        "",
+        "| step | status | accuracy (strict) | accuracy (flexible) | strict format |",
+        "|---|---|---|---|---|",
+    ]
     for o in summary.outcomes:
         if o.step.startswith("eval-"):
             m = o.metrics
-            lines.append(f"| {o.step[5:]} | {o.status} | {m.get('accuracy_strict', 0):.1%} | "
-                         f"{m.get('accuracy_flexible', 0):.1%} | {m.get('strict_format_rate', 0):.1%} |")
+            lines.append(
+                f"| {o.step[5:]} | {o.status} | {m.get('accuracy_strict', 0):.1%} | "
+                f"{m.get('accuracy_flexible', 0):.1%} | {m.get('strict_format_rate', 0):.1%} |"
+            )
     return "\n".join(lines)

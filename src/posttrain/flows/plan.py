@@ -34,7 +34,9 @@ class Planner:
         valid = {"data", *cfg.stage_names()}
         unknown = sorted(set(force) - valid)
         if unknown:
-            raise ConfigError(f"--force {', '.join(unknown)}: not a step of {cfg.name}; steps: {', '.join(sorted(valid))}")
+            raise ConfigError(
+                f"--force {', '.join(unknown)}: not a step of {cfg.name}; steps: {', '.join(sorted(valid))}"
+            )
         self.cfg, self.store, self.force = cfg, store, set(force)
         self.forced_from: str | None = None
         self._results = ResultStore(result_storage=LocalFileSystem(basepath=str(store.results_dir)))

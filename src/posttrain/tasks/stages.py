@@ -29,12 +29,20 @@ def prepare_task(cfg: PipelineConfig, model: steps.ModelRef, output_dir: str, ke
 
 
 @task(name="train", task_run_name="train-{stage}", **_CACHED)
-def train_task(cfg: PipelineConfig, stage: str, model: steps.ModelRef, data: steps.DataResult, output_dir: str,
-               key: str, report_to: Any = "none"):
+def train_task(
+    cfg: PipelineConfig,
+    stage: str,
+    model: steps.ModelRef,
+    data: steps.DataResult,
+    output_dir: str,
+    key: str,
+    report_to: Any = "none",
+):
     return steps.train_step(cfg, stage, model, data, output_dir, report_to=report_to)
 
 
 @task(name="evaluate", task_run_name="eval-{stage}", **_CACHED)
-def eval_task(cfg: PipelineConfig, stage: str, model: steps.ModelRef, data: steps.DataResult, output_dir: str,
-              key: str) -> steps.EvalResult:
+def eval_task(
+    cfg: PipelineConfig, stage: str, model: steps.ModelRef, data: steps.DataResult, output_dir: str, key: str
+) -> steps.EvalResult:
     return steps.eval_step(cfg, stage, model, data, output_dir)

@@ -38,8 +38,9 @@ __all__ = ["PAIRS_FILE", "run_dpo", "score_samples"]
 PAIRS_FILE = "dpo_pairs.jsonl"
 
 
-def score_samples(rows: list[dict[str, Any]], samples: Samples, reward_funcs: list[Any],
-                  weights: list[float]) -> tuple[list[list[float]], list[list[bool]]]:
+def score_samples(
+    rows: list[dict[str, Any]], samples: Samples, reward_funcs: list[Any], weights: list[float]
+) -> tuple[list[list[float]], list[list[bool]]]:
     """Weighted reward sum and strict correctness for every sampled completion.
 
     Rewards are called the way TRL calls them (conversational completions plus every dataset column
@@ -55,7 +56,9 @@ def score_samples(rows: list[dict[str, Any]], samples: Samples, reward_funcs: li
         total = [0.0] * n
         for func, weight in zip(reward_funcs, weights, strict=True):
             values = func(prompts=[row["prompt"]] * n, completions=completions, completion_ids=ids, **columns)
-            total = [t + weight * (float(v) if v is not None else 0.0) for t, v in zip(total, values, strict=True)]
+            total = [
+                t + weight * (float(v) if v is not None else 0.0) for t, v in zip(total, values, strict=True)
+            ]
         scores.append(total)
         correct.append([answers_match(parse_strict(t), row.get("answer")) for t in texts])
     return scores, correct
@@ -66,15 +69,32 @@ def _select_prompts(dataset: Any, num_prompts: int, seed: int) -> list[dict[str,
     return [dict(r) for r in ds.select(range(min(num_prompts, len(ds))))]
 
 
-def _build_pairs(dpo_cfg: DPOStageConfig, model_cfg: ModelConfig, model_path: str, rows: list[dict[str, Any]],
-                 seed: int, work_dir: Path):
+def _build_pairs(
+    dpo_cfg: DPOStageConfig,
+    model_cfg: ModelConfig,
+    model_path: str,
+    rows: list[dict[str, Any]],
+    seed: int,
+    work_dir: Path,
+):
     from posttrain.data.builders import build_dpo_dataset
 
     reward_funcs, weights = build_reward_funcs(dpo_cfg.rewards)
-    policy, tokenizer = load_stage_model(model_path, model_cfg.precision, model_cfg.cache_dir,
-                                         attn_implementation=model_cfg.attn_implementation)
-    samples = sample_completions(policy, tokenizer, [r["prompt"] for r in rows], dpo_cfg.samples_per_prompt,
-                                 temperature=dpo_cfg.temperature, max_new_tokens=dpo_cfg.max_new_tokens, seed=seed)
+    policy, tokenizer = load_stage_model(
+        model_path,
+        model_cfg.precision,
+        model_cfg.cache_dir,
+        attn_implementation=model_cfg.attn_implementation,
+    )
+    samples = sample_completions(
+        policy,
+        tokenizer,
+        [r["prompt"] for r in rows],
+        dpo_cfg.samples_per_prompt,
+        temperature=dpo_cfg.temperature,
+        max_new_tokens=dpo_cfg.max_new_tokens,
+        seed=seed,
+    )
     del policy
     scores, correct = score_samples(rows, samples, reward_funcs, weights)
     references = [r.get("solution") for r in rows]
@@ -85,22 +105,34 @@ def _build_pairs(dpo_cfg: DPOStageConfig, model_cfg: ModelConfig, model_path: st
     flat_scores = [s for group in scores for s in group]
     flat_correct = [c for group in correct for c in group]
     metrics = {f"pairs/{k}": v for k, v in stats.items()}
-    metrics.update({
-        "sampling/mean_score": sum(flat_scores) / len(flat_scores),
-        "sampling/correct_rate": sum(flat_correct) / len(flat_correct),
-        "sampling/seconds": round(samples.seconds, 3),
-        "sampling/tokens_per_second": round(samples.generated_tokens / max(samples.seconds, 1e-9), 2),
-    })
+    metrics.update(
+        {
+            "sampling/mean_score": sum(flat_scores) / len(flat_scores),
+            "sampling/correct_rate": sum(flat_correct) / len(flat_correct),
+            "sampling/seconds": round(samples.seconds, 3),
+            "sampling/tokens_per_second": round(samples.generated_tokens / max(samples.seconds, 1e-9), 2),
+        }
+    )
     if len(pairs) == 0:
-        raise StageError(f"DPO: no preference pairs from {len(rows)} prompts (every group tied on "
-                         f"{[getattr(f, '__name__', '?') for f in reward_funcs]}); raise samples_per_prompt or "
-                         "temperature, or add rewards that separate completions")
+        raise StageError(
+            f"DPO: no preference pairs from {len(rows)} prompts (every group tied on "
+            f"{[getattr(f, '__name__', '?') for f in reward_funcs]}); raise samples_per_prompt or "
+            "temperature, or add rewards that separate completions"
+        )
     logger.info("DPO pairs: %s", stats)
     return pairs, metrics
 
 
-def run_dpo(dpo_cfg: DPOStageConfig, model_cfg: ModelConfig, model_path: str | Path, train_dataset: Any,
-            output_dir: str | Path, *, seed: int = 0, report_to: str | list[str] = "none") -> StageResult:
+def run_dpo(
+    dpo_cfg: DPOStageConfig,
+    model_cfg: ModelConfig,
+    model_path: str | Path,
+    train_dataset: Any,
+    output_dir: str | Path,
+    *,
+    seed: int = 0,
+    report_to: str | list[str] = "none",
+) -> StageResult:
     """Sample on-policy pairs from ``model_path`` on prepared data, then train DPO on them.
 
     ``train_dataset`` needs ``prompt`` (messages) and ``answer``; ``solution`` (a GSM8K worked
@@ -120,12 +152,32 @@ def run_dpo(dpo_cfg: DPOStageConfig, model_cfg: ModelConfig, model_path: str | P
         model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
         args = DPOConfig(**trainer_arguments(ctx, options))
         ref = {"ref_model": frozen_reference(model)} if peft_config is None else {}
-        trainer = DPOTrainer(model=model, args=args, train_dataset=pairs, processing_class=tokenizer,
-                             peft_config=peft_config, **ref)
+        trainer = DPOTrainer(
+            model=model,
+            args=args,
+            train_dataset=pairs,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            **ref,
+        )
         output = trainer.train()
-        return TrainOutcome(model=trainer.model, tokenizer=tokenizer, log_history=trainer.state.log_history,
-                            metrics={**output.metrics, **pair_metrics, "global_step": trainer.state.global_step})
+        return TrainOutcome(
+            model=trainer.model,
+            tokenizer=tokenizer,
+            log_history=trainer.state.log_history,
+            metrics={**output.metrics, **pair_metrics, "global_step": trainer.state.global_step},
+        )
 
-    return execute_stage(stage="dpo", kind="dpo", stage_cfg=dpo_cfg, model_cfg=model_cfg, model_path=model_path,
-                         train_dataset=train_dataset, output_dir=output_dir, seed=seed, report_to=report_to,
-                         options=options, train_fn=train)
+    return execute_stage(
+        stage="dpo",
+        kind="dpo",
+        stage_cfg=dpo_cfg,
+        model_cfg=model_cfg,
+        model_path=model_path,
+        train_dataset=train_dataset,
+        output_dir=output_dir,
+        seed=seed,
+        report_to=report_to,
+        options=options,
+        train_fn=train,
+    )

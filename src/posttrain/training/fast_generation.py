@@ -102,14 +102,22 @@ class FastGRPOTrainer(GRPOTrainer):
         self._shadow_step = -1
 
     def _use_shadow(self, images: Any, multimodal_fields: Any) -> bool:
-        return not (self.use_vllm or self.use_transformers_continuous_batching or images or multimodal_fields
-                    or self.tools or self.accelerator.device.type != "cpu")
+        return not (
+            self.use_vllm
+            or self.use_transformers_continuous_batching
+            or images
+            or multimodal_fields
+            or self.tools
+            or self.accelerator.device.type != "cpu"
+        )
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
-                              has_tool_images=False):
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):
         if not self._use_shadow(images, multimodal_fields):
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         if self._shadow is None:
             self._shadow = ShadowPolicy(self.accelerator.unwrap_model(self.model), self._shadow_dtype)
             # As TRL does for its own generation: the model's saved defaults must not fill in sampling
@@ -118,8 +126,13 @@ class FastGRPOTrainer(GRPOTrainer):
         if self._shadow_step != self.state.global_step:
             self._shadow.sync(self.accelerator.unwrap_model(self.model))
             self._shadow_step = self.state.global_step
-        return generate_completion_ids(self._shadow.model, prompt_ids, self.generation_config,
-                                       self._tokenizer.pad_token_id, self.eos_token_ids), None
+        return generate_completion_ids(
+            self._shadow.model,
+            prompt_ids,
+            self.generation_config,
+            self._tokenizer.pad_token_id,
+            self.eos_token_ids,
+        ), None
 
 
 def _left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,8 +140,8 @@ def _left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Ten
     input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, ids in enumerate(prompt_ids):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention_mask[row, width - len(ids):] = 1
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
     return input_ids, attention_mask
 
 
@@ -143,11 +156,15 @@ def _cut_after_eos(rows: list[list[int]], eos_token_ids: list[int]) -> list[list
 
 def is_plain_sampling(config: Any) -> bool:
     """True when ``config`` asks for nothing but temperature sampling (TRL's defaults)."""
-    return (bool(getattr(config, "do_sample", False)) and (getattr(config, "temperature", None) or 0) > 0
-            and getattr(config, "top_p", None) in (None, 1.0) and getattr(config, "top_k", None) in (None, 0)
-            and getattr(config, "min_p", None) is None
-            and getattr(config, "repetition_penalty", None) in (None, 1.0)
-            and getattr(config, "cache_implementation", None) is None)
+    return (
+        bool(getattr(config, "do_sample", False))
+        and (getattr(config, "temperature", None) or 0) > 0
+        and getattr(config, "top_p", None) in (None, 1.0)
+        and getattr(config, "top_k", None) in (None, 0)
+        and getattr(config, "min_p", None) is None
+        and getattr(config, "repetition_penalty", None) in (None, 1.0)
+        and getattr(config, "cache_implementation", None) is None
+    )
 
 
 def draw_tokens(probs: torch.Tensor) -> torch.Tensor:
@@ -158,8 +175,15 @@ def draw_tokens(probs: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_plain(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 pad_token_id: int, eos_token_ids: list[int]) -> list[list[int]]:
+def sample_plain(
+    model: Any,
+    prompt_ids: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    pad_token_id: int,
+    eos_token_ids: list[int],
+) -> list[list[int]]:
     """Temperature sampling with a KV cache: ``generate``'s result for plain settings, with less overhead.
 
     Tokens are drawn by inverse CDF (``searchsorted`` of a uniform in the cumulative probabilities), the
@@ -174,8 +198,14 @@ def sample_plain(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int
     eos = torch.tensor(eos_token_ids)
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool)
     generated: list[torch.Tensor] = []
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     for _ in range(max_new_tokens):
         tokens = draw_tokens(torch.softmax(out.logits[:, -1].float() / temperature, dim=-1))
         tokens = tokens.masked_fill(finished, pad_token_id)
@@ -185,23 +215,40 @@ def sample_plain(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int
             break
         mask = torch.cat([mask, mask.new_ones((len(prompt_ids), 1))], dim=1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
-                    use_cache=True)
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+        )
     return _cut_after_eos(torch.stack(generated, dim=1).tolist(), eos_token_ids)
 
 
 @torch.no_grad()
-def generate_completion_ids(model: Any, prompt_ids: list[list[int]], generation_config: Any, pad_token_id: int,
-                            eos_token_ids: list[int]) -> list[list[int]]:
+def generate_completion_ids(
+    model: Any,
+    prompt_ids: list[list[int]],
+    generation_config: Any,
+    pad_token_id: int,
+    eos_token_ids: list[int],
+) -> list[list[int]]:
     """Completions for left-padded prompts, each cut after its first EOS (kept), as TRL does.
 
     Plain temperature sampling goes through :func:`sample_plain`; anything else (top-p, top-k,
     penalties, greedy) through ``generate``.
     """
     if is_plain_sampling(generation_config):
-        return sample_plain(model, prompt_ids, max_new_tokens=generation_config.max_new_tokens,
-                            temperature=generation_config.temperature, pad_token_id=pad_token_id,
-                            eos_token_ids=eos_token_ids)
+        return sample_plain(
+            model,
+            prompt_ids,
+            max_new_tokens=generation_config.max_new_tokens,
+            temperature=generation_config.temperature,
+            pad_token_id=pad_token_id,
+            eos_token_ids=eos_token_ids,
+        )
     input_ids, attention_mask = _left_pad(prompt_ids, pad_token_id)
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
-    return _cut_after_eos(output[:, input_ids.shape[1]:].tolist(), eos_token_ids)
+    output = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
+    )
+    return _cut_after_eos(output[:, input_ids.shape[1] :].tolist(), eos_token_ids)

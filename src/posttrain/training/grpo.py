@@ -73,8 +73,16 @@ def prune_samples(directory: Path, every: int) -> list[str]:
     return [f"{SAMPLES_DIR}/{files[step].name}" for step in sorted(keep)]
 
 
-def make_grpo_trainer(stage_cfg: GRPOStageConfig, model_cfg: ModelConfig, model_path: str, train_dataset: Any,
-                      ctx: StageContext, *, fast_generation: bool = True, callbacks: Sequence[Any] = ()):
+def make_grpo_trainer(
+    stage_cfg: GRPOStageConfig,
+    model_cfg: ModelConfig,
+    model_path: str,
+    train_dataset: Any,
+    ctx: StageContext,
+    *,
+    fast_generation: bool = True,
+    callbacks: Sequence[Any] = (),
+):
     """The configured trainer and its health callback, ready to ``train()`` (shared with the benchmark)."""
     from trl import GRPOConfig, GRPOTrainer
 
@@ -90,16 +98,37 @@ def make_grpo_trainer(stage_cfg: GRPOStageConfig, model_cfg: ModelConfig, model_
     monitor = HealthCallback(HealthMonitor(stage_cfg.monitor), stage_cfg.monitor.on_alert, stage)
     fast = fast_generation and ctx.precision == "bf16" and args.use_cpu
     trainer_cls = FastGRPOTrainer if fast else GRPOTrainer
-    trainer = trainer_cls(model=model, reward_funcs=reward_funcs, args=args, train_dataset=data,
-                          processing_class=tokenizer, peft_config=peft_config, callbacks=[monitor, *callbacks])
-    logger.info("[%s] %d examples, rewards %s (weights %s), %s generation", stage, len(data),
-                [getattr(f, "__name__", "?") for f in reward_funcs], weights, "bf16-shadow" if fast else "TRL")
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[monitor, *callbacks],
+    )
+    logger.info(
+        "[%s] %d examples, rewards %s (weights %s), %s generation",
+        stage,
+        len(data),
+        [getattr(f, "__name__", "?") for f in reward_funcs],
+        weights,
+        "bf16-shadow" if fast else "TRL",
+    )
     return trainer, monitor
 
 
-def run_grpo_stage(stage_cfg: GRPOStageConfig, model_cfg: ModelConfig, model_path: str | Path, train_dataset: Any,
-                   output_dir: str | Path, *, seed: int = 0, report_to: str | list[str] = "none",
-                   fast_generation: bool = True) -> StageResult:
+def run_grpo_stage(
+    stage_cfg: GRPOStageConfig,
+    model_cfg: ModelConfig,
+    model_path: str | Path,
+    train_dataset: Any,
+    output_dir: str | Path,
+    *,
+    seed: int = 0,
+    report_to: str | list[str] = "none",
+    fast_generation: bool = True,
+) -> StageResult:
     """Train one GRPO stage from ``model_path`` on prepared data (``prompt`` messages + ``answer``).
 
     ``fast_generation`` samples rollouts from a bf16 copy of the policy when training on a CPU in
@@ -107,17 +136,37 @@ def run_grpo_stage(stage_cfg: GRPOStageConfig, model_cfg: ModelConfig, model_pat
     ``stage.json``; with ``monitor.on_alert: stop`` the first alert ends training (the policy
     trained so far is still saved, so the run can be inspected).
     """
+
     def train(ctx: StageContext) -> TrainOutcome:
-        trainer, monitor = make_grpo_trainer(stage_cfg, model_cfg, str(model_path), train_dataset, ctx,
-                                             fast_generation=fast_generation)
+        trainer, monitor = make_grpo_trainer(
+            stage_cfg, model_cfg, str(model_path), train_dataset, ctx, fast_generation=fast_generation
+        )
         output = trainer.train()
         samples = prune_samples(ctx.work_dir, stage_cfg.sample_every)
-        return TrainOutcome(model=trainer.model, tokenizer=trainer.processing_class,
-                            log_history=trainer.state.log_history,
-                            metrics={**output.metrics, "train_examples": len(trainer.train_dataset),
-                                     "global_step": trainer.state.global_step, "alerts": len(monitor.alerts)},
-                            alerts=monitor.alerts, samples=samples)
+        return TrainOutcome(
+            model=trainer.model,
+            tokenizer=trainer.processing_class,
+            log_history=trainer.state.log_history,
+            metrics={
+                **output.metrics,
+                "train_examples": len(trainer.train_dataset),
+                "global_step": trainer.state.global_step,
+                "alerts": len(monitor.alerts),
+            },
+            alerts=monitor.alerts,
+            samples=samples,
+        )
 
-    return execute_stage(stage=f"grpo-{stage_cfg.name}", kind="grpo", stage_cfg=stage_cfg, model_cfg=model_cfg,
-                         model_path=model_path, train_dataset=train_dataset, output_dir=output_dir, seed=seed,
-                         report_to=report_to, options=grpo_options(stage_cfg), train_fn=train)
+    return execute_stage(
+        stage=f"grpo-{stage_cfg.name}",
+        kind="grpo",
+        stage_cfg=stage_cfg,
+        model_cfg=model_cfg,
+        model_path=model_path,
+        train_dataset=train_dataset,
+        output_dir=output_dir,
+        seed=seed,
+        report_to=report_to,
+        options=grpo_options(stage_cfg),
+        train_fn=train,
+    )

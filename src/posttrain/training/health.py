@@ -40,11 +40,11 @@ _ZERO_STD = 1e-8
 
 REMEDIES = {
     "no_signal": "raise num_generations or temperature so completions differ; add partial-credit rewards "
-                 "(xml_count, soft_format); run SFT first so the format is reachable",
+    "(xml_count, soft_format); run SFT first so the format is reachable",
     "kl_blowup": "raise beta or lower the learning rate",
     "entropy": "raise temperature or lower the learning rate; the policy is collapsing onto one output",
     "flat_reward": "check that the reward functions can pay (posttrain rewards check); add partial-credit "
-                   "rewards; run SFT first; or raise the learning rate",
+    "rewards; run SFT first; or raise the learning rate",
 }
 
 
@@ -126,8 +126,10 @@ class HealthMonitor:
             return False
         reward = _number(logs, "reward")
         same = f" (all scored {reward:g})" if reward is not None and frac == 1.0 else ""
-        return mean, (f"no learning signal: {mean:.0%} of prompt groups had identical rewards{same} over the "
-                      f"last {len(self._zero_std)} reward step(s), so advantages and gradients are zero")
+        return mean, (
+            f"no learning signal: {mean:.0%} of prompt groups had identical rewards{same} over the "
+            f"last {len(self._zero_std)} reward step(s), so advantages and gradients are zero"
+        )
 
     def _check_kl(self, logs: Mapping[str, Any]):
         kl = _number(logs, "kl")
@@ -135,7 +137,10 @@ class HealthMonitor:
             return None
         if kl <= self.cfg.kl_threshold:
             return False
-        return kl, f"KL to the reference policy is {kl:.3g} > {self.cfg.kl_threshold:g}: the policy is running away"
+        return (
+            kl,
+            f"KL to the reference policy is {kl:.3g} > {self.cfg.kl_threshold:g}: the policy is running away",
+        )
 
     def _check_entropy(self, logs: Mapping[str, Any]):
         entropy = _number(logs, "entropy")
@@ -143,8 +148,10 @@ class HealthMonitor:
             return None
         if entropy >= self.cfg.min_entropy:
             return False
-        return entropy, (f"token entropy {entropy:.3g} < {self.cfg.min_entropy:g}: generations are collapsing "
-                         "to a single output, so groups stop differing")
+        return entropy, (
+            f"token entropy {entropy:.3g} < {self.cfg.min_entropy:g}: generations are collapsing "
+            "to a single output, so groups stop differing"
+        )
 
     def _check_flat(self, logs: Mapping[str, Any]):
         reward = _number(logs, "reward")
@@ -156,8 +163,10 @@ class HealthMonitor:
         change = _fitted_change(list(self._rewards))
         if change > self.cfg.flat_reward_tolerance:
             return False
-        return change, (f"reward has not improved over the last {self.cfg.window} reward steps (fitted change "
-                        f"{change:+.3g}, mean {sum(self._rewards) / len(self._rewards):.3g})")
+        return change, (
+            f"reward has not improved over the last {self.cfg.window} reward steps (fitted change "
+            f"{change:+.3g}, mean {sum(self._rewards) / len(self._rewards):.3g})"
+        )
 
 
 class HealthCallback(TrainerCallback):
@@ -172,8 +181,14 @@ class HealthCallback(TrainerCallback):
         if not logs:
             return control
         for alert in self.monitor.observe(state.global_step, logs):
-            logger.warning("[%s] step %d health alert %s: %s. Remedy: %s", self.stage, alert.step, alert.kind,
-                           alert.message, alert.remedy)
+            logger.warning(
+                "[%s] step %d health alert %s: %s. Remedy: %s",
+                self.stage,
+                alert.step,
+                alert.kind,
+                alert.message,
+                alert.remedy,
+            )
             if self.on_alert == "stop":
                 logger.warning("[%s] stopping training (monitor.on_alert: stop)", self.stage)
                 control.should_training_stop = True

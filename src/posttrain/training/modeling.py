@@ -321,8 +321,14 @@ def load_model_and_tokenizer(
 
     if stage_io.is_adapter_dir(name_or_path):
         # A stage saved with adapter_policy: adapter; stage_io merges it onto its recorded base.
-        return stage_io.load_stage_model(name_or_path, precision, cache_dir, for_training=for_training,
-                                         quantization=quantization, attn_implementation=attn_implementation)
+        return stage_io.load_stage_model(
+            name_or_path,
+            precision,
+            cache_dir,
+            for_training=for_training,
+            quantization=quantization,
+            attn_implementation=attn_implementation,
+        )
     check_hardware(precision, quantization)
     path = resolve_model_path(name_or_path, cache_dir)
     dtype = resolve_dtype(precision)

@@ -67,8 +67,13 @@ def precision_flags(precision: str) -> dict[str, Any]:
 
 def trainer_arguments(ctx: StageContext, options: Mapping[str, Any]) -> dict[str, Any]:
     """The stage's TRL options plus the keys posttrain manages (output dir, seed, precision, tracking)."""
-    return {**options, **precision_flags(ctx.precision), "output_dir": str(ctx.work_dir), "seed": ctx.seed,
-            "report_to": ctx.report_to}
+    return {
+        **options,
+        **precision_flags(ctx.precision),
+        "output_dir": str(ctx.work_dir),
+        "seed": ctx.seed,
+        "report_to": ctx.report_to,
+    }
 
 
 def load_policy(model_cfg: ModelConfig, model_path: str):
@@ -79,8 +84,12 @@ def load_policy(model_cfg: ModelConfig, model_path: str):
     stage's input policy.
     """
     model, tokenizer = stage_io.load_stage_model(
-        model_path, model_cfg.precision, model_cfg.cache_dir, for_training=True,
-        quantization=model_cfg.quantization, attn_implementation=model_cfg.attn_implementation,
+        model_path,
+        model_cfg.precision,
+        model_cfg.cache_dir,
+        for_training=True,
+        quantization=model_cfg.quantization,
+        attn_implementation=model_cfg.attn_implementation,
     )
     peft_config = modeling.build_peft_config(model_cfg.lora) if model_cfg.lora is not None else None
     return model, tokenizer, peft_config
@@ -119,56 +128,108 @@ def build_reward_funcs(specs) -> tuple[list[Any], list[float]]:
     names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise stage_io.StageError(f"rewards {dupes} appear twice in one stage: TRL would merge their "
-                                  "metrics; give the second a distinct factory setting or drop it")
+        raise stage_io.StageError(
+            f"rewards {dupes} appear twice in one stage: TRL would merge their "
+            "metrics; give the second a distinct factory setting or drop it"
+        )
     return funcs, [float(spec.weight) for spec in specs]
 
 
 def _adapter_record(model_path: str, model_cfg: ModelConfig, input_fp: str) -> dict[str, Any]:
-    base = model_path if Path(model_path).is_dir() else modeling.resolve_model_path(model_path, model_cfg.cache_dir)
+    base = (
+        model_path
+        if Path(model_path).is_dir()
+        else modeling.resolve_model_path(model_path, model_cfg.cache_dir)
+    )
     base = str(Path(base).resolve()) if Path(base).is_dir() else base
     return {"base": base, "base_fingerprint": input_fp, "root": stage_io.adapter_root(base)}
 
 
-def execute_stage(*, stage: str, kind: str, stage_cfg: Any, model_cfg: ModelConfig, model_path: str | Path,
-                  train_dataset: Any, output_dir: str | Path, seed: int, report_to: str | list[str],
-                  options: Mapping[str, Any], train_fn: Callable[[StageContext], TrainOutcome]) -> StageResult:
+def execute_stage(
+    *,
+    stage: str,
+    kind: str,
+    stage_cfg: Any,
+    model_cfg: ModelConfig,
+    model_path: str | Path,
+    train_dataset: Any,
+    output_dir: str | Path,
+    seed: int,
+    report_to: str | list[str],
+    options: Mapping[str, Any],
+    train_fn: Callable[[StageContext], TrainOutcome],
+) -> StageResult:
     """Run ``train_fn`` inside the standard stage sequence (module docstring) and return its result."""
     start = time.perf_counter()
     model_path = str(model_path)
-    modeling.check_hardware(model_cfg.precision, model_cfg.quantization, options.get("optim"),
-                            bool(options.get("use_vllm", False)))
+    modeling.check_hardware(
+        model_cfg.precision,
+        model_cfg.quantization,
+        options.get("optim"),
+        bool(options.get("use_vllm", False)),
+    )
     precision = modeling.resolve_precision(model_cfg.precision)
     input_fp = stage_io.fingerprint_model(model_path, model_cfg.cache_dir, model_cfg.revision)
     data_fp = stage_io.fingerprint_dataset(train_dataset)
     config_hash = stable_hash(stage_cfg)
     # TRAINER_DEFAULTS live in code, outside the stage section: hash what actually reaches TRL too.
     options_hash = stable_hash(dict(options))
-    logger.info("[%s] starting from %s (fingerprint %s) on %d examples, precision %s, output %s", stage,
-                model_path, input_fp, len(train_dataset), precision, output_dir)
+    logger.info(
+        "[%s] starting from %s (fingerprint %s) on %d examples, precision %s, output %s",
+        stage,
+        model_path,
+        input_fp,
+        len(train_dataset),
+        precision,
+        output_dir,
+    )
     with stage_io.staging_dir(output_dir) as work:
         ctx = StageContext(stage=stage, work_dir=work, precision=precision, seed=seed, report_to=report_to)
         outcome = train_fn(ctx)
         metrics = {**summarize_history(outcome.log_history), **outcome.metrics}
-        artifact = stage_io.save_policy(outcome.model, outcome.tokenizer, work,
-                                        adapter_policy=model_cfg.adapter_policy)
+        artifact = stage_io.save_policy(
+            outcome.model, outcome.tokenizer, work, adapter_policy=model_cfg.adapter_policy
+        )
         adapter = _adapter_record(model_path, model_cfg, input_fp) if artifact == "adapter" else None
         stage_io.write_log_history(work, outcome.log_history)
         duration = time.perf_counter() - start
         stage_io.write_stage_json(
-            work, stage=stage, kind=kind, config=stage_cfg.model_dump(mode="json"), config_hash=config_hash,
-            model_config_hash=stable_hash(model_cfg), input_model=model_path, input_fingerprint=input_fp,
-            data_fingerprint=data_fp, seed=seed, precision=precision, metrics=metrics, alerts=outcome.alerts,
-            samples=outcome.samples, artifact=artifact, adapter=adapter, duration_s=duration,
+            work,
+            stage=stage,
+            kind=kind,
+            config=stage_cfg.model_dump(mode="json"),
+            config_hash=config_hash,
+            model_config_hash=stable_hash(model_cfg),
+            input_model=model_path,
+            input_fingerprint=input_fp,
+            data_fingerprint=data_fp,
+            seed=seed,
+            precision=precision,
+            metrics=metrics,
+            alerts=outcome.alerts,
+            samples=outcome.samples,
+            artifact=artifact,
+            adapter=adapter,
+            duration_s=duration,
             extra={"trainer_options": dict(options), "trainer_options_hash": options_hash},
         )
         output_fp = stage_io.fingerprint_dir(work)
     final = Path(output_dir).resolve()
     logger.info("[%s] done in %.1f s: %s (%s)", stage, duration, final, artifact)
     return StageResult(
-        stage=stage, output_dir=str(final), metrics=metrics,
-        fingerprints={"input_model": input_fp, "data": data_fp, "config": config_hash,
-                      "trainer_options": options_hash, "output": output_fp},
-        alerts=tuple(outcome.alerts), duration_s=round(duration, 3), samples=tuple(outcome.samples),
-        artifact=artifact, adapter_base=adapter["base"] if adapter else None,
+        stage=stage,
+        output_dir=str(final),
+        metrics=metrics,
+        fingerprints={
+            "input_model": input_fp,
+            "data": data_fp,
+            "config": config_hash,
+            "trainer_options": options_hash,
+            "output": output_fp,
+        },
+        alerts=tuple(outcome.alerts),
+        duration_s=round(duration, 3),
+        samples=tuple(outcome.samples),
+        artifact=artifact,
+        adapter_base=adapter["base"] if adapter else None,
     )

@@ -43,9 +43,17 @@ def sft_dataset(train_dataset: Any, num_examples: int | None = None):
     return ds.remove_columns(extra) if extra else ds
 
 
-def run_sft(sft_cfg: SFTStageConfig, model_cfg: ModelConfig, model_path: str | Path, train_dataset: Any,
-            output_dir: str | Path, *, seed: int = 0, report_to: str | list[str] = "none",
-            eval_dataset: Any = None) -> StageResult:
+def run_sft(
+    sft_cfg: SFTStageConfig,
+    model_cfg: ModelConfig,
+    model_path: str | Path,
+    train_dataset: Any,
+    output_dir: str | Path,
+    *,
+    seed: int = 0,
+    report_to: str | list[str] = "none",
+    eval_dataset: Any = None,
+) -> StageResult:
     """Fine-tune ``model_path`` on ``train_dataset`` (prepared data or prompt/completion rows).
 
     ``sft_cfg.num_examples`` keeps the first N examples; TRL options come from
@@ -63,13 +71,32 @@ def run_sft(sft_cfg: SFTStageConfig, model_cfg: ModelConfig, model_path: str | P
         model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
         args = SFTConfig(**trainer_arguments(ctx, options))
         eval_data = sft_dataset(eval_dataset) if eval_dataset is not None else None
-        trainer = SFTTrainer(model=model, args=args, train_dataset=data, eval_dataset=eval_data,
-                             processing_class=tokenizer, peft_config=peft_config)
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            eval_dataset=eval_data,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
         output = trainer.train()
-        return TrainOutcome(model=trainer.model, tokenizer=tokenizer, log_history=trainer.state.log_history,
-                            metrics={**output.metrics, "train_examples": len(data),
-                                     "global_step": trainer.state.global_step})
+        return TrainOutcome(
+            model=trainer.model,
+            tokenizer=tokenizer,
+            log_history=trainer.state.log_history,
+            metrics={**output.metrics, "train_examples": len(data), "global_step": trainer.state.global_step},
+        )
 
-    return execute_stage(stage="sft", kind="sft", stage_cfg=sft_cfg, model_cfg=model_cfg, model_path=model_path,
-                         train_dataset=train_dataset, output_dir=output_dir, seed=seed, report_to=report_to,
-                         options=options, train_fn=train)
+    return execute_stage(
+        stage="sft",
+        kind="sft",
+        stage_cfg=sft_cfg,
+        model_cfg=model_cfg,
+        model_path=model_path,
+        train_dataset=train_dataset,
+        output_dir=output_dir,
+        seed=seed,
+        report_to=report_to,
+        options=options,
+        train_fn=train,
+    )

@@ -121,7 +121,9 @@ def fingerprint_dir(path: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def fingerprint_model(name_or_path: str, cache_dir: str | Path | None = None, revision: str | None = None) -> str:
+def fingerprint_model(
+    name_or_path: str, cache_dir: str | Path | None = None, revision: str | None = None
+) -> str:
     """Fingerprint of a stage input: a directory's content, a built-in's converted files, or a hub id."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -186,11 +188,27 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def write_stage_json(directory: Path, *, stage: str, kind: str, config: Mapping[str, Any], config_hash: str,
-                     model_config_hash: str, input_model: str, input_fingerprint: str, data_fingerprint: str,
-                     seed: int, precision: str, metrics: Mapping[str, Any], alerts: list[Mapping[str, Any]],
-                     samples: list[str], artifact: str, adapter: Mapping[str, Any] | None,
-                     duration_s: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def write_stage_json(
+    directory: Path,
+    *,
+    stage: str,
+    kind: str,
+    config: Mapping[str, Any],
+    config_hash: str,
+    model_config_hash: str,
+    input_model: str,
+    input_fingerprint: str,
+    data_fingerprint: str,
+    seed: int,
+    precision: str,
+    metrics: Mapping[str, Any],
+    alerts: list[Mapping[str, Any]],
+    samples: list[str],
+    artifact: str,
+    adapter: Mapping[str, Any] | None,
+    duration_s: float,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write ``stage.json``: everything needed to tell what produced this policy and to reload it."""
     info = {
         "schema": SCHEMA_VERSION,
@@ -266,7 +284,9 @@ def save_policy(model: Any, tokenizer: Any, directory: Path, *, adapter_policy: 
             artifact = "merged"
     else:
         if adapter_policy == "adapter":
-            logger.warning("adapter_policy: adapter needs LoRA (model.lora); full fine-tuning saves the whole model")
+            logger.warning(
+                "adapter_policy: adapter needs LoRA (model.lora); full fine-tuning saves the whole model"
+            )
         model.save_pretrained(directory)
         artifact = "full"
     tokenizer.save_pretrained(directory)
@@ -283,14 +303,22 @@ def adapter_root(path: str | Path) -> str:
         seen.add(current)
         base = (read_stage_json(current).get("adapter") or {}).get("base")
         if not base:
-            raise StageError(f"{current} is an adapter without a recorded base (adapter.base in {STAGE_FILE})")
+            raise StageError(
+                f"{current} is an adapter without a recorded base (adapter.base in {STAGE_FILE})"
+            )
         current = base
     return current
 
 
-def load_stage_model(name_or_path: str | Path, precision: str = "auto", cache_dir: str | Path | None = None,
-                     *, for_training: bool = False, quantization: str = "none",
-                     attn_implementation: str | None = None):
+def load_stage_model(
+    name_or_path: str | Path,
+    precision: str = "auto",
+    cache_dir: str | Path | None = None,
+    *,
+    for_training: bool = False,
+    quantization: str = "none",
+    attn_implementation: str | None = None,
+):
     """Load any stage input or output as ``(model, tokenizer)``, following adapter chains.
 
     Standalone models go straight to :func:`modeling.load_model_and_tokenizer`. An adapter directory
@@ -303,15 +331,25 @@ def load_stage_model(name_or_path: str | Path, precision: str = "auto", cache_di
 
     path = str(name_or_path)
     if not is_adapter_dir(path):
-        return modeling.load_model_and_tokenizer(path, precision, cache_dir, for_training=for_training,
-                                                 quantization=quantization,
-                                                 attn_implementation=attn_implementation)
+        return modeling.load_model_and_tokenizer(
+            path,
+            precision,
+            cache_dir,
+            for_training=for_training,
+            quantization=quantization,
+            attn_implementation=attn_implementation,
+        )
     base = (read_stage_json(path).get("adapter") or {}).get("base")
     if not base:
         raise StageError(f"{path} is an adapter without a recorded base (adapter.base in {STAGE_FILE})")
-    model, _ = load_stage_model(base, "fp32" if not modeling.cuda_available() else precision, cache_dir,
-                                for_training=True, quantization=quantization,
-                                attn_implementation=attn_implementation)
+    model, _ = load_stage_model(
+        base,
+        "fp32" if not modeling.cuda_available() else precision,
+        cache_dir,
+        for_training=True,
+        quantization=quantization,
+        attn_implementation=attn_implementation,
+    )
     model = PeftModel.from_pretrained(model, path).merge_and_unload()
     tokenizer = modeling.load_tokenizer(path, padding_side="right" if for_training else "left")
     if not for_training:
@@ -320,4 +358,3 @@ def load_stage_model(name_or_path: str | Path, precision: str = "auto", cache_di
         model = model.to(torch.float32)
     logger.info("loaded %s = %s + adapter(s)", path, adapter_root(path))
     return model, tokenizer
-
