@@ -20,7 +20,13 @@ from posttrain.data.gsm8k import DataError, load_hub, load_jsonl
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SYNTHETIC_EVAL_SEED", "SYNTHETIC_EVAL_SIZE", "eval_records_for", "load_eval_records", "parse_data_arg"]
+__all__ = [
+    "SYNTHETIC_EVAL_SEED",
+    "SYNTHETIC_EVAL_SIZE",
+    "eval_records_for",
+    "load_eval_records",
+    "parse_data_arg",
+]
 
 SYNTHETIC_EVAL_SEED = 1_000_003
 """Seed of the synthetic eval set; training uses ``data.synthetic.seed`` (default 0)."""

@@ -292,7 +292,9 @@ def run_eval(
     """
     cfg = cfg or EvalConfig()
     # Record in the report's config what was actually evaluated, not the pipeline default (heldout).
-    cfg = cfg.model_copy(update={**parse_data_arg(data, cfg.hub_split), **({"limit": limit} if limit is not None else {})})
+    cfg = cfg.model_copy(
+        update={**parse_data_arg(data, cfg.hub_split), **({"limit": limit} if limit is not None else {})}
+    )
     data_name, records = eval_records_for(data, cfg.limit, cfg.hub_split)
     report = evaluate(
         model,
