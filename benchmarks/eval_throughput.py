@@ -2,12 +2,18 @@
 
 (a) one ``model.generate`` call per question, fp32 (the naive loop);
 (b) ``model.generate`` on padded batches of 32, fp32 (the usual "batched" eval);
-(c) posttrain's evaluator: continuous batching, precision ``auto`` (bf16 where the CPU has AMX).
+(c) posttrain's evaluator: continuous batching, precision ``auto`` (bf16 where the CPU has AMX);
+    ``--c auto,auto:64,fp32`` runs it once per precision[:batch] item.
 
 All three decode greedily with the same prompts and ``max_new_tokens``. Throughput counts *useful*
 tokens: generated tokens up to and including the first EOS, never padding or post-EOS tokens.
-(a) is slow (~19 tok/s for SmolLM2 on 2 cores), so by default it runs on the first ``--limit-a``
-questions only and its tokens/s is taken as representative; the output says so.
+(a) is slow (~28 tok/s for SmolLM2 on 2 idle cores), so by default it runs on the first
+``--limit-a`` questions only and its tokens/s is taken as representative; the output says so.
+
+Answer agreement compares parsed answers with (a)'s. In fp32 the evaluator reproduces (a) token for
+token; bf16 changes the numerics, and an untrained model's greedy text then diverges (often within
+the first tokens), so bf16-vs-fp32 agreement measures the precision, not the engine. The
+``(b) vs (a)`` line shows how much padding alone changes in fp32, for scale.
 
     .venv/bin/python benchmarks/eval_throughput.py --data ../shared/data/gsm8k/train.jsonl --limit 128
     .venv/bin/python benchmarks/eval_throughput.py --model tiny-random --limit 16 --limit-a 4  # self-check
@@ -88,7 +94,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--precision", default="auto", help="precision of (c)")
+    parser.add_argument(
+        "--c",
+        default="auto",
+        help="evaluator runs as precision[:batch] items, comma-separated, e.g. auto,auto:64,fp32 "
+        "(batch defaults to --batch-size)",
+    )
     parser.add_argument("--refill-at", type=float, default=None, help="engine refill fraction for (c)")
     parser.add_argument("--skip-b", action="store_true", help="skip (b) (minutes on SmolLM2)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -97,15 +108,20 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    variants = []
+    for item in args.c.split(","):
+        precision, _, batch = item.partition(":")
+        variants.append((precision, int(batch) if batch else args.batch_size))
     watch = LoadWatch()
     records = load_jsonl(args.data, limit=args.limit).records
     limit_a = min(args.limit_a or len(records), len(records))
     model32, tokenizer = load_model_and_tokenizer(args.model, precision="fp32")
     stop = stop_token_ids(model32, tokenizer)
     prompts = encode_prompts(tokenizer, [build_prompt(r["question"], DEFAULT_SYSTEM_PROMPT) for r in records])
+    mean_prompt = sum(map(len, prompts)) / len(prompts)
     print(
-        f"model {args.model}; {len(records)} questions; mean prompt {sum(map(len, prompts)) / len(prompts):.0f}"
-        f" tokens; max_new_tokens {args.max_new_tokens}; greedy; torch threads {torch.get_num_threads()}"
+        f"model {args.model}; {len(records)} questions; mean prompt {mean_prompt:.0f} tokens; "
+        f"max_new_tokens {args.max_new_tokens}; greedy; torch threads {torch.get_num_threads()}"
     )
 
     print(f"(a) one generate call per question, fp32, on the first {limit_a} questions")
@@ -120,19 +136,19 @@ def main() -> None:
         print(f"    load average so far <= {watch.mark():.1f}")
     del model32
 
-    print(
-        f"(c) posttrain evaluator, precision {args.precision}, batch {args.batch_size}, {len(records)} questions"
-    )
-    cfg = EvalConfig(
-        data="local",
-        path=args.data,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-    )
-    extra = {"refill_at": args.refill_at} if args.refill_at is not None else {}
-    report = evaluate(args.model, records, cfg, precision=args.precision, progress=True, **extra)
-    tps_c = report.timings["tokens_per_second"]
+    reports = []
+    for precision, batch_size in variants:
+        print(f"(c) posttrain evaluator, precision {precision}, batch {batch_size}, {len(records)} questions")
+        cfg = EvalConfig(
+            data="local",
+            path=args.data,
+            limit=args.limit,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=batch_size,
+        )
+        extra = {"refill_at": args.refill_at} if args.refill_at is not None else {}
+        reports.append(evaluate(args.model, records, cfg, precision=precision, progress=True, **extra))
+    print(f"    load average so far <= {watch.mark():.1f}")
 
     print("\nuseful tokens/s (generated up to and including EOS; padding and post-EOS tokens excluded)")
     print(
@@ -141,40 +157,9 @@ def main() -> None:
     )
     if tps_b is not None:
         print(
-            f"  (b) batched generate, fp32      : {tps_b:8.1f}  ({sum(map(len, out_b))} tokens in {sec_b:.1f} s)"
+            f"  (b) batched generate, fp32      : {tps_b:8.1f}  "
+            f"({sum(map(len, out_b))} tokens in {sec_b:.1f} s)"
         )
-    print(
-        f"  (c) posttrain evaluator ({report.meta.get('dtype')}) : {tps_c:8.1f}  "
-        f"({report.timings['generated_tokens']} tokens in {report.timings['seconds']:.1f} s, "
-        f"mean batch rows {report.timings['mean_batch_rows']}, {report.timings['prefills']} prefills)"
-    )
-    ratios = {"c/a": tps_c / tps_a}
-    if tps_b:
-        ratios["c/b"] = tps_c / tps_b
-    agree = [
-        i
-        for i in range(limit_a)
-        if parsed(tokenizer, out_a[i], records[i]["answer"])
-        == (report.records[i].strict, report.records[i].flexible)
-    ]
-    ratios["agreement"] = len(agree) / limit_a
-    extrap = " (a timed on a subset)" if limit_a < len(records) else ""
-    print(
-        f"\nc/a = {ratios['c/a']:.1f}x{extrap}"
-        + (f"   c/b = {ratios['c/b']:.1f}x" if "c/b" in ratios else "")
-    )
-    differing = [records[i]["id"] for i in range(limit_a) if i not in set(agree)]
-    print(
-        f"parsed answers (strict, flexible) of (c) equal to (a)'s on {len(agree)}/{limit_a} questions"
-        + (f"; differ: {', '.join(differing)}" if differing else "")
-    )
-    if out_b is not None:
-        same_b = sum(
-            parsed(tokenizer, out_b[i], records[i]["answer"])
-            == (report.records[i].strict, report.records[i].flexible)
-            for i in range(len(records))
-        )
-        print(f"parsed answers of (c) equal to (b)'s on {same_b}/{len(records)} questions")
         b_vs_a = sum(
             parsed(tokenizer, out_b[i], records[i]["answer"])
             == parsed(tokenizer, out_a[i], records[i]["answer"])
@@ -182,24 +167,59 @@ def main() -> None:
         )
         same_tokens = sum(out_b[i] == out_a[i] for i in range(limit_a))
         print(
-            f"reference noise: (b) (fp32, padded batch) vs (a) (fp32, alone): parsed answers equal on "
-            f"{b_vs_a}/{limit_a}, identical tokens on {same_tokens}/{limit_a}"
+            f"      (b) vs (a), both fp32: parsed answers equal on {b_vs_a}/{limit_a}, "
+            f"identical tokens on {same_tokens}/{limit_a}"
         )
-    print(
-        f"(c) accuracy strict {report.summary['accuracy_strict']:.1%}, flexible "
-        f"{report.summary['accuracy_flexible']:.1%}, truncated {report.summary['truncation_rate']:.1%}"
-    )
+    for (precision, batch_size), report in zip(variants, reports, strict=True):
+        print(f"\n(c) precision {precision} ({report.meta.get('dtype')}), batch {batch_size}")
+        describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a)
     cores = os.cpu_count() or 1
     if watch.mark() > cores + 0.5:
         print(
-            f"WARNING: load average reached {watch.peak:.1f} on {cores} cores: other processes shared the CPU "
-            "during this run, so the timings and ratios above are not reliable; rerun on an idle machine."
+            f"\nWARNING: load average reached {watch.peak:.1f} on {cores} cores: other processes shared "
+            "the CPU during this run, so the timings and ratios above are not reliable; "
+            "rerun on an idle machine."
         )
+
+
+def describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a) -> None:
+    """Throughput, ratios, answer agreement and target verdicts of one evaluator run."""
+    tps_c = report.timings["tokens_per_second"]
+    print(
+        f"  useful tokens/s {tps_c:.1f} ({report.timings['generated_tokens']} tokens in "
+        f"{report.timings['seconds']:.1f} s, mean batch rows {report.timings['mean_batch_rows']}, "
+        f"{report.timings['prefills']} prefills)"
+    )
+    ratios = {"c/a": tps_c / tps_a}
+    if tps_b:
+        ratios["c/b"] = tps_c / tps_b
+    answers_c = [(r.strict, r.flexible) for r in report.records]
+    agree = [i for i in range(limit_a) if parsed(tokenizer, out_a[i], records[i]["answer"]) == answers_c[i]]
+    ratios["agreement"] = len(agree) / limit_a
+    extrap = " ((a) timed on a subset)" if limit_a < len(records) else ""
+    print(
+        f"  c/a = {ratios['c/a']:.1f}x{extrap}"
+        + (f"   c/b = {ratios['c/b']:.1f}x" if "c/b" in ratios else "")
+    )
+    differing = [records[i]["id"] for i in range(limit_a) if i not in set(agree)]
+    print(
+        f"  parsed answers (strict, flexible) equal to (a)'s on {len(agree)}/{limit_a} questions"
+        + (f"; differ: {', '.join(differing)}" if differing else "")
+    )
+    if out_b is not None:
+        same_b = sum(
+            parsed(tokenizer, out_b[i], records[i]["answer"]) == answers_c[i] for i in range(len(records))
+        )
+        print(f"  parsed answers equal to (b)'s on {same_b}/{len(records)} questions")
+    print(
+        f"  accuracy strict {report.summary['accuracy_strict']:.1%}, flexible "
+        f"{report.summary['accuracy_flexible']:.1%}, truncated {report.summary['truncation_rate']:.1%}"
+    )
     for key, target in TARGETS.items():
         if key in ratios:
             verdict = "met" if ratios[key] >= target else "NOT met"
             shown = f"{ratios[key]:.1%}" if key == "agreement" else f"{ratios[key]:.1f}x"
-            print(f"target {key} >= {target:g}: {shown} -> {verdict}")
+            print(f"  target {key} >= {target:g}: {shown} -> {verdict}")
 
 
 if __name__ == "__main__":

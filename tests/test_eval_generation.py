@@ -10,7 +10,8 @@ from posttrain.evaluation.kv_cache import SlotLayer
 
 QUESTIONS = [
     "What is 2+2?",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many?",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many?",
     "x",
     "A baker makes 3 trays of 24 cookies each day. Each box holds 6 cookies. How many boxes per week? "
     "Tom drives 60 miles per hour.",
@@ -157,3 +158,25 @@ def test_bad_arguments_are_rejected(lively_model, prompts, kwargs, message):
     args = {"max_new_tokens": 4, "stop_ids": {0}, "pad_token_id": 0, **kwargs}
     with pytest.raises(ValueError, match=message):
         generate_continuous(lively_model, prompts, **args)
+
+
+def test_models_without_mergeable_caches_fall_back_to_waves(
+    lively_model, tiny_tokenizer, prompts, stops, reference, monkeypatch
+):
+    """Caches the engine cannot pad (sliding windows...) refill only once the batch is empty, still exactly."""
+    from transformers import DynamicCache
+
+    import posttrain.evaluation.generation as generation
+
+    monkeypatch.setattr(generation, "new_cache", lambda model: (DynamicCache(config=model.config), False))
+    completions, stats = generate_continuous(
+        lively_model,
+        prompts,
+        max_new_tokens=MAX_NEW,
+        stop_ids=stops,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+        batch_size=3,
+        refill_at=1.0,
+    )
+    assert [list(c.token_ids) for c in completions] == reference
+    assert stats.prefills == 3  # 3 + 3 + 1 prompts, each wave admitted into an empty batch

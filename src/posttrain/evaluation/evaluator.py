@@ -85,7 +85,7 @@ def _load(
         )
     name = str(getattr(model, "name_or_path", None) or type(model).__name__)
     if precision is not None and resolve_dtype(precision) != model.dtype:
-        # Training on a CPU keeps fp32 weights; generating from a bf16 copy is ~4x faster where the CPU has AMX.
+        # Training on a CPU keeps fp32 weights; a bf16 copy generates ~4x faster where the CPU has AMX.
         logger.info("evaluating a %s copy of the %s model", resolve_dtype(precision), model.dtype)
         model = copy.deepcopy(model).to(resolve_dtype(precision))
     return model, tokenizer, name, None
@@ -292,9 +292,10 @@ def run_eval(
     """
     cfg = cfg or EvalConfig()
     # Record in the report's config what was actually evaluated, not the pipeline default (heldout).
-    cfg = cfg.model_copy(
-        update={**parse_data_arg(data, cfg.hub_split), **({"limit": limit} if limit is not None else {})}
-    )
+    update = parse_data_arg(data, cfg.hub_split)
+    if limit is not None:
+        update["limit"] = limit
+    cfg = cfg.model_copy(update=update)
     data_name, records = eval_records_for(data, cfg.limit, cfg.hub_split)
     report = evaluate(
         model,

@@ -175,9 +175,9 @@ class _Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[int]) -> torch.Tensor:
         if self.temperature == 0:
-            # fp32 like generate (exact for bf16 logits, same first-index tie rule) and faster than a bf16 argmax.
+            # In fp32 like generate (exact for bf16 logits, same tie rule), and faster than a bf16 argmax.
             return logits.float().argmax(-1)
-        # Exponential-race sampling: argmax(log p - log E), E ~ Exp(1), draws exactly from softmax(logits / T).
+        # Exponential race: argmax(log p - log E), E ~ Exp(1), draws exactly from softmax(logits / T).
         noise = torch.stack([self._noise(r, logits.shape[-1]) for r in requests]).to(logits.device)
         return (logits.float() / self.temperature - noise.log()).argmax(-1)
 
