@@ -49,3 +49,26 @@ def test_layout(tmp_path):
     assert store.stage_dir("grpo-format", key).name == "grpo-format-0123456789ab"
     assert store.eval_dir("baseline", key).parent.name == "evals"
     assert store.results_dir == tmp_path.resolve() / "results"
+
+
+def test_prestart_leaves_a_configured_server_alone(tmp_path, monkeypatch):
+    from posttrain.store import prestart_embedded_prefect
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    assert prestart_embedded_prefect(Store.at(tmp_path)) is None
+
+
+def test_prestart_starts_the_server_the_flow_client_then_uses(tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from posttrain.store import prestart_embedded_prefect
+
+    thread = prestart_embedded_prefect(Store.at(tmp_path))
+    assert thread is not None
+    thread.join(timeout=180)
+    server = SubprocessASGIServer()
+    assert server.running and server.server_process is not None
+    with get_client(sync_client=True) as client:
+        assert str(client.api_url).rstrip("/") == server.api_url.rstrip("/")
+        assert client.api_healthcheck() is None  # None means healthy

@@ -446,3 +446,14 @@ def test_log_final_model_full_and_peft_adapter(uri, tiny_model_dir, tmp_path):
 def test_log_final_model_respects_the_config_switch(uri, tiny_model_dir):
     with start_pipeline_run(make_cfg(uri, tracking={"tracking_uri": uri, "log_model": False})) as tracker:
         assert tracker.log_final_model(tiny_model_dir) is None
+
+
+def test_async_flush_is_prompt_unless_the_user_chose_a_buffer(monkeypatch):
+    from posttrain.tracking.common import prompt_async_flush
+
+    monkeypatch.delenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", raising=False)
+    prompt_async_flush()
+    assert os.environ["MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"] == "1"
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "5")
+    prompt_async_flush()
+    assert os.environ["MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"] == "5"

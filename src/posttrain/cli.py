@@ -157,7 +157,23 @@ def _pipeline_config(args: argparse.Namespace):
     return cfg
 
 
+def _prestart_prefect(args: argparse.Namespace):
+    """Start the embedded Prefect server while the full config validates (see store.py)."""
+    from pydantic import ValidationError
+
+    from posttrain.config import ConfigError, OrchestrationConfig, read_config_mapping
+    from posttrain.store import Store, prestart_embedded_prefect
+
+    try:
+        raw = read_config_mapping(args.config, args.set)
+        orchestration = OrchestrationConfig.model_validate(raw.get("orchestration") or {})
+    except (ConfigError, ValidationError, TypeError):
+        return None  # the full validation below reports it properly
+    return prestart_embedded_prefect(Store.at(orchestration.store))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    server_start = None if args.dry_run else _prestart_prefect(args)
     cfg = _pipeline_config(args)
     if args.dry_run:
         from posttrain.flows.plan import dry_run
@@ -167,6 +183,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     from posttrain.flows.pipeline import posttrain_pipeline
 
+    if server_start is not None:
+        server_start.join()
     summary = posttrain_pipeline(cfg, force=args.force)
     rows = [
         (o["step"], o["status"], f"{o['metrics'].get('accuracy_strict', '')}", o["output"])

@@ -333,6 +333,15 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfi
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConfig:
     """Load and validate a YAML pipeline config, applying ``--set`` style overrides first."""
+    return parse_config(read_config_mapping(path, overrides), str(path))
+
+
+def read_config_mapping(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The config file as a mapping with overrides applied, not yet validated.
+
+    Validation imports TRL (seconds); callers that only need a cheap section first, such as the
+    store location, read it from here and validate that section alone.
+    """
     path = Path(path)
     try:
         text = path.read_text()
@@ -349,7 +358,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConf
     raw.setdefault("name", path.stem)
     for override in overrides:
         apply_override(raw, override)
-    return parse_config(raw, str(path))
+    return raw
 
 
 def dump_config(cfg: PipelineConfig) -> str:

@@ -22,12 +22,16 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import posttrain
+
+logger = logging.getLogger(__name__)
 
 
 class StoreLockedError(RuntimeError):
@@ -119,3 +123,28 @@ def use_embedded_prefect(store: Store) -> bool:
     os.environ.setdefault("PREFECT_HOME", str(store.prefect_home))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     return True
+
+
+def prestart_embedded_prefect(store: Store) -> threading.Thread | None:
+    """Start the embedded Prefect API server in the background; returns the thread to join.
+
+    Prefect starts its ephemeral server (a uvicorn subprocess, 7-8 s on 2 cores) lazily, at the
+    flow's first API call, after the config has been validated and torch/TRL imported. Starting it
+    first lets the two overlap. ``SubprocessASGIServer`` is a per-process singleton, so the flow's
+    client finds it running; join the thread before the flow starts so it never sees a half-started
+    server. Returns None (nothing started) when a real server is configured.
+    """
+    if not use_embedded_prefect(store):
+        return None
+
+    def start() -> None:
+        try:
+            from prefect.server.api.server import SubprocessASGIServer
+
+            SubprocessASGIServer().start()
+        except Exception as exc:  # the flow's own client starts it again and reports the failure
+            logger.debug("early Prefect server start failed: %s", exc)
+
+    thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
+    thread.start()
+    return thread

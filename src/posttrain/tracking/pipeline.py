@@ -25,6 +25,7 @@ from posttrain.tracking.common import (
     _versions,
     experiment_name,
     flatten_params,
+    prompt_async_flush,
     resolve_tracking_uri,
 )
 from posttrain.tracking.stage import StageRun
@@ -260,6 +261,7 @@ def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> T
     import mlflow
 
     uri = resolve_tracking_uri(cfg.tracking)
+    prompt_async_flush()
     previous = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     client = _client(uri)

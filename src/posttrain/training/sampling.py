@@ -106,6 +106,8 @@ def sample_completions(
             batch_size=batch_size,
             temperature=temperature,
             seeds=[seed * 1_000_003 + i for i in range(len(flat))],
+            progress=True,
+            desc="sampling",
         )
         ids = [list(c.token_ids) for c in completions]
         engine = "continuous"
