@@ -93,12 +93,12 @@ def main() -> None:
     parser.add_argument("--limit-a", type=int, default=16, help="questions timed for (a); 0 = all of --limit")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32, help="batch of (b)")
     parser.add_argument(
         "--c",
         default="auto",
-        help="evaluator runs as precision[:batch] items, comma-separated, e.g. auto,auto:64,fp32 "
-        "(batch defaults to --batch-size)",
+        help="evaluator runs as precision[:batch] items, comma-separated, e.g. auto,auto:32,fp32 "
+        "(batch defaults to the evaluator's default, eval.batch_size)",
     )
     parser.add_argument("--refill-at", type=float, default=None, help="engine refill fraction for (c)")
     parser.add_argument("--skip-b", action="store_true", help="skip (b) (minutes on SmolLM2)")
@@ -111,7 +111,7 @@ def main() -> None:
     variants = []
     for item in args.c.split(","):
         precision, _, batch = item.partition(":")
-        variants.append((precision, int(batch) if batch else args.batch_size))
+        variants.append((precision, int(batch) if batch else EvalConfig().batch_size))
     watch = LoadWatch()
     records = load_jsonl(args.data, limit=args.limit).records
     limit_a = min(args.limit_a or len(records), len(records))

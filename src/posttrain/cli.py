@@ -182,8 +182,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(format_table(rows, ("step", "plan", "why")))
         return 0
     from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.tracking import open_tracking_store
 
     if server_start is not None:
+        open_tracking_store(cfg)  # overlaps the server's boot
         server_start.join()
     summary = posttrain_pipeline(cfg, force=args.force)
     rows = [
@@ -340,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N questions (fixed order)")
     p.add_argument("--output", help="directory for report.json and examples.jsonl")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     p.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two saved reports by example id")

@@ -42,7 +42,7 @@ from posttrain.tracking.compare import (
     format_comparison,
     plot_comparison,
 )
-from posttrain.tracking.pipeline import Tracker, model_requirements, start_pipeline_run
+from posttrain.tracking.pipeline import Tracker, model_requirements, open_tracking_store, start_pipeline_run
 from posttrain.tracking.stage import StageRun
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "flatten_params",
     "format_comparison",
     "model_requirements",
+    "open_tracking_store",
     "plot_comparison",
     "resolve_tracking_uri",
     "start_pipeline_run",
