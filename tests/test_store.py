@@ -72,3 +72,30 @@ def test_prestart_starts_the_server_the_flow_client_then_uses(tmp_path):
     with get_client(sync_client=True) as client:
         assert str(client.api_url).rstrip("/") == server.api_url.rstrip("/")
         assert client.api_healthcheck() is None  # None means healthy
+
+
+def test_clean_interrupted_writes_deletes_partial_outputs_and_restores_a_swapped_out_one(tmp_path):
+    store = Store.at(tmp_path)
+    stages = tmp_path / "stages"
+    (stages / "sft-abc.tmp-1234").mkdir(parents=True)  # killed while training
+    (stages / "sft-abc").mkdir()
+    (stages / "sft-abc.old-5678").mkdir()  # killed after the swap, before deleting the old one
+    (stages / "dpo-def.old-9abc").mkdir()  # killed between the two renames: the only copy
+    (stages / "dpo-def.old-9abc" / "stage.json").write_text("{}")
+    (tmp_path / "evals" / "baseline-123.tmp-ffff").mkdir(parents=True)
+    with store.lock():
+        touched = store.clean_interrupted_writes()
+    assert len(touched) == 4
+    assert sorted(p.name for p in stages.iterdir()) == ["dpo-def", "sft-abc"]
+    assert (stages / "dpo-def" / "stage.json").read_text() == "{}"
+    assert list((tmp_path / "evals").iterdir()) == []
+
+
+def test_staging_dir_names_are_the_ones_the_store_cleans(tmp_path):
+    from posttrain.store import STAGING_SUFFIX
+    from posttrain.training.stage_io import staging_dir
+
+    with staging_dir(tmp_path / "stages" / "sft-abc") as tmp:
+        (tmp / "model.safetensors").write_text("partial")
+        assert tmp.name.startswith("sft-abc" + STAGING_SUFFIX)
+    assert (tmp_path / "stages" / "sft-abc" / "model.safetensors").exists()

@@ -457,3 +457,16 @@ def test_async_flush_is_prompt_unless_the_user_chose_a_buffer(monkeypatch):
     monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "5")
     prompt_async_flush()
     assert os.environ["MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"] == "5"
+
+
+def test_open_tracking_store_creates_the_database_and_logs_nothing(tmp_path):
+    from posttrain.tracking import open_tracking_store
+
+    db = tmp_path / "fresh.db"
+    open_tracking_store(
+        make_cfg(f"sqlite:///{db}", tracking={"enabled": False, "tracking_uri": f"sqlite:///{db}"})
+    )
+    assert not db.exists()
+    open_tracking_store(make_cfg(f"sqlite:///{db}"))
+    assert db.exists()
+    assert [e.name for e in client(f"sqlite:///{db}").search_experiments()] == ["Default"]

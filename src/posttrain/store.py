@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ from pathlib import Path
 import posttrain
 
 logger = logging.getLogger(__name__)
+
+
+# `stage_io.staging_dir` writes an output into `<name>.tmp-<hex>`, moves the previous output aside
+# as `<name>.old-<hex>`, renames the new one into place and deletes the old one.
+STAGING_SUFFIX = ".tmp-"
+REPLACED_SUFFIX = ".old-"
 
 
 class StoreLockedError(RuntimeError):
@@ -78,6 +85,42 @@ class Store:
     @property
     def prefect_home(self) -> Path:
         return self.root / "prefect"
+
+    def clean_interrupted_writes(self) -> list[Path]:
+        """Tidy what a killed run left half-written; call it while holding :meth:`lock`.
+
+        With the lock held no other run can be writing, so every ``.tmp-`` directory is the
+        unfinished output of a run that died (SIGKILL, OOM, power loss) and is deleted. An ``.old-``
+        directory is a complete previous output: it is put back when the run died between the two
+        renames (its output is missing) and deleted otherwise. Returns what was deleted or restored.
+        """
+        touched = []
+        for area in ("data", "stages", "evals"):
+            folder = self.root / area
+            if not folder.is_dir():
+                continue
+            for path in sorted(folder.iterdir()):
+                name = path.name
+                if STAGING_SUFFIX in name:
+                    shutil.rmtree(path, ignore_errors=True)
+                elif REPLACED_SUFFIX in name:
+                    final = path.with_name(name.split(REPLACED_SUFFIX)[0])
+                    if final.exists():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.rename(final)
+                        logger.warning("restored %s from an interrupted replacement", final)
+                else:
+                    continue
+                touched.append(path)
+        if touched:
+            logger.warning(
+                "cleaned %d leftover(s) of an interrupted run in %s: %s",
+                len(touched),
+                self.root,
+                ", ".join(p.name for p in touched),
+            )
+        return touched
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:

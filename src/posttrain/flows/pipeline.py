@@ -134,6 +134,7 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
     cfg = config
     store = Store.at(cfg.orchestration.store)
     with store.lock(), start_pipeline_run(cfg) as tracker:
+        store.clean_interrupted_writes()
         runner = _Runner(cfg, store, tracker, force or ())
         base = steps.base_model(cfg)
         key = steps.data_key(cfg, base.fingerprint)

@@ -44,6 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from posttrain.store import REPLACED_SUFFIX, STAGING_SUFFIX
 from posttrain.training import modeling
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def staging_dir(output_dir: str | Path) -> Iterator[Path]:
     """
     final = Path(output_dir).resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
+    tmp = final.with_name(f"{final.name}{STAGING_SUFFIX}{secrets.token_hex(4)}")
     tmp.mkdir()
     try:
         yield tmp
@@ -164,7 +165,7 @@ def staging_dir(output_dir: str | Path) -> Iterator[Path]:
         raise
     old = None
     if final.exists():
-        old = final.with_name(f"{final.name}.old-{secrets.token_hex(4)}")
+        old = final.with_name(f"{final.name}{REPLACED_SUFFIX}{secrets.token_hex(4)}")
         final.rename(old)
     tmp.rename(final)
     if old is not None:
