@@ -49,7 +49,7 @@ def test_bad_record_names_file_and_line(tmp_path, capsys):
 def test_rewards_check_ranks_correct_formatted_highest(capsys):
     assert main(["rewards", "check", str(CONFIGS / "smollm2-gsm8k-cpu.yaml")]) == 0
     out = capsys.readouterr().out
-    assert out.count("ranks strictly highest") == 2  # both GRPO stages
+    assert out.count("ranks strictly highest") == 3  # the DPO stage and both GRPO stages
 
 
 def test_rewards_check_flags_a_reward_that_prefers_rambling(tmp_path, capsys):
