@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,9 +66,9 @@ def test_prestart_starts_the_server_the_flow_client_then_uses(tmp_path):
 
     from posttrain.store import prestart_embedded_prefect
 
-    thread = prestart_embedded_prefect(Store.at(tmp_path))
-    assert thread is not None
-    thread.join(timeout=180)
+    early = prestart_embedded_prefect(Store.at(tmp_path))
+    assert early is not None
+    early.wait()
     server = SubprocessASGIServer()
     assert server.running and server.server_process is not None
     with get_client(sync_client=True) as client:
@@ -99,3 +101,37 @@ def test_staging_dir_names_are_the_ones_the_store_cleans(tmp_path):
         (tmp / "model.safetensors").write_text("partial")
         assert tmp.name.startswith("sft-abc" + STAGING_SUFFIX)
     assert (tmp_path / "stages" / "sft-abc" / "model.safetensors").exists()
+
+
+def _processes_with_prefect_home(home: Path) -> list[str]:
+    marker = f"PREFECT_HOME={home}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker in environ.read_bytes():
+                found.append(environ.parent.name)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
+def test_a_config_error_in_run_kills_the_early_server(tmp_path):
+    """A config error in `run` is reported as one, and the early Prefect server does not outlive it."""
+    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        smoke.read_text().replace("learning_rate: 1.0e-3}", "learning_rate: 1.0e-3, kl_coef: 0.1}")
+    )
+    store = tmp_path / "store"
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    done = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "run", str(bad), "--set", f"orchestration.store={store}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "unknown SFTConfig option 'kl_coef'" in done.stderr
+    assert _processes_with_prefect_home(store / "prefect") == []

@@ -173,8 +173,13 @@ def _prestart_prefect(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    server_start = None if args.dry_run else _prestart_prefect(args)
-    cfg = _pipeline_config(args)
+    server = None if args.dry_run else _prestart_prefect(args)
+    try:
+        cfg = _pipeline_config(args)
+    except BaseException:
+        if server is not None:
+            server.cancel()
+        raise
     if args.dry_run:
         from posttrain.flows.plan import dry_run
 
@@ -184,9 +189,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from posttrain.flows.pipeline import posttrain_pipeline
     from posttrain.tracking import open_tracking_store
 
-    if server_start is not None:
+    if server is not None:
         open_tracking_store(cfg)  # overlaps the server's boot
-        server_start.join()
+        server.wait()
     summary = posttrain_pipeline(cfg, force=args.force)
     rows = [
         (o["step"], o["status"], f"{o['metrics'].get('accuracy_strict', '')}", o["output"])

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -168,26 +169,47 @@ def use_embedded_prefect(store: Store) -> bool:
     return True
 
 
-def prestart_embedded_prefect(store: Store) -> threading.Thread | None:
-    """Start the embedded Prefect API server in the background; returns the thread to join.
+class EarlyPrefectServer:
+    """Prefect's embedded API server, started in the background before the flow needs it.
 
     Prefect starts its ephemeral server (a uvicorn subprocess, 7-8 s on 2 cores) lazily, at the
     flow's first API call, after the config has been validated and torch/TRL imported. Starting it
     first lets the two overlap. ``SubprocessASGIServer`` is a per-process singleton, so the flow's
-    client finds it running; join the thread before the flow starts so it never sees a half-started
-    server. Returns None (nothing started) when a real server is configured.
+    client finds it running. Call :meth:`wait` before the flow starts, so it never sees a
+    half-started server, or :meth:`cancel` when the run stops before its flow (a config error), so
+    the error is not held up by the server's graceful shutdown.
     """
-    if not use_embedded_prefect(store):
-        return None
 
-    def start() -> None:
+    def __init__(self) -> None:
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._start, name="prefect-server-start", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
         try:
             from prefect.server.api.server import SubprocessASGIServer
 
-            SubprocessASGIServer().start()
+            if not self._cancelled.is_set():
+                SubprocessASGIServer().start()
         except Exception as exc:  # the flow's own client starts it again and reports the failure
             logger.debug("early Prefect server start failed: %s", exc)
 
-    thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
-    thread.start()
-    return thread
+    def wait(self) -> None:
+        self._thread.join()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        server = sys.modules.get("prefect.server.api.server")
+        process = server and server.SubprocessASGIServer().server_process
+        if process is not None:
+            process.kill()  # still booting: nothing of ours is in its database yet
+
+
+def prestart_embedded_prefect(store: Store) -> EarlyPrefectServer | None:
+    """Start the embedded Prefect server early (see :class:`EarlyPrefectServer`).
+
+    Returns None, starting nothing, when a real server is configured (``PREFECT_API_URL``).
+    """
+    if not use_embedded_prefect(store):
+        return None
+    return EarlyPrefectServer()
