@@ -157,23 +157,10 @@ def _pipeline_config(args: argparse.Namespace):
     return cfg
 
 
-def _prestart_prefect(args: argparse.Namespace):
-    """Start the embedded Prefect server while the full config validates (see store.py)."""
-    from pydantic import ValidationError
-
-    from posttrain.config import ConfigError, OrchestrationConfig, read_config_mapping
-    from posttrain.store import Store, prestart_embedded_prefect
-
-    try:
-        raw = read_config_mapping(args.config, args.set)
-        orchestration = OrchestrationConfig.model_validate(raw.get("orchestration") or {})
-    except (ConfigError, ValidationError, TypeError):
-        return None  # the full validation below reports it properly
-    return prestart_embedded_prefect(Store.at(orchestration.store))
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    server = None if args.dry_run else _prestart_prefect(args)
+    from posttrain.store import prestart_for_config
+
+    server = None if args.dry_run else prestart_for_config(args.config, args.set)
     try:
         cfg = _pipeline_config(args)
     except BaseException:

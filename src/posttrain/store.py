@@ -27,7 +27,7 @@ import os
 import shutil
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,3 +213,21 @@ def prestart_embedded_prefect(store: Store) -> EarlyPrefectServer | None:
     if not use_embedded_prefect(store):
         return None
     return EarlyPrefectServer()
+
+
+def prestart_for_config(path: str | Path, overrides: Sequence[str] = ()) -> EarlyPrefectServer | None:
+    """:func:`prestart_embedded_prefect` for the store a config names, read before full validation.
+
+    Only the ``orchestration`` section is validated here (no TRL import); a config that is broken
+    there starts nothing and is reported by the full validation that follows.
+    """
+    from pydantic import ValidationError
+
+    from posttrain.config import ConfigError, OrchestrationConfig, read_config_mapping
+
+    try:
+        raw = read_config_mapping(path, overrides)
+        orchestration = OrchestrationConfig.model_validate(raw.get("orchestration") or {})
+    except (ConfigError, ValidationError):
+        return None
+    return prestart_embedded_prefect(Store.at(orchestration.store))
