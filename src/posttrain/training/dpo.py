@@ -160,13 +160,7 @@ def run_dpo(
             peft_config=peft_config,
             **ref,
         )
-        output = trainer.train()
-        return TrainOutcome(
-            model=trainer.model,
-            tokenizer=tokenizer,
-            log_history=trainer.state.log_history,
-            metrics={**output.metrics, **pair_metrics, "global_step": trainer.state.global_step},
-        )
+        return TrainOutcome.from_trainer(trainer, trainer.train(), tokenizer, metrics=pair_metrics)
 
     return execute_stage(
         stage="dpo",

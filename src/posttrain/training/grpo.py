@@ -142,19 +142,12 @@ def run_grpo_stage(
             stage_cfg, model_cfg, str(model_path), train_dataset, ctx, fast_generation=fast_generation
         )
         output = trainer.train()
-        samples = prune_samples(ctx.work_dir, stage_cfg.sample_every)
-        return TrainOutcome(
-            model=trainer.model,
-            tokenizer=trainer.processing_class,
-            log_history=trainer.state.log_history,
-            metrics={
-                **output.metrics,
-                "train_examples": len(trainer.train_dataset),
-                "global_step": trainer.state.global_step,
-                "alerts": len(monitor.alerts),
-            },
+        return TrainOutcome.from_trainer(
+            trainer,
+            output,
+            metrics={"train_examples": len(trainer.train_dataset), "alerts": len(monitor.alerts)},
             alerts=monitor.alerts,
-            samples=samples,
+            samples=prune_samples(ctx.work_dir, stage_cfg.sample_every),
         )
 
     return execute_stage(

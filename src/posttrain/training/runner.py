@@ -16,7 +16,7 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,28 @@ class TrainOutcome:
     metrics: dict[str, Any] = field(default_factory=dict)
     alerts: list[dict[str, Any]] = field(default_factory=list)
     samples: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_trainer(
+        cls,
+        trainer: Any,
+        output: Any,
+        tokenizer: Any = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        alerts: Sequence[dict[str, Any]] = (),
+        samples: Sequence[str] = (),
+    ) -> TrainOutcome:
+        """The outcome of a finished TRL trainer: its model, log history and ``train()`` metrics,
+        plus the stage's own ``metrics``."""
+        return cls(
+            model=trainer.model,
+            tokenizer=tokenizer if tokenizer is not None else trainer.processing_class,
+            log_history=trainer.state.log_history,
+            metrics={**output.metrics, **(metrics or {}), "global_step": trainer.state.global_step},
+            alerts=list(alerts),
+            samples=list(samples),
+        )
 
 
 @dataclass(frozen=True)

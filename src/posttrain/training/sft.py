@@ -79,12 +79,8 @@ def run_sft(
             processing_class=tokenizer,
             peft_config=peft_config,
         )
-        output = trainer.train()
-        return TrainOutcome(
-            model=trainer.model,
-            tokenizer=tokenizer,
-            log_history=trainer.state.log_history,
-            metrics={**output.metrics, "train_examples": len(data), "global_step": trainer.state.global_step},
+        return TrainOutcome.from_trainer(
+            trainer, trainer.train(), tokenizer, metrics={"train_examples": len(data)}
         )
 
     return execute_stage(
