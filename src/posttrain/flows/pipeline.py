@@ -139,19 +139,23 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
         base = steps.base_model(cfg)
         key = steps.data_key(cfg, base.fingerprint)
         data = runner.run("data", prepare_task, key, str(store.data_dir(key)), cfg=cfg, model=base)
-        model = base
-        if cfg.eval.baseline:
-            key = steps.eval_key(cfg, "baseline", model, data)
+
+        def evaluate(stage: str, model: steps.ModelRef) -> None:
+            key = steps.eval_key(cfg, stage, model, data)
             runner.run(
-                "eval-baseline",
+                f"eval-{stage}",
                 eval_task,
                 key,
-                str(store.eval_dir("baseline", key)),
+                str(store.eval_dir(stage, key)),
                 cfg=cfg,
-                stage="baseline",
+                stage=stage,
                 model=model,
                 data=data,
             )
+
+        model = base
+        if cfg.eval.baseline:
+            evaluate("baseline", model)
         stages = cfg.stage_names()
         for i, stage in enumerate(stages):
             key = steps.train_key(cfg, stage, model, data)
@@ -167,17 +171,7 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
             )
             model = steps.ModelRef(result.output_dir, result.fingerprints["output"])
             if cfg.eval.after_each_stage or i == len(stages) - 1:
-                key = steps.eval_key(cfg, stage, model, data)
-                runner.run(
-                    f"eval-{stage}",
-                    eval_task,
-                    key,
-                    str(store.eval_dir(stage, key)),
-                    cfg=cfg,
-                    stage=stage,
-                    model=model,
-                    data=data,
-                )
+                evaluate(stage, model)
         tracker.plot_accuracy_by_stage()
         last_training = next((o for o in reversed(runner.summary.outcomes) if o.step in stages), None)
         if last_training is not None and last_training.status == "ran":
