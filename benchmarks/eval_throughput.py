@@ -28,13 +28,13 @@ import time
 
 import torch
 
-from posttrain.config import EvalConfig
-from posttrain.data.gsm8k import load_jsonl
-from posttrain.data.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt
+from posttrain.core.config import EvalConfig
+from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt
+from posttrain.data.sources import load_jsonl
 from posttrain.evaluation import evaluate
-from posttrain.evaluation.generation import encode_prompts, stop_token_ids
 from posttrain.evaluation.scoring import score_completion
-from posttrain.training.modeling import load_model_and_tokenizer
+from posttrain.generation.engine import encode_prompts, stop_token_ids
+from posttrain.models.loading import load_model_and_tokenizer
 
 TARGETS = {"c/a": 20.0, "c/b": 3.0, "agreement": 0.95}
 

@@ -67,7 +67,7 @@ def time_generation(trainer, timer: StepTimer) -> None:
 def build_data(model_path: str, num_examples: int):
     from transformers import AutoTokenizer
 
-    from posttrain.config import DataConfig, SyntheticConfig
+    from posttrain.core.config import DataConfig, SyntheticConfig
     from posttrain.data.prepare import prepare_data
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -82,10 +82,10 @@ def run_trl(
 ) -> tuple[StepTimer, list]:
     from trl import GRPOConfig, GRPOTrainer
 
-    from posttrain.config import LoraConfig
+    from posttrain.core.config import LoraConfig
+    from posttrain.models.loading import build_peft_config, load_model_and_tokenizer
     from posttrain.rewards.registry import build_reward
-    from posttrain.training.modeling import build_peft_config, load_model_and_tokenizer
-    from posttrain.training.trl_cpu import compact_fused_head_on_cpu
+    from posttrain.training.trl_compat import compact_fused_head_on_cpu
 
     compact_fused_head_on_cpu(False)  # TRL as shipped
     model, tokenizer = load_model_and_tokenizer(model_path, "fp32", for_training=True)
@@ -130,11 +130,11 @@ ABLATIONS = {
 def run_posttrain(
     model_path: str, data, shapes: dict, steps: int, seed: int, workdir: str, variant: str = "posttrain"
 ):
-    from posttrain.config import GRPOStageConfig, ModelConfig
-    from posttrain.training import modeling
+    from posttrain.core.config import GRPOStageConfig, ModelConfig
+    from posttrain.models.hardware import resolve_precision
     from posttrain.training.grpo import make_grpo_trainer
     from posttrain.training.runner import StageContext
-    from posttrain.training.trl_cpu import compact_fused_head_on_cpu
+    from posttrain.training.trl_compat import compact_fused_head_on_cpu
 
     trainer_overrides, other = ABLATIONS[variant]
     stage = GRPOStageConfig(
@@ -150,7 +150,7 @@ def run_posttrain(
         work_dir=Path(workdir),
         seed=seed,
         report_to="none",
-        precision=modeling.resolve_precision(model_cfg.precision),
+        precision=resolve_precision(model_cfg.precision),
     )
     timer = StepTimer()
     trainer, _ = make_grpo_trainer(
@@ -198,7 +198,8 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    from posttrain.training.modeling import cpu_has_fast_bf16, resolve_model_path
+    from posttrain.models.hardware import cpu_has_fast_bf16
+    from posttrain.models.resolve import resolve_model_path
 
     model_path = resolve_model_path(opts.model)
     shapes = {

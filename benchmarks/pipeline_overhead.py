@@ -1,6 +1,6 @@
 """What Prefect + MLflow + caching cost on top of the work itself, measured side by side in one run.
 
-1. direct: the smoke config's steps called as plain functions (`posttrain.steps`), no Prefect, no MLflow,
+1. direct: the smoke config's steps called as plain functions (`posttrain.pipeline.steps`), no Prefect, no MLflow,
            in a fresh process with a fresh store.
 2. flow:   `posttrain run configs/smoke.yaml` in a fresh process with a fresh store (everything runs;
            Prefect's and MLflow's databases are created and migrated: a one-time cost per store).
@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 def direct_steps(config: Path, store_dir: Path) -> None:
     """Every step of the pipeline, in order, as plain function calls."""
     from posttrain import steps
-    from posttrain.config import load_config
-    from posttrain.store import Store
+    from posttrain.pipeline import load_config
+    from posttrain.pipeline.store import Store
 
     cfg = load_config(config, [f"orchestration.store={store_dir}"])
     store = Store.at(cfg.orchestration.store)
@@ -97,8 +97,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="posttrain-bench-") as tmp:
         workdir = Path(tmp)
         # Build the model cache once so neither side pays for it.
-        from posttrain.config import load_config
-        from posttrain.training.modeling import resolve_model_path
+        from posttrain.models.resolve import resolve_model_path
+        from posttrain.pipeline import load_config
 
         resolve_model_path(load_config(args.config).model.name)
         direct = run_direct(args.config.resolve(), workdir)

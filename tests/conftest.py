@@ -28,7 +28,7 @@ GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama + byte-level BPE tokenizer with a ChatML template (a few seconds)."""
-    from posttrain.training.tiny import build_tiny_model
+    from posttrain.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 from trl.data_utils import is_conversational
 
-from posttrain.config import DataConfig, SyntheticConfig
+from posttrain.core.config import DataConfig, SyntheticConfig
+from posttrain.core.errors import DataError
+from posttrain.core.prompts import build_prompt, format_sft_target
 from posttrain.data import (
     DPO_FEATURES,
-    DataError,
     DpoPair,
     build_dpo_dataset,
-    build_prompt,
     build_sft_dataset,
-    format_sft_target,
     prepare_data,
     select_dpo_pair,
 )

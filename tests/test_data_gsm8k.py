@@ -8,18 +8,12 @@ import logging
 import datasets
 import pytest
 
-from posttrain.config import DataConfig
-from posttrain.data import (
-    RECORD_FIELDS,
-    DataError,
-    count_steps,
-    extract_final_answer,
-    format_sft_target,
-    load_hub,
-    load_jsonl,
-    load_records,
-)
-from posttrain.rewards.parsing import normalize_number
+from posttrain.core.config import DataConfig
+from posttrain.core.errors import DataError
+from posttrain.core.gsm8k import RECORD_FIELDS, count_steps, extract_final_answer
+from posttrain.core.parsing import normalize_number
+from posttrain.core.prompts import format_sft_target
+from posttrain.data import load_hub, load_jsonl, load_records
 
 GOOD = {"question": "Tom has 2 apples and buys 3 more. How many?", "answer": "2+3 = <<2+3=5>>5\n#### 5"}
 
@@ -116,7 +110,7 @@ def test_load_jsonl_skip_mode_counts_and_warns_once(tmp_path, caplog):
         tmp_path / "data.jsonl",
         [GOOD, "{oops", GOOD, {"question": "q", "answer": "#### x"}, GOOD, {"question": "q"}],
     )
-    with caplog.at_level(logging.WARNING, logger="posttrain.data.gsm8k"):
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.sources"):
         result = load_jsonl(path, on_bad_record="skip")
     assert len(result.records) == 3
     assert [(f, line) for f, line, _ in result.skipped] == [(str(path), 2), (str(path), 4), (str(path), 6)]

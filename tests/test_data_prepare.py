@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from posttrain.config import DataConfig, SyntheticConfig
+from posttrain.core.config import DataConfig, SyntheticConfig
+from posttrain.core.errors import DataError
+from posttrain.core.prompts import build_prompt
 from posttrain.data import (
     FEATURES,
-    DataError,
     PreparedData,
-    build_prompt,
     decontaminate,
     filter_by_steps,
     generate_problems,
@@ -134,7 +134,7 @@ def test_prepare_is_reproducible_and_fingerprints_are_content_hashes():
         != first.stats["eval_fingerprint"]
     )
     code = (
-        "from posttrain.config import DataConfig, SyntheticConfig; from posttrain.data import prepare_data; "
+        "from posttrain.core.config import DataConfig, SyntheticConfig; from posttrain.data import prepare_data; "
         "cfg = DataConfig(synthetic=SyntheticConfig(num_examples=100), eval_size=10); "
         "print(prepare_data(cfg).stats['train_fingerprint'])"
     )
@@ -305,6 +305,6 @@ def test_filter_by_steps_errors(steps_ds):
 
 
 def test_config_import_does_not_load_the_data_pipeline():
-    code = "import sys, posttrain.config; print('posttrain.data.prepare' in sys.modules)"
+    code = "import sys, posttrain.core.config; print('posttrain.data.prepare' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -14,15 +14,10 @@ from fractions import Fraction
 
 import pytest
 
-from posttrain.data import (
-    RECORD_FIELDS,
-    THEMES,
-    DataError,
-    count_steps,
-    extract_final_answer,
-    format_sft_target,
-    generate_problems,
-)
+from posttrain.core.errors import DataError
+from posttrain.core.gsm8k import RECORD_FIELDS, count_steps, extract_final_answer
+from posttrain.core.prompts import format_sft_target
+from posttrain.data import THEMES, generate_problems
 
 ANNOTATION = re.compile(r"<<([^=<>]+)=([^<>]+)>>")
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}

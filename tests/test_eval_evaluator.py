@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from posttrain.config import EvalConfig
-from posttrain.data.gsm8k import DataError
+from posttrain.core.config import EvalConfig
+from posttrain.core.errors import DataError, HardwareError
+from posttrain.data.eval_sets import eval_records_for
 from posttrain.evaluation import EvalReport, evaluate, load_eval_records, run_eval
-from posttrain.evaluation.data import eval_records_for
-from posttrain.training.modeling import HardwareError
+from posttrain.models import hardware
 
 FIELDS = {
     "id",
@@ -128,15 +128,13 @@ def test_run_eval_from_a_local_file(tiny_model_dir, tmp_path):
 
 
 def test_vllm_backend_fails_clearly_without_gpu(tiny_model_dir, monkeypatch):
-    import posttrain.training.modeling as modeling
-
     records = [{"id": "1", "question": "1+1?", "answer": "2"}]
-    monkeypatch.setattr(modeling, "cuda_available", lambda: False)
+    monkeypatch.setattr(hardware, "cuda_available", lambda: False)
     with pytest.raises(HardwareError, match="vLLM needs a CUDA GPU"):
         evaluate(str(tiny_model_dir), records, EvalConfig(backend="vllm"))
-    if modeling._importable("vllm"):
+    if hardware._importable("vllm"):
         return
-    monkeypatch.setattr(modeling, "cuda_available", lambda: True)
+    monkeypatch.setattr(hardware, "cuda_available", lambda: True)
     with pytest.raises(HardwareError, match="vLLM is not installed"):
         evaluate(str(tiny_model_dir), records, EvalConfig(backend="vllm"))
 
@@ -162,7 +160,7 @@ def test_heldout_and_local_sources(tmp_path):
 
 
 def test_cli_data_strings_dispatch(monkeypatch):
-    import posttrain.evaluation.data as data
+    import posttrain.data.eval_sets as data
 
     calls = []
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.evaluation.generation import encode_prompts, generate_continuous, stop_token_ids
-from posttrain.evaluation.kv_cache import SlotLayer
+from posttrain.generation.engine import encode_prompts, generate_continuous, stop_token_ids
+from posttrain.generation.kv_cache import SlotLayer
 
 QUESTIONS = [
     "What is 2+2?",
@@ -124,7 +124,7 @@ def test_finished_rows_cost_no_decode_steps(lively_model, tiny_tokenizer, prompt
 
 
 def test_cache_layers_are_slot_layers(lively_model):
-    from posttrain.evaluation.kv_cache import new_cache
+    from posttrain.generation.kv_cache import new_cache
 
     cache, mergeable = new_cache(lively_model)
     assert mergeable and all(isinstance(layer, SlotLayer) for layer in cache.layers)
@@ -166,7 +166,7 @@ def test_models_without_mergeable_caches_fall_back_to_waves(
     """Caches the engine cannot pad (sliding windows...) refill only once the batch is empty, still exactly."""
     from transformers import DynamicCache
 
-    import posttrain.evaluation.generation as generation
+    import posttrain.generation.engine as generation
 
     monkeypatch.setattr(generation, "new_cache", lambda model: (DynamicCache(config=model.config), False))
     completions, stats = generate_continuous(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from posttrain.config import MonitorConfig
+from posttrain.core.config import MonitorConfig
 from posttrain.training.health import REMEDIES, HealthCallback, HealthMonitor
 
 

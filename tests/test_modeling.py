@@ -6,17 +6,11 @@ import json
 
 import pytest
 
-from posttrain.training import modeling
-from posttrain.training.modeling import (
-    HardwareError,
-    ModelError,
-    check_hardware,
-    load_model_and_tokenizer,
-    pull_builtin,
-    resolve_model_path,
-    resolve_precision,
-    verify_model_dir,
-)
+from posttrain.core.errors import HardwareError, ModelError
+from posttrain.models import hardware, resolve
+from posttrain.models.hardware import check_hardware, resolve_precision
+from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.resolve import pull_builtin, resolve_model_path, verify_model_dir
 
 
 @pytest.fixture
@@ -26,13 +20,13 @@ def cache(tmp_path):
 
 def test_tiny_random_builtin_builds_once_and_loads(cache):
     path = pull_builtin("tiny-random", cache)
-    manifest = json.loads((path / modeling.MANIFEST).read_text())
+    manifest = json.loads((path / resolve.MANIFEST).read_text())
     assert list(manifest["files"]) == ["model.safetensors"]
     assert pull_builtin("tiny-random", cache) == path  # cached: same directory, no rebuild
     model, tokenizer = load_model_and_tokenizer("tiny-random", "fp32", cache)
     assert tokenizer.padding_side == "left" and tokenizer.chat_template
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id
-    assert any(m["name"] == "tiny-random" and m["pulled"] == "yes" for m in modeling.list_models(cache))
+    assert any(m["name"] == "tiny-random" and m["pulled"] == "yes" for m in resolve.list_models(cache))
 
 
 def test_corrupt_and_missing_files_are_reported(cache):
@@ -85,17 +79,17 @@ def test_hub_ids_and_local_dirs_resolve(tiny_model_dir, tmp_path):
     ],
 )
 def test_gpu_only_options_fail_clearly_on_cpu(kwargs, fragment):
-    if modeling.cuda_available():
+    if hardware.cuda_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(HardwareError, match=fragment):
         check_hardware(**kwargs)
 
 
 def test_precision_auto_follows_the_cpu(monkeypatch):
-    monkeypatch.setattr(modeling, "cuda_available", lambda: False)
-    monkeypatch.setattr(modeling, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(hardware, "cuda_available", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
     assert resolve_precision("auto") == "bf16"
-    monkeypatch.setattr(modeling, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: False)
     assert resolve_precision("auto") == "fp32"
     assert resolve_precision("fp32") == "fp32"
 

@@ -4,7 +4,7 @@ from decimal import Decimal
 
 import pytest
 
-from posttrain.rewards.parsing import (
+from posttrain.core.parsing import (
     ParsedAnswer,
     answer_block,
     answers_match,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.config import load_config
+from posttrain.pipeline import load_config
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
@@ -63,7 +63,7 @@ def test_first_run_executes_every_step(first_run):
 
 def test_unchanged_rerun_is_all_cached_and_fast(first_run, workdir):
     from posttrain.flows.pipeline import posttrain_pipeline
-    from posttrain.flows.plan import dry_run
+    from posttrain.flows.pipeline import preview as dry_run
 
     assert {status for _, status, _ in dry_run(smoke(workdir))} == {"cached"}
     start = time.perf_counter()
@@ -74,7 +74,7 @@ def test_unchanged_rerun_is_all_cached_and_fast(first_run, workdir):
 
 def test_force_reruns_the_stage_and_what_follows(first_run, workdir):
     from posttrain.flows.pipeline import posttrain_pipeline
-    from posttrain.flows.plan import dry_run
+    from posttrain.flows.pipeline import preview as dry_run
 
     planned = {step: status for step, status, _ in dry_run(smoke(workdir), ["grpo-format"])}
     got = statuses(posttrain_pipeline(smoke(workdir), force=["grpo-format"]))
@@ -151,3 +151,21 @@ def test_cli_dry_run_compare_and_serve_without_server(first_run, workdir, capsys
 
     assert main(["run", str(SMOKE), *sets, "--force", "nope"]) == 2
     assert "not a step of smoke" in capsys.readouterr().err
+
+
+def test_dry_run_and_the_flow_run_the_same_plan(first_run, workdir, monkeypatch):
+    import dataclasses
+
+    import posttrain.flows.pipeline as pipeline_flow
+    from posttrain.pipeline.plan import build_plan
+
+    def without_dpo_eval(cfg):
+        plan = build_plan(cfg)
+        return dataclasses.replace(plan, steps=tuple(s for s in plan.steps if s.name != "eval-dpo"))
+
+    monkeypatch.setattr(pipeline_flow, "build_plan", without_dpo_eval)
+    planned = [step for step, _, _ in pipeline_flow.preview(smoke(workdir))]
+    ran = list(statuses(pipeline_flow.posttrain_pipeline(smoke(workdir))))
+    expected = [s for s in STEPS if s != "eval-dpo"]
+    assert planned == expected
+    assert ran == expected

@@ -17,14 +17,15 @@ from posttrain.rewards.check import (
     ranks_as_intended,
     score_examples,
 )
-from posttrain.rewards.other import AdaptiveScaler, LengthReward, RepetitionPenalty
 from posttrain.rewards.registry import build_reward, is_factory, reward_names
+from posttrain.rewards.scaling import AdaptiveScaler
+from posttrain.rewards.shaping import LengthReward, RepetitionPenalty
 
 GOOD = "<reasoning>\n6 * 7 = 42\n</reasoning>\n<answer>\n42\n</answer>"
 WRONG = "<reasoning>\n6 + 7 = 13\n</reasoning>\n<answer>\n13\n</answer>"
 ACCURACY_MOD = "posttrain.rewards.accuracy"
 FORMAT_MOD = "posttrain.rewards.format"
-OTHER_MOD = "posttrain.rewards.other"
+SHAPING_MOD = "posttrain.rewards.shaping"
 LENGTH_OK = "accepted params: min_tokens, max_tokens, decay_tokens"
 SCALER_OK = "accepted: momentum, eps, clip, suffix"
 
@@ -158,12 +159,12 @@ def test_custom_reward_by_import_path():
 
 
 def test_custom_factory_by_import_path_with_params():
-    reward = build_reward("posttrain.rewards.other:make_length_reward", {"min_tokens": 1, "max_tokens": 3})
+    reward = build_reward("posttrain.rewards.shaping:make_length_reward", {"min_tokens": 1, "max_tokens": 3})
     assert isinstance(reward, LengthReward) and reward.max_tokens == 3
 
 
 def test_custom_nested_attribute():
-    reward = build_reward("posttrain.rewards.other:LengthReward.__call__")
+    reward = build_reward("posttrain.rewards.shaping:LengthReward.__call__")
     assert callable(reward)
 
 
@@ -175,7 +176,7 @@ def test_custom_nested_attribute():
         ("math:pi", None, r"custom reward 'math:pi' is not callable \(it is a float\)"),  # non-callable
         (":fn", None, r"must look like 'package.module:function'"),  # missing module part
         ("math:", None, r"must look like 'package.module:function'"),  # missing attribute part
-        (f"{OTHER_MOD}:make_length_reward", {"bogus": 1}, rf"param\(s\) 'bogus'; {LENGTH_OK}"),  # bad param
+        (f"{SHAPING_MOD}:make_length_reward", {"bogus": 1}, rf"param\(s\) 'bogus'; {LENGTH_OK}"),  # bad param
         ("os.path:join", {"a": "x"}, r"returned str, not a reward function"),  # factory returns non-callable
         ("math:floor", {"x": 1.5}, r"unknown param\(s\) 'x'; accepted params: \(none\)"),  # positional-only
     ],

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.store import Store, StoreLockedError, cache_key
+from posttrain.pipeline.keys import cache_key
+from posttrain.pipeline.store import Store, StoreLockedError
 
 
 @pytest.mark.parametrize(
@@ -32,7 +33,7 @@ def test_cache_key_says_what_the_output_depends_on(a, b, same):
 def test_lock_admits_one_run_and_is_released(tmp_path):
     store = Store.at(tmp_path / "store")
     with store.lock():
-        code = f"from posttrain.store import Store; Store.at({str(store.root)!r}).lock().__enter__()"
+        code = f"from posttrain.pipeline.store import Store; Store.at({str(store.root)!r}).lock().__enter__()"
         other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert other.returncode != 0 and "in use by another posttrain run" in other.stderr
     with store.lock():  # released on exit
@@ -54,7 +55,7 @@ def test_layout(tmp_path):
 
 
 def test_prestart_leaves_a_configured_server_alone(tmp_path, monkeypatch):
-    from posttrain.store import prestart_embedded_prefect
+    from posttrain.flows.server import prestart_embedded_prefect
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
     assert prestart_embedded_prefect(Store.at(tmp_path)) is None
@@ -64,7 +65,7 @@ def test_prestart_starts_the_server_the_flow_client_then_uses(tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.server.api.server import SubprocessASGIServer
 
-    from posttrain.store import prestart_embedded_prefect
+    from posttrain.flows.server import prestart_embedded_prefect
 
     early = prestart_embedded_prefect(Store.at(tmp_path))
     assert early is not None
@@ -94,8 +95,7 @@ def test_clean_interrupted_writes_deletes_partial_outputs_and_restores_a_swapped
 
 
 def test_staging_dir_names_are_the_ones_the_store_cleans(tmp_path):
-    from posttrain.store import STAGING_SUFFIX
-    from posttrain.training.stage_io import staging_dir
+    from posttrain.core.atomic import STAGING_SUFFIX, staging_dir
 
     with staging_dir(tmp_path / "stages" / "sft-abc") as tmp:
         (tmp / "model.safetensors").write_text("partial")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.config import parse_config
+from posttrain.core.config import parse_config
 from posttrain.tracking import (
     MAX_PARAM_LENGTH,
     Tracker,
@@ -94,7 +94,7 @@ def test_flatten_params_dotted_keys_json_values_and_mlflow_limit():
 
 
 def test_resolve_tracking_uri_precedence(tmp_path, monkeypatch):
-    from posttrain.config import TrackingConfig
+    from posttrain.core.config import TrackingConfig
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -449,7 +449,7 @@ def test_log_final_model_respects_the_config_switch(uri, tiny_model_dir):
 
 
 def test_async_flush_is_prompt_unless_the_user_chose_a_buffer(monkeypatch):
-    from posttrain.tracking.common import prompt_async_flush
+    from posttrain.tracking.mlflow_io import prompt_async_flush
 
     monkeypatch.delenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", raising=False)
     prompt_async_flush()

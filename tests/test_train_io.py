@@ -8,10 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.training import stage_io
+from posttrain.core.atomic import staging_dir
+from posttrain.core.errors import StageError
+from posttrain.models import artifacts
+from posttrain.models.artifacts import fingerprint_dir
 from posttrain.training.grpo import prune_samples
 from posttrain.training.runner import precision_flags, summarize_history
-from posttrain.training.stage_io import StageError, fingerprint_dir, staging_dir
 
 
 def write(path, text="x"):
@@ -63,11 +65,11 @@ def test_staging_dir_replaces_the_old_output_only_on_success(tmp_path):
 
 
 def test_is_complete_stage(tmp_path):
-    assert not stage_io.is_complete_stage(tmp_path)
+    assert not artifacts.is_complete_stage(tmp_path)
     write(tmp_path / "config.json", "{}")
-    assert not stage_io.is_complete_stage(tmp_path)  # weights without stage.json: unfinished
+    assert not artifacts.is_complete_stage(tmp_path)  # weights without stage.json: unfinished
     write(tmp_path / "stage.json", "{}")
-    assert stage_io.is_complete_stage(tmp_path)
+    assert artifacts.is_complete_stage(tmp_path)
 
 
 def test_adapter_chain_root_and_errors(tmp_path):
@@ -76,10 +78,10 @@ def test_adapter_chain_root_and_errors(tmp_path):
     for adapter, parent in ((a1, base), (a2, a1)):
         write(adapter / "adapter_config.json", "{}")
         write(adapter / "stage.json", json.dumps({"adapter": {"base": str(parent)}}))
-    assert stage_io.adapter_root(a2) == str(base)
+    assert artifacts.adapter_root(a2) == str(base)
     write(a1 / "stage.json", json.dumps({"adapter": None}))
     with pytest.raises(StageError, match="without a recorded base"):
-        stage_io.adapter_root(a2)
+        artifacts.adapter_root(a2)
 
 
 @pytest.mark.parametrize(
@@ -123,9 +125,9 @@ def test_shadow_policy_matches_the_lora_policy(tiny_model_dir):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from posttrain.config import LoraConfig
-    from posttrain.training.fast_generation import ShadowPolicy
-    from posttrain.training.modeling import build_peft_config
+    from posttrain.core.config import LoraConfig
+    from posttrain.generation.rollout import ShadowPolicy
+    from posttrain.models.loading import build_peft_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -147,7 +149,7 @@ def test_shadow_policy_matches_the_lora_policy(tiny_model_dir):
 
 
 def test_draw_tokens_samples_the_distribution():
-    from posttrain.training.fast_generation import draw_tokens
+    from posttrain.generation.rollout import draw_tokens
 
     torch.manual_seed(0)
     probs = torch.tensor([[0.0, 0.5, 0.2, 0.0, 0.3]]).repeat(20000, 1)
@@ -159,7 +161,7 @@ def test_draw_tokens_samples_the_distribution():
 def test_plain_sampling_matches_generate_when_greedy(tiny_model_dir):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from posttrain.training.fast_generation import generate_completion_ids, is_plain_sampling, sample_plain
+    from posttrain.generation.rollout import generate_completion_ids, is_plain_sampling, sample_plain
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]  # different lengths: left padding must not leak
@@ -175,7 +177,7 @@ def test_plain_sampling_matches_generate_when_greedy(tiny_model_dir):
 
 
 def test_generate_completion_ids_cuts_after_eos():
-    from posttrain.training.fast_generation import generate_completion_ids
+    from posttrain.generation.rollout import generate_completion_ids
 
     class Fake:
         def generate(self, input_ids, attention_mask, generation_config):
@@ -192,8 +194,8 @@ def test_generate_completion_ids_cuts_after_eos():
 def test_modeling_loader_understands_adapter_stage_dirs(tiny_model_dir, tmp_path):
     from peft import get_peft_model
 
-    from posttrain.config import LoraConfig
-    from posttrain.training.modeling import build_peft_config, load_model_and_tokenizer
+    from posttrain.core.config import LoraConfig
+    from posttrain.models.loading import build_peft_config, load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(str(tiny_model_dir), "fp32", for_training=True)
     policy = get_peft_model(model, build_peft_config(LoraConfig(r=4, alpha=8)))
@@ -202,7 +204,7 @@ def test_modeling_loader_understands_adapter_stage_dirs(tiny_model_dir, tmp_path
             param.data.fill_(0.01)
     policy.eval()  # no LoRA dropout in the reference logits
     adapter = tmp_path / "adapter"
-    assert stage_io.save_policy(policy, tokenizer, adapter, adapter_policy="adapter") == "adapter"
+    assert artifacts.save_policy(policy, tokenizer, adapter, adapter_policy="adapter") == "adapter"
     (adapter / "stage.json").write_text(json.dumps({"adapter": {"base": str(tiny_model_dir)}}))
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
@@ -215,7 +217,7 @@ def test_compact_fused_head_on_cpu_gives_the_same_logprobs_and_gradients(tiny_mo
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from posttrain.training.trl_cpu import compact_fused_head_on_cpu
+    from posttrain.training.trl_compat import compact_fused_head_on_cpu
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

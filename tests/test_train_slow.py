@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.config import DataConfig, GRPOStageConfig, ModelConfig, SyntheticConfig
+from posttrain.core.config import DataConfig, GRPOStageConfig, ModelConfig, SyntheticConfig
 
 
 @pytest.mark.slow
 def test_smollm2_one_grpo_step_then_generates(tmp_path):
     from posttrain.data.prepare import prepare_data
+    from posttrain.models.loading import load_stage_model, load_tokenizer
+    from posttrain.models.resolve import resolve_model_path
     from posttrain.training.grpo import run_grpo_stage
-    from posttrain.training.modeling import load_tokenizer, resolve_model_path
-    from posttrain.training.stage_io import load_stage_model
 
     base = resolve_model_path("smollm2-135m-instruct")
     data = prepare_data(

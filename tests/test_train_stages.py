@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.config import (
+from posttrain.core.config import (
     DataConfig,
     DPOStageConfig,
     GRPOStageConfig,
@@ -16,14 +16,9 @@ from posttrain.config import (
     SFTStageConfig,
     SyntheticConfig,
 )
-from posttrain.training.modeling import HardwareError
-from posttrain.training.stage_io import (
-    StageError,
-    StageResult,
-    is_complete_stage,
-    load_stage_model,
-    read_stage_json,
-)
+from posttrain.core.errors import HardwareError, StageError
+from posttrain.models.artifacts import StageResult, is_complete_stage, read_stage_json
+from posttrain.models.loading import load_stage_model
 
 LORA = {"r": 4, "alpha": 8}
 GRPO_SHAPES = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 16}

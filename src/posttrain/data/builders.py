@@ -20,9 +20,9 @@ from typing import Any
 
 import datasets
 
-from posttrain.data.gsm8k import DataError
+from posttrain.core.errors import DataError
+from posttrain.core.prompts import format_sft_target
 from posttrain.data.prepare import MESSAGES_FEATURE
-from posttrain.data.prompts import format_sft_target
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class DpoPair:
 
 
 def _text(completion: Any) -> str:
-    from posttrain.rewards.parsing import completion_text
+    from posttrain.core.parsing import completion_text
 
     return completion_text(completion)
 

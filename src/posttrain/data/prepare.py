@@ -1,4 +1,4 @@
-"""From a :class:`~posttrain.config.DataConfig` to the train/eval datasets every stage consumes.
+"""From a :class:`~posttrain.core.config.DataConfig` to the train/eval datasets every stage consumes.
 
 One function owns the order of operations (load, split, decontaminate, build prompts, drop
 over-long prompts) so every stage sees the same examples, and every removal is counted in
@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import datasets
 
-from posttrain.data.gsm8k import RECORD_FIELDS, DataError, load_records
-from posttrain.data.prompts import build_prompt, select_few_shot
+from posttrain.core.errors import DataError
+from posttrain.core.gsm8k import RECORD_FIELDS
+from posttrain.core.prompts import build_prompt, select_few_shot
+from posttrain.data.sources import load_records
 
 if TYPE_CHECKING:
-    from posttrain.config import DataConfig
+    from posttrain.core.config import DataConfig
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.data.gsm8k import RECORD_FIELDS, DataError
+from posttrain.core.errors import DataError
+from posttrain.core.gsm8k import RECORD_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -365,7 +366,7 @@ def _try_problem(rng: random.Random, theme: Theme, steps: int) -> tuple[str, str
 
 
 def generate_problems(num_examples: int, min_steps: int = 1, max_steps: int = 4, seed: int = 0) -> list[dict]:
-    """``num_examples`` records (the :mod:`posttrain.data.gsm8k` schema), steps uniform in the range.
+    """``num_examples`` records (the :mod:`posttrain.core.gsm8k` schema), steps uniform in the range.
 
     >>> [p["id"] for p in generate_problems(2, seed=7)]
     ['synthetic-s7-0', 'synthetic-s7-1']

@@ -5,12 +5,12 @@ Entry points: :func:`evaluate` (model + records -> :class:`EvalReport`), :func:`
 :func:`format_summary_table`, and :func:`load_eval_records` for the eval data sources.
 """
 
-from posttrain.evaluation.data import eval_records_for, load_eval_records
+from posttrain.data.eval_sets import eval_records_for, load_eval_records
 from posttrain.evaluation.diff import ReportDiff, diff_reports, format_diff
 from posttrain.evaluation.evaluator import evaluate, run_eval
-from posttrain.evaluation.generation import Completion, GenerationStats, generate_continuous
 from posttrain.evaluation.report import EvalRecord, EvalReport, format_summary_table
 from posttrain.evaluation.scoring import SampleScore, pass_at_k, score_completion, summarize
+from posttrain.generation.engine import Completion, GenerationStats, generate_continuous
 
 __all__ = [
     "Completion",

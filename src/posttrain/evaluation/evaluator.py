@@ -19,18 +19,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import EvalConfig
-from posttrain.data.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt
-from posttrain.evaluation.data import eval_records_for, parse_data_arg
-from posttrain.evaluation.generation import (
+from posttrain.core.config import EvalConfig
+from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt
+from posttrain.data.eval_sets import eval_records_for, parse_data_arg
+from posttrain.evaluation.report import EvalRecord, EvalReport
+from posttrain.evaluation.scoring import canonical_gold, score_completion, summarize
+from posttrain.generation.engine import (
     Completion,
     GenerationStats,
     encode_prompts,
     generate_continuous,
     stop_token_ids,
 )
-from posttrain.evaluation.report import EvalRecord, EvalReport
-from posttrain.evaluation.scoring import canonical_gold, score_completion, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,9 @@ def _load(
     model: Any, tokenizer: Any, precision: str | None, backend: str
 ) -> tuple[Any, Any, str, str | None]:
     """(model or None for vLLM, tokenizer, display name, local path for vLLM)."""
-    from posttrain.training.modeling import (
-        load_model_and_tokenizer,
-        load_tokenizer,
-        resolve_dtype,
-        resolve_model_path,
-    )
+    from posttrain.models.hardware import resolve_dtype
+    from posttrain.models.loading import load_model_and_tokenizer, load_tokenizer
+    from posttrain.models.resolve import resolve_model_path
 
     if isinstance(model, tuple):
         model, tokenizer = model
@@ -206,7 +203,7 @@ def evaluate(
     if samples > 1 and cfg.temperature == 0:
         raise ValueError("several samples per question need temperature > 0 (greedy samples are identical)")
     if cfg.backend == "vllm":
-        from posttrain.evaluation.vllm_backend import check_vllm
+        from posttrain.generation.vllm import check_vllm
 
         check_vllm()  # fail before loading anything
     records = _records(dataset, cfg.limit)
@@ -215,7 +212,7 @@ def evaluate(
     load_seconds = time.perf_counter() - start
     prompts = _prompt_ids(tokenizer, records, system_prompt, few_shot)
     if vllm_path is not None:
-        from posttrain.evaluation.vllm_backend import generate_vllm
+        from posttrain.generation.vllm import generate_vllm
 
         stop = stop_token_ids(None, tokenizer)
         groups, stats = generate_vllm(

@@ -1,6 +1,6 @@
 """Scoring completions against GSM8K golds, and aggregating scores into report metrics.
 
-All answer extraction goes through :mod:`posttrain.rewards.parsing`, the parser the GRPO rewards
+All answer extraction goes through :mod:`posttrain.core.parsing`, the parser the GRPO rewards
 use, so a reported accuracy and the training signal can never disagree about what a completion
 answered. Two accuracies are reported side by side: *strict* reads only the ``<answer>`` block
 (what the correctness reward pays for) and *flexible* reads the last number anywhere (how much is
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from posttrain.rewards.parsing import answers_match, normalize_gold, parse_answers
+from posttrain.core.parsing import answers_match, normalize_gold, parse_answers
 
 __all__ = ["SampleScore", "pass_at_k", "score_completion", "summarize"]
 

@@ -4,16 +4,7 @@ Pure Python on purpose (no torch/trl imports): the evaluator, the config validat
 ``posttrain rewards check`` all import it cheaply, and it is testable without a GPU stack.
 """
 
-from posttrain.rewards.accuracy import correctness_reward, int_answer_reward
-from posttrain.rewards.format import soft_format_reward, strict_format_reward, xml_count_reward
-from posttrain.rewards.other import (
-    make_adaptive_scaler,
-    make_length_reward,
-    make_repetition_penalty,
-    reasoning_steps_reward,
-    reward_name,
-)
-from posttrain.rewards.parsing import (
+from posttrain.core.parsing import (
     ParsedAnswer,
     answers_match,
     completion_text,
@@ -24,7 +15,11 @@ from posttrain.rewards.parsing import (
     parse_flexible,
     parse_strict,
 )
+from posttrain.rewards.accuracy import correctness_reward, int_answer_reward
+from posttrain.rewards.format import soft_format_reward, strict_format_reward, xml_count_reward
 from posttrain.rewards.registry import build_reward, reward_names
+from posttrain.rewards.scaling import make_adaptive_scaler, reward_name
+from posttrain.rewards.shaping import make_length_reward, make_repetition_penalty, reasoning_steps_reward
 
 __all__ = [
     "ParsedAnswer",

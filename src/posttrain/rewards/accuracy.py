@@ -1,6 +1,6 @@
 """Answer-correctness rewards: the verifiable signal GRPO is actually optimising.
 
-Both read the answer with :func:`~posttrain.rewards.parsing.parse_strict` / ``answer_block``, the
+Both read the answer with :func:`~posttrain.core.parsing.parse_strict` / ``answer_block``, the
 same parser the evaluator uses, so the training reward and the reported strict accuracy cannot
 drift apart. There is deliberately no fallback to "last number anywhere": paying for a correct
 number outside ``<answer>`` would teach the model that the format is optional.
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from posttrain.rewards.parsing import answer_block, normalize_gold, normalize_number, parse_strict
+from posttrain.core.parsing import answer_block, normalize_gold, normalize_number, parse_strict
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,8 @@ __all__ = [
     "EXAMPLE_QUESTION",
     "INTENDED_BEST",
     "RewardCheckRow",
+    "Verdict",
+    "judge",
     "ranks_as_intended",
     "score_examples",
 ]
@@ -156,3 +158,41 @@ def ranks_as_intended(rows: Sequence[RewardCheckRow]) -> bool:
         return False
     best = builtin.pop(INTENDED_BEST)
     return all(best > total for total in builtin.values())
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a stage's rewards rank the examples: ``ok``, ``note`` (format-only stage) or ``warning``."""
+
+    level: str
+    message: str
+
+    @property
+    def failed(self) -> bool:
+        return self.level == "warning"
+
+
+def judge(rows: Sequence[RewardCheckRow]) -> Verdict:
+    """The verdict ``posttrain rewards check`` prints for one stage's scored rows.
+
+    A stage that only rewards format cannot tell right from wrong, so a tie between the correct and
+    the wrong formatted answer is a note, not a failure; any other rival is a warning.
+
+    >>> from posttrain.rewards.format import strict_format_reward
+    >>> judge(score_examples([("strict_format", 1.0, strict_format_reward)])).level
+    'note'
+    """
+    best = next(r for r in rows if r.label == INTENDED_BEST)
+    rivals = [
+        r.label
+        for r in rows
+        if r is not best and not r.label.startswith("reference") and r.total >= best.total
+    ]
+    if not rivals and ranks_as_intended(rows):
+        return Verdict("ok", f"ok: '{INTENDED_BEST}' ranks strictly highest")
+    if rivals == ["wrong+formatted"]:
+        return Verdict(
+            "note",
+            f"note: '{INTENDED_BEST}' ties 'wrong+formatted': this stage rewards format, not correctness",
+        )
+    return Verdict("warning", f"WARNING: {', '.join(rivals)} score at least as high as '{INTENDED_BEST}'")

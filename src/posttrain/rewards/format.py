@@ -21,7 +21,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from posttrain.rewards.parsing import TAGS, completion_text, is_soft_format, is_strict_format
+from posttrain.core.parsing import TAGS, completion_text, is_soft_format, is_strict_format
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ _XML_TAIL_PENALTY_CAP = 1.0
 def strict_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     """1.0 when the completion is exactly the trained layout, else 0.0.
 
-    See :func:`~posttrain.rewards.parsing.is_strict_format` for the precise rule (one reasoning
+    See :func:`~posttrain.core.parsing.is_strict_format` for the precise rule (one reasoning
     block then one answer block, tags on their own lines, nothing after ``</answer>``).
 
     >>> strict_format_reward(["<reasoning>\\nx\\n</reasoning>\\n<answer>\\n2\\n</answer>", "2"])

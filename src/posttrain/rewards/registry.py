@@ -11,7 +11,7 @@ handled here: TRL applies them through ``GRPOConfig.reward_weights``.
 * factories (``length``, ``repetition``) are called with ``params`` as keyword arguments;
 * ``"package.module:function"`` imports a custom reward; with params it is treated as a factory
   (called with them, must return a callable), without params it is the reward itself;
-* any reward can be standardized by :func:`~posttrain.rewards.other.make_adaptive_scaler` with the
+* any reward can be standardized by :func:`~posttrain.rewards.scaling.make_adaptive_scaler` with the
   reserved param ``adaptive``: ``true`` for default settings or a mapping of scaler settings
   (``momentum``, ``eps``, ``clip``, ``suffix``); ``false``/absent means no scaling.
 
@@ -31,13 +31,8 @@ from typing import Any
 
 from posttrain.rewards.accuracy import correctness_reward, int_answer_reward
 from posttrain.rewards.format import soft_format_reward, strict_format_reward, xml_count_reward
-from posttrain.rewards.other import (
-    make_adaptive_scaler,
-    make_length_reward,
-    make_repetition_penalty,
-    reasoning_steps_reward,
-    reward_name,
-)
+from posttrain.rewards.scaling import make_adaptive_scaler, reward_name
+from posttrain.rewards.shaping import make_length_reward, make_repetition_penalty, reasoning_steps_reward
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,14 @@ Design choices, each forced by how MLflow and transformers behave (see ../shared
 * **Startup cost.** ``import mlflow`` takes ~1.6 s, so it happens inside functions only.
 """
 
-from posttrain.tracking.common import (
+from posttrain.tracking.compare import (
+    Comparison,
+    RunSummary,
+    compare_runs,
+    format_comparison,
+    plot_comparison,
+)
+from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
     DEFAULT_TRACKING_URI,
     MAX_PARAM_LENGTH,
@@ -34,13 +41,6 @@ from posttrain.tracking.common import (
     experiment_name,
     flatten_params,
     resolve_tracking_uri,
-)
-from posttrain.tracking.compare import (
-    Comparison,
-    RunSummary,
-    compare_runs,
-    format_comparison,
-    plot_comparison,
 )
 from posttrain.tracking.pipeline import Tracker, model_requirements, open_tracking_store, start_pipeline_run
 from posttrain.tracking.stage import StageRun

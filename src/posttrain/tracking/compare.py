@@ -114,8 +114,8 @@ def compare_runs(
     """
     from mlflow import MlflowClient
 
-    from posttrain.config import TrackingConfig
-    from posttrain.tracking.common import ROLE_TAG, resolve_tracking_uri
+    from posttrain.core.config import TrackingConfig
+    from posttrain.tracking.mlflow_io import ROLE_TAG, resolve_tracking_uri
 
     client = MlflowClient(tracking_uri=tracking_uri or resolve_tracking_uri(TrackingConfig()))
     if run_ids:

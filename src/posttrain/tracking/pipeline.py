@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import PipelineConfig, dump_config, stable_hash
-from posttrain.tracking.common import (
+from posttrain.core.config import PipelineConfig, dump_config
+from posttrain.core.hashing import stable_hash
+from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
     ROLE_TAG,
     _callback_env_guard,

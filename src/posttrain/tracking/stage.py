@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.tracking.common import (
+from posttrain.tracking.mlflow_io import (
     MAX_TAG_LENGTH,
     _client,
     _jsonable,

@@ -18,7 +18,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import DPOStageConfig, ModelConfig
+from posttrain.core.config import DPOStageConfig, ModelConfig
+from posttrain.core.errors import StageError
+from posttrain.generation.sampling import Samples, sample_completions
+from posttrain.models.artifacts import StageResult
+from posttrain.models.loading import load_stage_model
 from posttrain.training.runner import (
     StageContext,
     TrainOutcome,
@@ -28,8 +32,6 @@ from posttrain.training.runner import (
     load_policy,
     trainer_arguments,
 )
-from posttrain.training.sampling import Samples, sample_completions
-from posttrain.training.stage_io import StageError, StageResult, load_stage_model
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def score_samples(
     Rewards are called the way TRL calls them (conversational completions plus every dataset column
     as a keyword), so a reward behaves identically in DPO sampling and in GRPO. ``None`` scores 0.
     """
-    from posttrain.rewards.parsing import answers_match, parse_strict
+    from posttrain.core.parsing import answers_match, parse_strict
 
     scores, correct = [], []
     for row, texts, ids in zip(rows, samples.texts, samples.token_ids, strict=True):
@@ -144,7 +146,7 @@ def run_dpo(
     def train(ctx: StageContext) -> TrainOutcome:
         from trl import DPOConfig, DPOTrainer
 
-        from posttrain.training.trl_cpu import compact_fused_head_on_cpu
+        from posttrain.training.trl_compat import compact_fused_head_on_cpu
 
         compact_fused_head_on_cpu()
         rows = _select_prompts(train_dataset, dpo_cfg.num_prompts, ctx.seed)

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import GRPOStageConfig, ModelConfig
+from posttrain.core.config import GRPOStageConfig, ModelConfig
+from posttrain.models.artifacts import StageResult
 from posttrain.training.health import HealthCallback, HealthMonitor
 from posttrain.training.runner import (
     StageContext,
@@ -29,7 +30,6 @@ from posttrain.training.runner import (
     load_policy,
     trainer_arguments,
 )
-from posttrain.training.stage_io import StageResult
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ def make_grpo_trainer(
     """The configured trainer and its health callback, ready to ``train()`` (shared with the benchmark)."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from posttrain.training.fast_generation import FastGRPOTrainer
-    from posttrain.training.trl_cpu import compact_fused_head_on_cpu
+    from posttrain.generation.rollout import FastGRPOTrainer
+    from posttrain.training.trl_compat import compact_fused_head_on_cpu
 
     compact_fused_head_on_cpu()
     stage = f"grpo-{stage_cfg.name}"
@@ -132,7 +132,7 @@ def run_grpo_stage(
     """Train one GRPO stage from ``model_path`` on prepared data (``prompt`` messages + ``answer``).
 
     ``fast_generation`` samples rollouts from a bf16 copy of the policy when training on a CPU in
-    bf16 (see fast_generation.py); it is a no-op elsewhere. Health alerts end up in the result and in
+    bf16 (see posttrain.generation.rollout); it is a no-op elsewhere. Health alerts end up in the result and in
     ``stage.json``; with ``monitor.on_alert: stop`` the first alert ends training (the policy
     trained so far is still saved, so the run can be inspected).
     """

@@ -79,7 +79,7 @@ def _fitted_change(values: list[float]) -> float:
 class HealthMonitor:
     """Consumes logged metric dicts step by step and returns the alerts each step raises.
 
-    ``cfg`` is a :class:`posttrain.config.MonitorConfig` (or anything with the same attributes).
+    ``cfg`` is a :class:`posttrain.core.config.MonitorConfig` (or anything with the same attributes).
     Steps without reward metrics (TRL logs rewards only on steps that generate) only feed the KL
     and entropy checks.
     """

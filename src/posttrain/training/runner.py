@@ -6,7 +6,7 @@ wraps that in the same sequence everywhere, so every output directory is written
 1. check the hardware the config asks for (before loading anything, so a GPU-only config fails in
    a second on a laptop);
 2. fingerprint the input model and data (the lineage recorded in ``stage.json``);
-3. train inside a temporary directory (see :func:`stage_io.staging_dir`);
+3. train inside a temporary directory (see :func:`posttrain.core.atomic.staging_dir`);
 4. save the policy per ``model.adapter_policy``, the log history and ``stage.json``, then rename.
 """
 
@@ -21,9 +21,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import ModelConfig, stable_hash
-from posttrain.training import modeling, stage_io
-from posttrain.training.stage_io import StageResult
+from posttrain.core.atomic import staging_dir
+from posttrain.core.config import ModelConfig
+from posttrain.core.errors import StageError
+from posttrain.core.hashing import stable_hash
+from posttrain.models.artifacts import (
+    StageResult,
+    adapter_root,
+    fingerprint_dataset,
+    fingerprint_dir,
+    fingerprint_model,
+    save_policy,
+    write_log_history,
+    write_stage_json,
+)
+from posttrain.models.hardware import check_hardware, cuda_available, resolve_precision
+from posttrain.models.loading import build_peft_config, load_stage_model
+from posttrain.models.resolve import resolve_model_path
+from posttrain.rewards.registry import build_reward
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +97,7 @@ def precision_flags(precision: str) -> dict[str, Any]:
     master weights and optimizer state stay fp32 (weights are loaded fp32 for training); TRL's
     default bf16 without ``use_cpu`` fails on a CPU.
     """
-    if modeling.cuda_available():
+    if cuda_available():
         return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
     return {"use_cpu": True, "bf16": precision == "bf16", "fp16": False}
 
@@ -105,7 +120,7 @@ def load_policy(model_cfg: ModelConfig, model_path: str):
     stage, so the adapter-disabled model (TRL's reference for DPO and GRPO's KL) is exactly the
     stage's input policy.
     """
-    model, tokenizer = stage_io.load_stage_model(
+    model, tokenizer = load_stage_model(
         model_path,
         model_cfg.precision,
         model_cfg.cache_dir,
@@ -113,7 +128,7 @@ def load_policy(model_cfg: ModelConfig, model_path: str):
         quantization=model_cfg.quantization,
         attn_implementation=model_cfg.attn_implementation,
     )
-    peft_config = modeling.build_peft_config(model_cfg.lora) if model_cfg.lora is not None else None
+    peft_config = build_peft_config(model_cfg.lora) if model_cfg.lora is not None else None
     return model, tokenizer, peft_config
 
 
@@ -144,13 +159,11 @@ def summarize_history(log_history: list[Mapping[str, Any]]) -> dict[str, float |
 
 def build_reward_funcs(specs) -> tuple[list[Any], list[float]]:
     """Reward callables and their weights from a stage's ``rewards:`` list (names must be distinct)."""
-    from posttrain.rewards.registry import build_reward
-
     funcs = [build_reward(spec.name, dict(spec.params)) for spec in specs]
     names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise stage_io.StageError(
+        raise StageError(
             f"rewards {dupes} appear twice in one stage: TRL would merge their "
             "metrics; give the second a distinct factory setting or drop it"
         )
@@ -158,13 +171,9 @@ def build_reward_funcs(specs) -> tuple[list[Any], list[float]]:
 
 
 def _adapter_record(model_path: str, model_cfg: ModelConfig, input_fp: str) -> dict[str, Any]:
-    base = (
-        model_path
-        if Path(model_path).is_dir()
-        else modeling.resolve_model_path(model_path, model_cfg.cache_dir)
-    )
+    base = model_path if Path(model_path).is_dir() else resolve_model_path(model_path, model_cfg.cache_dir)
     base = str(Path(base).resolve()) if Path(base).is_dir() else base
-    return {"base": base, "base_fingerprint": input_fp, "root": stage_io.adapter_root(base)}
+    return {"base": base, "base_fingerprint": input_fp, "root": adapter_root(base)}
 
 
 def execute_stage(
@@ -184,15 +193,15 @@ def execute_stage(
     """Run ``train_fn`` inside the standard stage sequence (module docstring) and return its result."""
     start = time.perf_counter()
     model_path = str(model_path)
-    modeling.check_hardware(
+    check_hardware(
         model_cfg.precision,
         model_cfg.quantization,
         options.get("optim"),
         bool(options.get("use_vllm", False)),
     )
-    precision = modeling.resolve_precision(model_cfg.precision)
-    input_fp = stage_io.fingerprint_model(model_path, model_cfg.cache_dir, model_cfg.revision)
-    data_fp = stage_io.fingerprint_dataset(train_dataset)
+    precision = resolve_precision(model_cfg.precision)
+    input_fp = fingerprint_model(model_path, model_cfg.cache_dir, model_cfg.revision)
+    data_fp = fingerprint_dataset(train_dataset)
     config_hash = stable_hash(stage_cfg)
     # TRAINER_DEFAULTS live in code, outside the stage section: hash what actually reaches TRL too.
     options_hash = stable_hash(dict(options))
@@ -205,17 +214,17 @@ def execute_stage(
         precision,
         output_dir,
     )
-    with stage_io.staging_dir(output_dir) as work:
+    with staging_dir(output_dir) as work:
         ctx = StageContext(stage=stage, work_dir=work, precision=precision, seed=seed, report_to=report_to)
         outcome = train_fn(ctx)
         metrics = {**summarize_history(outcome.log_history), **outcome.metrics}
-        artifact = stage_io.save_policy(
+        artifact = save_policy(
             outcome.model, outcome.tokenizer, work, adapter_policy=model_cfg.adapter_policy
         )
         adapter = _adapter_record(model_path, model_cfg, input_fp) if artifact == "adapter" else None
-        stage_io.write_log_history(work, outcome.log_history)
+        write_log_history(work, outcome.log_history)
         duration = time.perf_counter() - start
-        stage_io.write_stage_json(
+        write_stage_json(
             work,
             stage=stage,
             kind=kind,
@@ -235,7 +244,7 @@ def execute_stage(
             duration_s=duration,
             extra={"trainer_options": dict(options), "trainer_options_hash": options_hash},
         )
-        output_fp = stage_io.fingerprint_dir(work)
+        output_fp = fingerprint_dir(work)
     final = Path(output_dir).resolve()
     logger.info("[%s] done in %.1f s: %s (%s)", stage, duration, final, artifact)
     return StageResult(

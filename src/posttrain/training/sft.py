@@ -15,7 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import ModelConfig, SFTStageConfig
+from posttrain.core.config import ModelConfig, SFTStageConfig
+from posttrain.models.artifacts import StageResult
 from posttrain.training.runner import (
     StageContext,
     TrainOutcome,
@@ -23,7 +24,6 @@ from posttrain.training.runner import (
     load_policy,
     trainer_arguments,
 )
-from posttrain.training.stage_io import StageResult
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def run_sft(
     def train(ctx: StageContext) -> TrainOutcome:
         from trl import SFTConfig, SFTTrainer
 
-        from posttrain.training.trl_cpu import compact_fused_head_on_cpu
+        from posttrain.training.trl_compat import compact_fused_head_on_cpu
 
         compact_fused_head_on_cpu()
         data = sft_dataset(train_dataset, sft_cfg.num_examples)

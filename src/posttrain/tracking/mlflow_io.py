@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import PipelineConfig, TrackingConfig
+from posttrain.core.config import PipelineConfig, TrackingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,12 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ANNOTATION_RE",
     "ParsedAnswer",
     "answer_block",
     "answers_match",
     "completion_text",
+    "final_line",
     "is_soft_format",
     "is_strict_format",
     "normalize_gold",
@@ -64,6 +66,8 @@ _NUMBER_IN_TEXT_RE = re.compile(
     r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)"
 )
 
+# GSM8K's calculator annotations, ``<<48/2=24>>``: counted as steps, stripped from SFT targets.
+ANNOTATION_RE = re.compile(r"<<[^<>]*>>")
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _REASONING_RE = re.compile(r"<reasoning>(.*?)</reasoning>", re.DOTALL)
 _SOFT_FORMAT_RE = re.compile(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
@@ -177,8 +181,19 @@ def normalize_gold(gold: Any) -> str | None:
     ('72', '72', None)
     """
     if isinstance(gold, str) and "####" in gold:
-        gold = gold.rsplit("####", 1)[1]
+        gold = final_line(gold)
     return normalize_number(gold)
+
+
+def final_line(solution: Any) -> str | None:
+    """The raw text after the last ``####`` of a GSM8K worked solution, or None without one.
+
+    >>> final_line("48/2 = 24\\n#### 1,234 "), final_line("no marker")
+    ('1,234', None)
+    """
+    if not isinstance(solution, str) or "####" not in solution:
+        return None
+    return solution.rsplit("####", 1)[1].strip()
 
 
 def _last_number(text: str) -> str | None:

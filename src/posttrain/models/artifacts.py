@@ -12,40 +12,37 @@ A stage output directory holds a loadable policy plus ``stage.json``::
         dpo_pairs.jsonl                       DPO: the on-policy pairs trained on
 
 ``stage.json`` (schema 1): ``stage``, ``kind`` (sft/dpo/grpo), ``config`` and ``config_hash`` (the
-stage section, :func:`posttrain.config.stable_hash`), ``model_config_hash``, ``trainer_options`` and
+stage section, :func:`posttrain.core.hashing.stable_hash`), ``model_config_hash``, ``trainer_options`` and
 ``trainer_options_hash`` (what reached TRL, defaults included), ``input_model`` {path, fingerprint},
 ``data_fingerprint``, ``seed``, ``precision``, ``artifact`` (merged/full/adapter), ``adapter``
 {base, base_fingerprint, root} or null, ``metrics``, ``alerts``, ``samples``, ``duration_s``,
 ``created``, ``versions`` (posttrain, torch, transformers, trl, peft, accelerate, datasets).
 
-Directories are written atomically: a stage trains into ``<dir>.tmp-<random>`` next to the final
-path and renames it at the very end, so a crash or a kill never leaves a directory that looks
-complete. ``stage.json`` is written last inside the temporary directory, which makes
+Directories are written atomically (:mod:`posttrain.core.atomic`): a stage trains into
+``<dir>.tmp-<random>`` next to the final path and renames it at the very end, so a crash or a kill
+never leaves a directory that looks complete. ``stage.json`` is written last inside the temporary directory, which makes
 :func:`is_complete_stage` a reliable test.
 
 An adapter directory records in ``stage.json`` the model it was trained on (``adapter.base``), which
-may itself be an adapter directory: :func:`load_stage_model` follows that chain, merging each
+may itself be an adapter directory: :func:`posttrain.models.loading.load_stage_model` follows that chain, merging each
 adapter into the weights below it, so a two-stage GRPO run in adapter mode costs two small adapters
 on disk and loads like any other model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import secrets
-import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from posttrain.store import REPLACED_SUFFIX, STAGING_SUFFIX
-from posttrain.training import modeling
+from posttrain.core.errors import StageError
+from posttrain.core.hashing import jsonable, package_versions, sha256_file
+from posttrain.models.resolve import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +53,6 @@ SCHEMA_VERSION = 1
 # Files that describe a run rather than the policy: two runs producing the same weights fingerprint equal.
 _NOT_POLICY = {STAGE_FILE, LOG_HISTORY_FILE, "dpo_pairs.jsonl", "README.md", "training_args.bin"}
 _NOT_POLICY_DIRS = ("completions", "checkpoint-", "runs")
-_VERSIONED_PACKAGES = ("posttrain", "torch", "transformers", "trl", "peft", "accelerate", "datasets")
-
-
-class StageError(RuntimeError):
-    """A stage that cannot run or whose output cannot be read; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +106,7 @@ def fingerprint_dir(path: str | Path) -> str:
     digest = hashlib.sha256()
     for file in _policy_files(root):
         digest.update(f"{file.relative_to(root).as_posix()}\0{file.stat().st_size}\0".encode())
-        digest.update(modeling.sha256_file(file).encode())
+        digest.update(sha256_file(file).encode())
     info = read_stage_json(root) if (root / STAGE_FILE).exists() else {}
     base = (info.get("adapter") or {}).get("base_fingerprint")
     if base:
@@ -129,7 +121,7 @@ def fingerprint_model(
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return fingerprint_dir(path)
-    resolved = modeling.resolve_model_path(name_or_path, cache_dir)
+    resolved = resolve_model_path(name_or_path, cache_dir)
     if Path(resolved).is_dir():
         return fingerprint_dir(resolved)
     return hashlib.sha256(f"hub:{resolved}@{revision or 'main'}".encode()).hexdigest()[:16]
@@ -144,49 +136,7 @@ def fingerprint_dataset(dataset: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-# --------------------------------------------------------------------------- atomic output
-
-
-@contextlib.contextmanager
-def staging_dir(output_dir: str | Path) -> Iterator[Path]:
-    """Yield a fresh temporary directory that replaces ``output_dir`` only if the block succeeds.
-
-    The old output (a previous run of the same stage) is moved aside before the rename and deleted
-    after it, so at every instant ``output_dir`` is either the old complete stage or the new one.
-    """
-    final = Path(output_dir).resolve()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f"{final.name}{STAGING_SUFFIX}{secrets.token_hex(4)}")
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if final.exists():
-        old = final.with_name(f"{final.name}{REPLACED_SUFFIX}{secrets.token_hex(4)}")
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------- stage.json
-
-
-def package_versions() -> dict[str, str]:
-    versions = {}
-    for name in _VERSIONED_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
 
 
 def write_stage_json(
@@ -232,7 +182,7 @@ def write_stage_json(
         "versions": package_versions(),
         **(dict(extra) if extra else {}),
     }
-    info = _jsonable(info)
+    info = jsonable(info)
     (directory / STAGE_FILE).write_text(json.dumps(info, indent=2, sort_keys=False))
     return info
 
@@ -258,7 +208,7 @@ def is_complete_stage(directory: str | Path) -> bool:
 def write_log_history(directory: Path, log_history: list[Mapping[str, Any]]) -> None:
     with (directory / LOG_HISTORY_FILE).open("w") as fh:
         for row in log_history:
-            fh.write(json.dumps(_jsonable(row)) + "\n")
+            fh.write(json.dumps(jsonable(row)) + "\n")
 
 
 # --------------------------------------------------------------------------- saving and loading
@@ -309,53 +259,3 @@ def adapter_root(path: str | Path) -> str:
             )
         current = base
     return current
-
-
-def load_stage_model(
-    name_or_path: str | Path,
-    precision: str = "auto",
-    cache_dir: str | Path | None = None,
-    *,
-    for_training: bool = False,
-    quantization: str = "none",
-    attn_implementation: str | None = None,
-):
-    """Load any stage input or output as ``(model, tokenizer)``, following adapter chains.
-
-    Standalone models go straight to :func:`modeling.load_model_and_tokenizer`. An adapter directory
-    loads its base in fp32 (recursively), applies the adapter, merges it and only then casts to the
-    inference precision: merging into bf16 weights would round the update away. The tokenizer comes
-    from the adapter directory (stages save it next to the adapter).
-    """
-    import torch
-    from peft import PeftModel
-
-    path = str(name_or_path)
-    if not is_adapter_dir(path):
-        return modeling.load_model_and_tokenizer(
-            path,
-            precision,
-            cache_dir,
-            for_training=for_training,
-            quantization=quantization,
-            attn_implementation=attn_implementation,
-        )
-    base = (read_stage_json(path).get("adapter") or {}).get("base")
-    if not base:
-        raise StageError(f"{path} is an adapter without a recorded base (adapter.base in {STAGE_FILE})")
-    model, _ = load_stage_model(
-        base,
-        "fp32" if not modeling.cuda_available() else precision,
-        cache_dir,
-        for_training=True,
-        quantization=quantization,
-        attn_implementation=attn_implementation,
-    )
-    model = PeftModel.from_pretrained(model, path).merge_and_unload()
-    tokenizer = modeling.load_tokenizer(path, padding_side="right" if for_training else "left")
-    if not for_training:
-        model = model.to(modeling.resolve_dtype(precision)).eval()
-    elif not modeling.cuda_available():
-        model = model.to(torch.float32)
-    logger.info("loaded %s = %s + adapter(s)", path, adapter_root(path))
-    return model, tokenizer

@@ -10,8 +10,6 @@ hardware when it starts.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -19,12 +17,26 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from posttrain.data.prompts import DEFAULT_SYSTEM_PROMPT
-from posttrain.trainer_options import TRAINER_DEFAULTS, validate_trainer_options
+from posttrain.core.errors import ConfigError
+from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT
+from posttrain.core.trainer_options import TRAINER_DEFAULTS, validate_trainer_options
 
-
-class ConfigError(ValueError):
-    """A config that cannot be loaded; the message is one line naming the file and the key."""
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "DPOStageConfig",
+    "EvalConfig",
+    "GRPOStageConfig",
+    "ModelConfig",
+    "PipelineConfig",
+    "RewardSpec",
+    "SFTStageConfig",
+    "TrackingConfig",
+    "apply_override",
+    "dump_config",
+    "parse_config",
+    "read_config_mapping",
+]
 
 
 class StrictModel(BaseModel):
@@ -116,27 +128,25 @@ class DataConfig(StrictModel):
 
 
 class RewardSpec(StrictModel):
+    """One reward of a stage. That the name resolves is checked a layer up, where the rewards live
+    (:func:`posttrain.pipeline.validation.check_rewards`): the schema cannot import them."""
+
     name: str
     """A registered reward (see `posttrain rewards list`) or `package.module:function`."""
     weight: float = 1.0
     params: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _resolvable(self) -> RewardSpec:
-        from posttrain.rewards.registry import build_reward
-
-        build_reward(self.name, dict(self.params))
-        return self
-
 
 class SFTStageConfig(_StageWithTrainer):
     trl_kind: ClassVar[str] = "sft"
+    step_name: ClassVar[str] = "sft"
     enabled: bool = True
     num_examples: int | None = Field(None, ge=1)
 
 
 class DPOStageConfig(_StageWithTrainer):
     trl_kind: ClassVar[str] = "dpo"
+    step_name: ClassVar[str] = "dpo"
     enabled: bool = True
     num_prompts: int = Field(64, ge=1)
     samples_per_prompt: int = Field(4, ge=2)
@@ -172,6 +182,11 @@ class GRPOStageConfig(_StageWithTrainer):
     monitor: MonitorConfig = MonitorConfig()
     sample_every: int = Field(5, ge=1)
     """Keep sample completions with per-reward scores every N steps."""
+
+    @property
+    def step_name(self) -> str:
+        """The stage's step name in the plan, runs and store: ``grpo-<name>``."""
+        return f"grpo-{self.name}"
 
 
 class GRPOSection(StrictModel):
@@ -240,31 +255,19 @@ class PipelineConfig(StrictModel):
     tracking: TrackingConfig = TrackingConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
 
-    def stage_names(self) -> list[str]:
-        """Training stages in execution order."""
-        names = []
+    def stages(self) -> list[tuple[str, str]]:
+        """``(kind, step name)`` of each enabled training stage, in execution order."""
+        stages = []
         if self.sft is not None and self.sft.enabled:
-            names.append("sft")
+            stages.append(("sft", self.sft.step_name))
         if self.dpo is not None and self.dpo.enabled:
-            names.append("dpo")
-        names += [f"grpo-{s.name}" for s in self.grpo.stages]
-        return names
+            stages.append(("dpo", self.dpo.step_name))
+        stages += [("grpo", s.step_name) for s in self.grpo.stages]
+        return stages
 
-    def section_hash(self, section: str) -> str:
-        """Stable hash of one section (`model`, `data`, `sft`, `grpo.format`, ...) for cache keys."""
-        if section.startswith("grpo."):
-            stage = next((s for s in self.grpo.stages if s.name == section[5:]), None)
-            if stage is None:
-                raise KeyError(section)
-            return stable_hash(stage)
-        return stable_hash(getattr(self, section))
-
-
-def stable_hash(value: BaseModel | dict | list | None) -> str:
-    """sha256 of canonical JSON (sorted keys, no whitespace): equal configs hash equal everywhere."""
-    data = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
-    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    def stage_names(self) -> list[str]:
+        """Training stages' step names in execution order (`sft`, `dpo`, `grpo-<name>`)."""
+        return [name for _, name in self.stages()]
 
 
 # --------------------------------------------------------------------------- loading
@@ -315,7 +318,8 @@ def _parse_override_value(text: str) -> Any:
     return value
 
 
-def _format_validation_error(exc: ValidationError, source: str) -> str:
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    """One line: ``source: dotted.key: problem`` for the first error (``(+N more)`` if there are more)."""
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
     msg = err["msg"].removeprefix("Value error, ")
@@ -326,15 +330,11 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 
 
 def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
+    """Validate a config mapping against the schema (TRL options included, reward names not)."""
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, source)) from None
-
-
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConfig:
-    """Load and validate a YAML pipeline config, applying ``--set`` style overrides first."""
-    return parse_config(read_config_mapping(path, overrides), str(path))
+        raise ConfigError(format_validation_error(exc, source)) from None
 
 
 def read_config_mapping(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:

@@ -1,56 +1,29 @@
-"""Loading GSM8K-format records (hub, local JSONL, synthetic) into one validated record schema.
+"""Reading GSM8K-format records from their sources: the hub, local JSONL files, the synthetic generator.
 
-Every later stage (prompt building, rewards, evaluation, lineage) relies on each record having a
-clean, already-normalized final answer, so validation happens once, here, at load time: a record
-whose solution has no ``#### <number>`` line is reported with its file and line number instead of
-turning into a silent zero reward hours later.
-
-A record is a plain dict::
-
-    {"id": "train-00042", "question": "...", "solution": "...worked solution...\\n#### 72",
-     "answer": "72", "steps": 2, "source": "train.jsonl"}
-
-``answer`` is the canonical number string of :func:`posttrain.rewards.parsing.normalize_number`,
-the same function the rewards and the evaluator apply to model output, so the two sides compare
-equal exactly when the numbers are equal. ``steps`` counts the ``<<a*b=c>>`` calculator
-annotations: a cheap, consistent difficulty proxy used for curriculum stages.
+Each raw row goes through :func:`posttrain.core.gsm8k.make_record`; a bad row stops the load with
+``file:line: problem`` or, with ``on_bad_record: skip``, is counted and reported, so a run that
+silently lost half its data is visible.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:  # config imports posttrain.data.prompts, so importing config here at runtime would cycle
-    from posttrain.config import DataConfig
+from posttrain.core.config import DataConfig
+from posttrain.core.errors import DataError
+from posttrain.core.gsm8k import make_record
+from posttrain.data.synthetic import generate_problems
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "RECORD_FIELDS",
-    "DataError",
-    "LoadResult",
-    "count_steps",
-    "extract_final_answer",
-    "load_hub",
-    "load_jsonl",
-    "load_records",
-    "make_record",
-]
-
-RECORD_FIELDS = ("id", "question", "solution", "answer", "steps", "source")
-_ANNOTATION_RE = re.compile(r"<<[^<>]*>>")
+__all__ = ["LoadResult", "load_hub", "load_jsonl", "load_records"]
 
 OnBad = Literal["error", "skip"]
-
-
-class DataError(ValueError):
-    """Data that cannot be used; the message names where (file:line, hub split) and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -66,70 +39,6 @@ class LoadResult:
 
     def __len__(self) -> int:
         return len(self.records)
-
-
-def _normalize_number(text: str) -> str | None:
-    # Imported lazily: `posttrain.data` must stay importable from `posttrain.config` without pulling in
-    # other packages whose imports might lead back to the config.
-    from posttrain.rewards.parsing import normalize_number
-
-    return normalize_number(text)
-
-
-def extract_final_answer(solution: str) -> str:
-    """Normalized number after the last ``####`` of a GSM8K worked solution.
-
-    >>> extract_final_answer("48/2 = <<48/2=24>>24\\n#### 1,234")
-    '1234'
-    >>> extract_final_answer("#### $5"), extract_final_answer("#### -3"), extract_final_answer("#### 2.50")
-    ('5', '-3', '2.5')
-    >>> extract_final_answer("no final line")
-    Traceback (most recent call last):
-    ...
-    posttrain.data.gsm8k.DataError: answer has no '#### <number>' final line
-    """
-    if not isinstance(solution, str) or "####" not in solution:
-        raise DataError("answer has no '#### <number>' final line")
-    raw = solution.rsplit("####", 1)[1].strip()
-    value = _normalize_number(raw) if raw else None
-    if value is None:
-        raise DataError(f"final answer {raw!r} after '####' is not a number")
-    return value
-
-
-def count_steps(solution: str) -> int:
-    """Number of ``<<...>>`` calculator annotations, GSM8K's own count of arithmetic steps.
-
-    >>> count_steps("48/2 = <<48/2=24>>24\\n48+24 = <<48+24=72>>72\\n#### 72")
-    2
-    """
-    return len(_ANNOTATION_RE.findall(solution))
-
-
-def make_record(raw: Any, *, record_id: str, source: str) -> dict[str, Any]:
-    """Validate one raw GSM8K row (``{"question", "answer"}``) into the record schema.
-
-    Raises :class:`DataError` with the bare problem; callers prefix the location.
-    """
-    if not isinstance(raw, dict):
-        raise DataError(f"expected a JSON object, got {type(raw).__name__}")
-    for key in ("question", "answer"):
-        if key not in raw:
-            raise DataError(f"missing field '{key}'")
-        if not isinstance(raw[key], str):
-            raise DataError(f"field '{key}' must be a string, got {type(raw[key]).__name__}")
-    question, solution = raw["question"].strip(), raw["answer"]
-    if not question:
-        raise DataError("field 'question' is empty")
-    answer = extract_final_answer(solution)
-    return {
-        "id": record_id,
-        "question": question,
-        "solution": solution.strip(),
-        "answer": answer,
-        "steps": count_steps(solution),
-        "source": source,
-    }
 
 
 def _jsonl_files(path: Path) -> list[Path]:
@@ -270,8 +179,6 @@ def load_records(cfg: DataConfig) -> LoadResult:
             cfg.hub_id, cfg.hub_config, cfg.split, on_bad_record=cfg.on_bad_record, limit=cfg.limit
         )
     if cfg.source == "synthetic":
-        from posttrain.data.synthetic import generate_problems
-
         syn = cfg.synthetic
         count = syn.num_examples if cfg.limit is None else min(syn.num_examples, cfg.limit)
         return LoadResult(generate_problems(count, syn.min_steps, syn.max_steps, syn.seed))

@@ -3,7 +3,7 @@
 Numbers are only comparable across runs (baseline vs. each stage, today vs. last week) when they
 are computed on the same questions, so ``limit N`` always takes the *first* N records in the
 source's fixed order (file order, hub row order, generation order), never a random sample, and ids
-are stable (see :mod:`posttrain.data.gsm8k`).
+are stable (see :mod:`posttrain.core.gsm8k`).
 
 Synthetic evaluation problems use their own seed, far from the training generator's defaults, so a
 synthetic eval never re-uses the exact problems a synthetic training run saw.
@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.data.gsm8k import DataError, load_hub, load_jsonl
+from posttrain.core.errors import DataError
+from posttrain.data.sources import load_hub, load_jsonl
 
 logger = logging.getLogger(__name__)
 

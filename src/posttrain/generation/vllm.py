@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from posttrain.evaluation.generation import Completion, GenerationStats
+from posttrain.generation.engine import Completion, GenerationStats
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +25,8 @@ _DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float
 
 
 def check_vllm() -> None:
-    """Raise :class:`posttrain.training.modeling.HardwareError` unless vLLM can run here."""
-    from posttrain.training.modeling import check_hardware
+    """Raise :class:`posttrain.core.errors.HardwareError` unless vLLM can run here."""
+    from posttrain.models.hardware import check_hardware
 
     check_hardware(use_vllm=True)
 

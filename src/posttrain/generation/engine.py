@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.evaluation.kv_cache import new_cache
+from posttrain.generation.kv_cache import new_cache
 
 logger = logging.getLogger(__name__)
 

@@ -10,17 +10,17 @@ format, so it is defined in exactly one place::
     72
     </answer>
 
-This module must not import :mod:`posttrain.config`: the config imports
-:data:`DEFAULT_SYSTEM_PROMPT` from here for its default value.
+The config's default ``data.system_prompt`` is :data:`DEFAULT_SYSTEM_PROMPT`.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from posttrain.data.gsm8k import DataError, extract_final_answer
+from posttrain.core.errors import DataError
+from posttrain.core.gsm8k import extract_final_answer
+from posttrain.core.parsing import ANNOTATION_RE
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -69,8 +69,6 @@ FEW_SHOT_EXAMPLES: tuple[Mapping[str, str], ...] = (
     },
 )
 
-_ANNOTATION_RE = re.compile(r"<<[^<>]*>>")
-
 
 def format_sft_target(solution: str) -> str:
     """Rewrite a GSM8K worked solution into the trained ``<reasoning>``/``<answer>`` format.
@@ -88,7 +86,7 @@ def format_sft_target(solution: str) -> str:
     </answer>
     """
     answer = extract_final_answer(solution)
-    body = _ANNOTATION_RE.sub("", solution.rsplit("####", 1)[0])
+    body = ANNOTATION_RE.sub("", solution.rsplit("####", 1)[0])
     lines = [line.rstrip() for line in body.strip().splitlines()]
     reasoning = "\n".join(line for line in lines if line) or "The answer follows directly from the question."
     return f"<reasoning>\n{reasoning}\n</reasoning>\n<answer>\n{answer}\n</answer>"

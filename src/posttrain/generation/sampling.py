@@ -50,7 +50,7 @@ def _stop_ids(model: Any, tokenizer: Any) -> list[int]:
 def _generate_static(model, prompt_ids, *, stop_ids, pad_token_id, max_new_tokens, temperature, batch_size):
     from transformers import GenerationConfig
 
-    from posttrain.training.fast_generation import generate_completion_ids
+    from posttrain.generation.rollout import generate_completion_ids
 
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -93,7 +93,7 @@ def sample_completions(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     start = time.perf_counter()
     try:
-        from posttrain.evaluation.generation import generate_continuous
+        from posttrain.generation.engine import generate_continuous
     except ImportError:
         generate_continuous = None
     if generate_continuous is not None:

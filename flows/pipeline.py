@@ -1,0 +1,182 @@
+"""The `posttrain-pipeline` Prefect flow: prepare data → baseline eval → each training stage → eval.
+
+Every step is a cached task keyed by what its output depends on (see `posttrain.pipeline.steps`), so an
+unchanged config reruns nothing, a changed stage reruns from that stage on, and `force` reruns a
+stage and everything after it on purpose. A cache record whose output directory is gone or no
+longer matches its fingerprint is recomputed, not trusted. MLflow gets one parent run per flow run
+and one nested run per step; a step served from cache still appears, tagged `cached=true`.
+"""
+
+# No `from __future__ import annotations` here: Prefect builds the flow's parameter model from the
+# real annotation objects, and a string "PipelineConfig" cannot be resolved when a deployment runs.
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from posttrain.core.config import PipelineConfig
+from posttrain.evaluation.report import EvalReport
+from posttrain.flows.records import PrefectRecords
+from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_stage_json
+from posttrain.pipeline import load_config
+from posttrain.pipeline.plan import Plan, Planner, Step, StepInputs, build_plan, dry_run
+from posttrain.pipeline.steps import DataResult, EvalResult, base_model, load_data
+from posttrain.pipeline.store import Store
+from posttrain.tasks.steps import step_task
+from posttrain.tracking import Tracker, start_pipeline_run
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step: str
+    status: str
+    """`ran` or `cached`."""
+    reason: str
+    key: str
+    output: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    kind: str = ""
+    """The plan step's kind: `data`, `sft`, `dpo`, `grpo` or `eval`."""
+
+
+@dataclass
+class PipelineSummary:
+    config: str
+    run_id: str | None
+    outcomes: list[StepOutcome] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Runner:
+    """Runs one plan step as a cached task with the right refresh decision and its MLflow run."""
+
+    def __init__(self, plan: Plan, store: Store, tracker: Tracker, force: Sequence[str]):
+        self.cfg, self.store, self.tracker = plan.config, store, tracker
+        self.planner = Planner(plan, PrefectRecords(store), force)
+        self.summary = PipelineSummary(plan.config.name, tracker.run_id)
+
+    def __call__(self, step: Step, key: str | None, inputs: StepInputs) -> Any:
+        assert key is not None, "the flow always knows its inputs"
+        decision = self.planner.decide(step, key)
+        cached = decision.status == "cached"
+        task = step_task.with_options(result_storage=self.store.results_dir, refresh_cache=not cached)
+        call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
+        call["output_dir"] = str(step.output_dir(self.store, key))
+        tags = {"posttrain.step_kind": step.kind}
+        if cached:
+            result = task(**call, return_state=True).result()
+            run = self.tracker.record_cached_stage(step.name, cache_key=key)
+            run.set_tags({"cache_key": key, **tags})
+        else:
+            with self.tracker.stage(
+                step.name, params=step.section(self.cfg), cache_key=key, tags=tags
+            ) as run:
+                result = task(**call, report_to=run.report_to, return_state=True).result()
+                _log_result(run, result)
+        status = "cached" if cached else "ran"
+        self.summary.outcomes.append(
+            StepOutcome(
+                step.name,
+                status,
+                decision.reason,
+                key,
+                step.output_of(result),
+                step.metrics_of(result),
+                step.kind,
+            )
+        )
+        logger.info("%-22s %-6s %s", step.name, decision.status, decision.reason)
+        return result
+
+
+def _log_result(run: Any, result: Any) -> None:
+    """What each kind of step leaves in its nested MLflow run."""
+    if isinstance(result, DataResult):
+        data = load_data(result)
+        run.log_metrics({k: v for k, v in result.stats.items() if isinstance(v, int | float)})
+        run.log_dataset(data.train, name="train", context="training", digest=result.train_fingerprint)
+        run.log_dataset(data.eval, name="heldout", context="evaluation", digest=result.eval_fingerprint)
+        return
+    if isinstance(result, EvalResult):
+        report = EvalReport.load(result.report_dir)
+        run.log_eval(result.summary, [r.as_dict() for r in report.records])
+        run.log_metrics({f"eval/{k}": v for k, v in result.timings.items() if isinstance(v, int | float)})
+        return
+    info = read_stage_json(result.output_dir)
+    run.log_stage_json(info)
+    run.log_metrics({k: v for k, v in result.metrics.items() if isinstance(v, int | float)})
+    run.log_alerts(list(result.alerts))
+    if result.samples:
+        run.log_completions(result.output_dir)
+        run.plot_rewards()
+
+
+@flow(name="posttrain-pipeline", log_prints=False)
+def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -> dict[str, Any]:
+    """Run (or reuse) every step of one pipeline config's plan; returns the per-step summary."""
+    cfg = config
+    plan = build_plan(cfg)
+    store = Store.at(cfg.orchestration.store)
+    with store.lock(), start_pipeline_run(cfg) as tracker:
+        store.clean_interrupted_writes()
+        runner = _Runner(plan, store, tracker, force or ())
+        final = plan.walk(base_model(cfg), runner)
+        tracker.plot_accuracy_by_stage()
+        training = {s.name for s in plan.training_steps}
+        last_training = next((o for o in reversed(runner.summary.outcomes) if o.step in training), None)
+        if last_training is not None and last_training.status == "ran":
+            # A cached final model was logged by the run that produced it (see cached_from_run_id).
+            model = final.model.path
+            tracker.log_final_model(
+                model, base_model_path=adapter_root(model) if is_adapter_dir(model) else None
+            )
+        create_markdown_artifact(
+            key=f"{cfg.name.lower().replace('.', '-')}-summary",
+            markdown=summary_markdown(runner.summary),
+            description=f"posttrain {cfg.name}: evaluation per stage",
+        )
+    return runner.summary.as_dict()
+
+
+@flow(name="posttrain-run-config", log_prints=False)
+def run_config(
+    config: str, overrides: list[str] | None = None, force: list[str] | None = None
+) -> dict[str, Any]:
+    """Run the pipeline for a config file (path relative to the working directory) with ``--set``
+    style overrides: the entrypoint deployments use (``prefect.yaml``), since a path and a few
+    overrides make better deployment parameters than a whole config."""
+    cfg = load_config(config, overrides or ())
+    return posttrain_pipeline(cfg, force=force)
+
+
+def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:
+    """``--dry-run``: (step, cached/run, why) for each step of the plan the flow would run."""
+    store = Store.at(cfg.orchestration.store)
+    return dry_run(build_plan(cfg), PrefectRecords(store), base_model(cfg), force)
+
+
+def summary_markdown(summary: PipelineSummary) -> str:
+    """Eval metrics per stage, for the Prefect UI."""
+    lines = [
+        f"# {summary.config}",
+        "",
+        f"MLflow run: `{summary.run_id}`",
+        "",
+        "| step | status | accuracy (strict) | accuracy (flexible) | strict format |",
+        "|---|---|---|---|---|",
+    ]
+    for o in summary.outcomes:
+        if o.kind == "eval":
+            m = o.metrics
+            lines.append(
+                f"| {o.step.removeprefix('eval-')} | {o.status} | {m.get('accuracy_strict', 0):.1%} | "
+                f"{m.get('accuracy_flexible', 0):.1%} | {m.get('strict_format_rate', 0):.1%} |"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""Prefect's embedded server: where its home lives, and starting it early so its boot overlaps work.
+
+Without ``PREFECT_API_URL`` Prefect runs an ephemeral API server (a uvicorn subprocess, 7-8 s on 2
+cores to boot) on SQLite under ``PREFECT_HOME``; posttrain keeps that home inside the store, so a
+store is self-contained. With ``PREFECT_API_URL`` set, the real server is used and nothing here
+changes anything.
+
+Nothing here imports Prefect at module level: its settings are read when ``prefect`` is first
+imported, so :func:`use_embedded_prefect` must run before that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from posttrain.core.config import ConfigError, OrchestrationConfig, read_config_mapping
+from posttrain.pipeline.store import Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EarlyPrefectServer", "prestart_embedded_prefect", "prestart_for_config", "use_embedded_prefect"]
+
+
+def use_embedded_prefect(store: Store) -> bool:
+    """Point Prefect at an ephemeral API whose home is inside the store, unless a server is configured.
+
+    Must run before `prefect` is imported: Prefect reads its settings at import. With
+    ``PREFECT_API_URL`` set, the real server is used and nothing is changed. Returns True when the
+    embedded mode is in effect.
+    """
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if os.environ.get("PREFECT_API_URL"):
+        return False
+    os.environ.setdefault("PREFECT_HOME", str(store.prefect_home))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    return True
+
+
+class EarlyPrefectServer:
+    """Prefect's embedded API server, started in the background before the flow needs it.
+
+    Prefect starts its ephemeral server (a uvicorn subprocess, 7-8 s on 2 cores) lazily, at the
+    flow's first API call, after the config has been validated and torch/TRL imported. Starting it
+    first lets the two overlap. ``SubprocessASGIServer`` is a per-process singleton, so the flow's
+    client finds it running. Call :meth:`wait` before the flow starts, so it never sees a
+    half-started server, or :meth:`cancel` when the run stops before its flow (a config error), so
+    the error is not held up by the server's graceful shutdown.
+    """
+
+    def __init__(self) -> None:
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._start, name="prefect-server-start", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            from prefect.server.api.server import SubprocessASGIServer  # Prefect's own singleton
+
+            if not self._cancelled.is_set():
+                SubprocessASGIServer().start()
+        except Exception as exc:  # the flow's own client starts it again and reports the failure
+            logger.debug("early Prefect server start failed: %s", exc)
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        server = sys.modules.get("prefect.server.api.server")
+        process = server and server.SubprocessASGIServer().server_process
+        if process is not None:
+            process.kill()  # still booting: nothing of ours is in its database yet
+
+
+def prestart_embedded_prefect(store: Store) -> EarlyPrefectServer | None:
+    """Start the embedded Prefect server early (see :class:`EarlyPrefectServer`).
+
+    Returns None, starting nothing, when a real server is configured (``PREFECT_API_URL``).
+    """
+    if not use_embedded_prefect(store):
+        return None
+    return EarlyPrefectServer()
+
+
+def prestart_for_config(path: str | Path, overrides: Sequence[str] = ()) -> EarlyPrefectServer | None:
+    """:func:`prestart_embedded_prefect` for the store a config names, read before full validation.
+
+    Only the ``orchestration`` section is validated here (no TRL import); a config that is broken
+    there starts nothing and is reported by the full validation that follows.
+    """
+    try:
+        raw = read_config_mapping(path, overrides)
+        orchestration = OrchestrationConfig.model_validate(raw.get("orchestration") or {})
+    except (ConfigError, ValidationError):
+        return None
+    return prestart_embedded_prefect(Store.at(orchestration.store))

@@ -1,0 +1,33 @@
+"""The errors posttrain expects and reports as one line (the CLI exits 2 on any of them).
+
+They live in the lowest layer so every layer raises the same classes and the CLI catches them by
+one base class, :class:`PosttrainError`, instead of importing one error from each package.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "DataError", "HardwareError", "ModelError", "PosttrainError", "StageError"]
+
+
+class PosttrainError(Exception):
+    """Base of every expected failure; the message is one line that says what to change."""
+
+
+class ConfigError(PosttrainError, ValueError):
+    """A config that cannot be loaded; the message names the file and the key."""
+
+
+class DataError(PosttrainError, ValueError):
+    """Data that cannot be used; the message names where (file:line, hub split) and what is wrong."""
+
+
+class ModelError(PosttrainError, RuntimeError):
+    """A model that cannot be resolved, fetched or loaded; the message says which and why."""
+
+
+class HardwareError(ModelError):
+    """The config asks for hardware this machine lacks (bf16 GPU, CUDA for 4-bit, vLLM...)."""
+
+
+class StageError(PosttrainError, RuntimeError):
+    """A stage that cannot run or whose output cannot be read; the message says what to change."""

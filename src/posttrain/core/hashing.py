@@ -1,0 +1,60 @@
+"""Content hashes and JSON-safe records: what cache keys, fingerprints and run records are built from.
+
+One place for each: a config hash, a streamed file hash, the JSON form of a record, and the package
+versions stamped on every output, so ``stage.json``, the cache keys and MLflow all say the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+__all__ = ["VERSIONED_PACKAGES", "jsonable", "package_versions", "sha256_file", "stable_hash"]
+
+VERSIONED_PACKAGES = ("posttrain", "torch", "transformers", "trl", "peft", "accelerate", "datasets")
+
+
+def stable_hash(value: BaseModel | dict | list | None) -> str:
+    """sha256 of canonical JSON (sorted keys, no whitespace): equal configs hash equal everywhere.
+
+    >>> stable_hash({"b": 1, "a": [1, 2]}) == stable_hash({"a": [1, 2], "b": 1})
+    True
+    """
+    data = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def sha256_file(path: Path) -> str:
+    """Streamed sha256 of a file (models are hundreds of MB)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON types; anything JSON cannot hold becomes its ``str``.
+
+    >>> jsonable({"path": Path("/tmp"), "n": (1, 2)})
+    {'path': '/tmp', 'n': [1, 2]}
+    """
+    return json.loads(json.dumps(value, default=str))
+
+
+def package_versions(packages: Sequence[str] = VERSIONED_PACKAGES) -> dict[str, str]:
+    """Installed version of each package, ``not installed`` where it is absent."""
+    versions = {}
+    for name in packages:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions

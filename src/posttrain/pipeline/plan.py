@@ -1,0 +1,386 @@
+"""The pipeline as one typed plan of steps, built once from the config.
+
+:func:`build_plan` turns a config into an ordered tuple of :class:`Step` objects: prepare the data,
+evaluate the base model, then each training stage followed by its evaluation. Everything that
+needs the pipeline's shape reads this one object: the Prefect flow runs it (``flows/pipeline.py``),
+``--dry-run`` prints it (:func:`dry_run`), tracking names its nested runs after ``Step.name`` and
+tags them with ``Step.kind``, and ``--force`` checks its step names. Adding a kind of training stage
+is one :class:`TrainStep` entry in :data:`TRAIN_KINDS` plus its stage function.
+
+:meth:`Plan.walk` visits the steps in order with each step's inputs and cache key: the current
+model (the base model, then each training stage's output) and the prepared data. A visitor that
+cannot produce a step's result (the dry run, for a step that would run) returns None; the keys of
+the steps that consume that output cannot be known then, and they are visited with ``key=None``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from posttrain.core.config import PipelineConfig
+from posttrain.core.errors import ConfigError
+from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete_stage
+from posttrain.pipeline import keys, steps
+from posttrain.pipeline.steps import DataResult, EvalResult, ModelRef
+from posttrain.pipeline.store import Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TRAIN_KINDS",
+    "CacheRecords",
+    "DataStep",
+    "Decision",
+    "EvalStep",
+    "Plan",
+    "Planner",
+    "Step",
+    "StepInputs",
+    "TrainStep",
+    "build_plan",
+    "dry_run",
+]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a step consumes: the current model and, after the data step, the prepared data."""
+
+    model: ModelRef
+    data: DataResult | None = None
+
+
+class Step:
+    """One step of the plan: its identity, cache key, output location, how to run and verify it."""
+
+    kind: ClassVar[str]
+    """`data`, `sft`, `dpo`, `grpo` or `eval`: tags the MLflow run, names the Prefect task."""
+    feeds_downstream: ClassVar[bool] = True
+    """False for evaluations: nothing downstream consumes their output."""
+    name: str
+
+    def section(self, cfg: PipelineConfig) -> Any:
+        """The config section this step depends on (logged as the stage run's params)."""
+        raise NotImplementedError
+
+    def key(self, cfg: PipelineConfig, inputs: StepInputs) -> str:
+        raise NotImplementedError
+
+    def output_dir(self, store: Store, key: str) -> Path:
+        raise NotImplementedError
+
+    def run(self, cfg: PipelineConfig, inputs: StepInputs, output_dir: str, report_to: Any = "none") -> Any:
+        raise NotImplementedError
+
+    def output_is_valid(self, result: Any) -> bool:
+        """A cached result still stands only if its output is there, unmodified."""
+        raise NotImplementedError
+
+    def advance(self, inputs: StepInputs, result: Any) -> StepInputs:
+        """The inputs of the steps after this one, given this step's result."""
+        return inputs
+
+    @staticmethod
+    def output_of(result: Any) -> str:
+        raise NotImplementedError
+
+    @staticmethod
+    def metrics_of(result: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DataStep(Step):
+    kind: ClassVar[str] = "data"
+    name: str = "data"
+
+    def section(self, cfg: PipelineConfig) -> Any:
+        return cfg.data
+
+    def key(self, cfg: PipelineConfig, inputs: StepInputs) -> str:
+        return keys.data_key(cfg, inputs.model.fingerprint)
+
+    def output_dir(self, store: Store, key: str) -> Path:
+        return store.data_dir(key)
+
+    def run(self, cfg, inputs, output_dir, report_to="none") -> DataResult:
+        return steps.prepare_step(cfg, inputs.model, output_dir)
+
+    def output_is_valid(self, result: Any) -> bool:
+        return isinstance(result, DataResult) and Path(result.data_dir, "stats.json").exists()
+
+    def advance(self, inputs: StepInputs, result: DataResult) -> StepInputs:
+        return StepInputs(inputs.model, result)
+
+    @staticmethod
+    def output_of(result: DataResult) -> str:
+        return result.data_dir
+
+    @staticmethod
+    def metrics_of(result: DataResult) -> dict[str, Any]:
+        return dict(result.stats)
+
+
+@dataclass(frozen=True)
+class TrainStep(Step):
+    """A training stage: ``sft``, ``dpo`` or ``grpo-<name>`` (see :data:`TRAIN_KINDS`)."""
+
+    kind: ClassVar[str] = "train"
+    name: str = ""
+
+    def section(self, cfg: PipelineConfig) -> Any:
+        return keys.stage_section(cfg, self.name)
+
+    def key(self, cfg: PipelineConfig, inputs: StepInputs) -> str:
+        assert inputs.data is not None, "a training step runs after the data step"
+        return keys.train_key(cfg, self.name, inputs.model.fingerprint, inputs.data.train_fingerprint)
+
+    def output_dir(self, store: Store, key: str) -> Path:
+        return store.stage_dir(self.name, key)
+
+    def run(self, cfg, inputs, output_dir, report_to="none") -> StageResult:
+        assert inputs.data is not None
+        return self.train(cfg, inputs.model, inputs.data, output_dir, report_to)
+
+    def train(self, cfg, model: ModelRef, data: DataResult, output_dir: str, report_to: Any) -> StageResult:
+        raise NotImplementedError
+
+    def output_is_valid(self, result: Any) -> bool:
+        if not isinstance(result, StageResult):
+            return False
+        out = Path(result.output_dir)
+        return is_complete_stage(out) and fingerprint_dir(out) == result.fingerprints.get("output")
+
+    def advance(self, inputs: StepInputs, result: StageResult) -> StepInputs:
+        return StepInputs(ModelRef(result.output_dir, result.fingerprints["output"]), inputs.data)
+
+    @staticmethod
+    def output_of(result: StageResult) -> str:
+        return result.output_dir
+
+    @staticmethod
+    def metrics_of(result: StageResult) -> dict[str, Any]:
+        return dict(result.metrics)
+
+
+@dataclass(frozen=True)
+class SFTStep(TrainStep):
+    kind: ClassVar[str] = "sft"
+    name: str = "sft"
+
+    def train(self, cfg, model, data, output_dir, report_to):
+        return steps.sft_step(cfg, model, data, output_dir, report_to)
+
+
+@dataclass(frozen=True)
+class DPOStep(TrainStep):
+    kind: ClassVar[str] = "dpo"
+    name: str = "dpo"
+
+    def train(self, cfg, model, data, output_dir, report_to):
+        return steps.dpo_step(cfg, model, data, output_dir, report_to)
+
+
+@dataclass(frozen=True)
+class GRPOStep(TrainStep):
+    kind: ClassVar[str] = "grpo"
+
+    def train(self, cfg, model, data, output_dir, report_to):
+        return steps.grpo_step(cfg, self.section(cfg), model, data, output_dir, report_to)
+
+
+TRAIN_KINDS: dict[str, type[TrainStep]] = {"sft": SFTStep, "dpo": DPOStep, "grpo": GRPOStep}
+"""Training-stage kinds by the ``kind`` the config gives each enabled stage (`PipelineConfig.stages`)."""
+
+
+@dataclass(frozen=True)
+class EvalStep(Step):
+    """Evaluate the current model; ``stage`` is what is evaluated (`baseline` or a training step)."""
+
+    kind: ClassVar[str] = "eval"
+    feeds_downstream: ClassVar[bool] = False
+    stage: str = "baseline"
+    name: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", f"eval-{self.stage}")
+
+    def section(self, cfg: PipelineConfig) -> Any:
+        return cfg.eval
+
+    def key(self, cfg: PipelineConfig, inputs: StepInputs) -> str:
+        assert inputs.data is not None, "an evaluation runs after the data step"
+        return keys.eval_key(cfg, self.name, inputs.model.fingerprint, inputs.data.eval_fingerprint)
+
+    def output_dir(self, store: Store, key: str) -> Path:
+        return store.eval_dir(self.stage, key)
+
+    def run(self, cfg, inputs, output_dir, report_to="none") -> EvalResult:
+        assert inputs.data is not None
+        return steps.eval_step(cfg, self.stage, inputs.model, inputs.data, output_dir)
+
+    def output_is_valid(self, result: Any) -> bool:
+        return isinstance(result, EvalResult) and Path(result.report_dir, "report.json").exists()
+
+    @staticmethod
+    def output_of(result: EvalResult) -> str:
+        return result.report_dir
+
+    @staticmethod
+    def metrics_of(result: EvalResult) -> dict[str, Any]:
+        return dict(result.summary)
+
+
+Visitor = Callable[[Step, "str | None", StepInputs], Any]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The ordered steps of one config; :meth:`walk` threads the model and data through them."""
+
+    config: PipelineConfig
+    steps: tuple[Step, ...]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.steps]
+
+    @property
+    def training_steps(self) -> list[TrainStep]:
+        return [s for s in self.steps if isinstance(s, TrainStep)]
+
+    def step(self, name: str) -> Step:
+        for candidate in self.steps:
+            if candidate.name == name:
+                return candidate
+        raise KeyError(name)
+
+    def check_force(self, force: Sequence[str]) -> None:
+        """``--force`` names data or training steps of this plan; anything else is a ConfigError."""
+        valid = [s.name for s in self.steps if s.feeds_downstream]
+        unknown = sorted(set(force) - set(valid))
+        if unknown:
+            raise ConfigError(
+                f"--force {', '.join(unknown)}: not a step of {self.config.name}; "
+                f"steps: {', '.join(sorted(valid))}"
+            )
+
+    def walk(self, base: ModelRef, visit: Visitor) -> StepInputs:
+        """Visit each step in order with its cache key and inputs; returns the final inputs.
+
+        ``visit(step, key, inputs)`` returns the step's result, or None when it cannot (a dry run
+        of a step that would run). Steps that consume an unknown output get ``key=None``.
+        """
+        inputs = StepInputs(base)
+        unknown = False
+        for step in self.steps:
+            key = None if unknown else step.key(self.config, inputs)
+            result = visit(step, key, inputs)
+            if not step.feeds_downstream:
+                continue
+            if result is None:
+                unknown = True
+            elif not unknown:
+                inputs = step.advance(inputs, result)
+        return inputs
+
+
+def build_plan(cfg: PipelineConfig) -> Plan:
+    """The steps of ``cfg`` in execution order: data, baseline eval, each stage and its eval."""
+    plan: list[Step] = [DataStep()]
+    if cfg.eval.baseline:
+        plan.append(EvalStep("baseline"))
+    stages = cfg.stages()
+    for i, (kind, name) in enumerate(stages):
+        plan.append(TRAIN_KINDS[kind](name=name))
+        if cfg.eval.after_each_stage or i == len(stages) - 1:
+            plan.append(EvalStep(name))
+    return Plan(cfg, tuple(plan))
+
+
+# --------------------------------------------------------------------------- cache decisions
+
+
+class CacheRecords(Protocol):
+    """Where cached step results are kept (Prefect's result store, in ``flows/``)."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def read(self, key: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    status: str
+    """`cached` or `run`."""
+    reason: str
+
+
+class Planner:
+    """Which steps run and which are served from cache, and why: used by the flow and by ``--dry-run``.
+
+    A step is cached when the records hold a result under its key and the output that result points
+    to is still there, unmodified. ``--force STEP`` reruns that step and everything after it: a
+    forced retrain may produce identical weights, and the user asked for the rest too.
+    """
+
+    def __init__(self, plan: Plan, records: CacheRecords, force: Sequence[str] = ()):
+        plan.check_force(force)
+        self.plan, self.records, self.force = plan, records, set(force)
+        self.forced_from: str | None = None
+
+    def cached_result(self, step: Step, key: str) -> Any | None:
+        """The cached result under ``key`` if its output is intact, else None."""
+        if not self.records.exists(key):
+            return None
+        try:
+            result = self.records.read(key)
+        except Exception as exc:  # an unreadable record is a cache miss, never a crash
+            logger.warning("cache record %s is unreadable (%s); recomputing", key, exc)
+            return None
+        return result if step.output_is_valid(result) else None
+
+    def decide(self, step: Step, key: str) -> Decision:
+        if step.name in self.force and self.forced_from is None:
+            self.forced_from = step.name
+        if self.forced_from is not None:
+            why = "forced" if step.name == self.forced_from else f"after forced {self.forced_from}"
+            return Decision("run", why)
+        if not self.plan.config.orchestration.cache:
+            return Decision("run", "caching disabled (orchestration.cache: false)")
+        if not self.records.exists(key):
+            return Decision("run", "no cache entry for these inputs/config")
+        if self.cached_result(step, key) is None:
+            return Decision("run", "cached output missing or modified")
+        return Decision("cached", f"cache hit {key[:12]}")
+
+
+def dry_run(
+    plan: Plan, records: CacheRecords, base: ModelRef, force: Sequence[str] = ()
+) -> list[tuple[str, str, str]]:
+    """(step, status, reason) for every step of ``plan``, without running anything.
+
+    Keys downstream of a step that would run depend on that step's new output, so those steps are
+    reported as `run` with the upstream step named.
+    """
+    planner = Planner(plan, records, force)
+    rows: list[tuple[str, str, str]] = []
+    upstream: list[str] = []
+
+    def visit(step: Step, key: str | None, inputs: StepInputs) -> Any:
+        if key is None:
+            rows.append((step.name, "run", f"after {upstream[0]} reruns"))
+            return None
+        decision = planner.decide(step, key)
+        rows.append((step.name, decision.status, decision.reason))
+        result = planner.cached_result(step, key) if decision.status == "cached" else None
+        if result is None and step.feeds_downstream and not upstream:
+            upstream.append(step.name)
+        return result
+
+    plan.walk(base, visit)
+    return rows

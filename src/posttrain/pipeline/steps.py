@@ -1,0 +1,172 @@
+"""The pipeline's steps as plain functions: what each plan step runs, callable without Prefect.
+
+Each step takes the resolved config, its inputs as paths/fingerprints, and the directory to write,
+and returns a small frozen result (:class:`DataResult`, :class:`EvalResult` or the stage's
+:class:`~posttrain.models.artifacts.StageResult`). Which step runs when, and under which cache
+key, is the plan's business (:mod:`posttrain.pipeline.plan`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.core.atomic import staging_dir
+from posttrain.core.config import GRPOStageConfig, PipelineConfig
+from posttrain.core.prompts import select_few_shot
+from posttrain.data.eval_sets import load_eval_records
+from posttrain.data.prepare import PreparedData, prepare_data
+from posttrain.evaluation.evaluator import evaluate
+from posttrain.models.artifacts import StageResult, fingerprint_model
+from posttrain.models.loading import load_stage_model, load_tokenizer
+from posttrain.models.resolve import resolve_model_path
+from posttrain.training.dpo import run_dpo
+from posttrain.training.grpo import run_grpo_stage
+from posttrain.training.sft import run_sft
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A stage input: what to load and the fingerprint of its content."""
+
+    path: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class DataResult:
+    data_dir: str
+    train_fingerprint: str
+    eval_fingerprint: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    stage: str
+    """The stage whose output was evaluated (`baseline`, `sft`, `grpo-format`, ...)."""
+    report_dir: str
+    summary: dict[str, float]
+    timings: dict[str, float]
+    model_fingerprint: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def base_model(cfg: PipelineConfig) -> ModelRef:
+    """The pipeline's starting model, resolved (built-ins fetched/converted) and fingerprinted."""
+    path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
+    return ModelRef(path=path, fingerprint=fingerprint_model(path, cfg.model.cache_dir, cfg.model.revision))
+
+
+def prepare_step(cfg: PipelineConfig, model: ModelRef, output_dir: str | Path) -> DataResult:
+    """Load, split, decontaminate and filter the data; save both splits under ``output_dir``."""
+    tokenizer = load_tokenizer(model.path, cfg.model.revision)
+    eval_questions = [r["question"] for r in _external_eval_records(cfg)]
+    prepared = prepare_data(cfg.data, tokenizer=tokenizer, eval_questions=eval_questions)
+    with staging_dir(output_dir) as tmp:
+        prepared.save(tmp)
+    stats = {k: v for k, v in prepared.stats.items() if not isinstance(v, dict)}
+    return DataResult(
+        data_dir=str(Path(output_dir).resolve()),
+        train_fingerprint=str(prepared.stats["train_fingerprint"]),
+        eval_fingerprint=str(prepared.stats["eval_fingerprint"]),
+        stats=stats,
+    )
+
+
+def _external_eval_records(cfg: PipelineConfig) -> list[dict[str, Any]]:
+    """Evaluation records that do not come from the held-out slice (used for decontamination too)."""
+    if cfg.eval.data == "heldout":
+        return []
+    return load_eval_records(
+        cfg.eval.data,
+        path=cfg.eval.path,
+        limit=cfg.eval.limit,
+        hub_id=cfg.data.hub_id,
+        hub_config=cfg.data.hub_config,
+        hub_split=cfg.eval.hub_split,
+    )
+
+
+def load_data(data: DataResult) -> PreparedData:
+    return PreparedData.load(data.data_dir)
+
+
+def eval_records(cfg: PipelineConfig, data: DataResult) -> list[dict[str, Any]]:
+    if cfg.eval.data != "heldout":
+        return _external_eval_records(cfg)
+    heldout = load_data(data).eval
+    limit = min(cfg.eval.limit or len(heldout), len(heldout))
+    return [heldout[i] for i in range(limit)]
+
+
+def eval_step(
+    cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult, output_dir: str | Path
+) -> EvalResult:
+    """Evaluate one model on the configured evaluation set; write report.json + examples.jsonl."""
+    records = eval_records(cfg, data)
+    # Adapter outputs are merged onto their base here; vLLM loads from a path itself.
+    loaded = (
+        model.path
+        if cfg.eval.backend == "vllm"
+        else load_stage_model(model.path, cfg.model.precision, cfg.model.cache_dir)
+    )
+    report = evaluate(
+        loaded,
+        records,
+        cfg.eval,
+        precision=cfg.model.precision,
+        data_name=cfg.eval.data,
+        progress=True,
+        system_prompt=cfg.data.system_prompt or None,
+        few_shot=select_few_shot(cfg.data.few_shot),
+    )
+    with staging_dir(output_dir) as tmp:
+        report.save(tmp)
+    return EvalResult(
+        stage=stage,
+        report_dir=str(Path(output_dir).resolve()),
+        summary=dict(report.summary),
+        timings=dict(report.timings),
+        model_fingerprint=model.fingerprint,
+    )
+
+
+def sft_step(
+    cfg: PipelineConfig, model: ModelRef, data: DataResult, output_dir: str | Path, report_to: Any = "none"
+) -> StageResult:
+    """Supervised fine-tuning on the prepared train split, from ``model`` into ``output_dir``."""
+    train = load_data(data).train
+    return run_sft(cfg.sft, cfg.model, model.path, train, output_dir, seed=cfg.seed, report_to=report_to)
+
+
+def dpo_step(
+    cfg: PipelineConfig, model: ModelRef, data: DataResult, output_dir: str | Path, report_to: Any = "none"
+) -> StageResult:
+    """DPO on pairs sampled from ``model`` itself (on-policy), into ``output_dir``."""
+    train = load_data(data).train
+    return run_dpo(cfg.dpo, cfg.model, model.path, train, output_dir, seed=cfg.seed, report_to=report_to)
+
+
+def grpo_step(
+    cfg: PipelineConfig,
+    stage_cfg: GRPOStageConfig,
+    model: ModelRef,
+    data: DataResult,
+    output_dir: str | Path,
+    report_to: Any = "none",
+) -> StageResult:
+    """One GRPO stage, from ``model`` (the previous stage's output) into ``output_dir``."""
+    train = load_data(data).train
+    return run_grpo_stage(
+        stage_cfg, cfg.model, model.path, train, output_dir, seed=cfg.seed, report_to=report_to
+    )

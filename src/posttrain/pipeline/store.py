@@ -1,0 +1,110 @@
+"""The run store: where stage outputs, cache records and the embedded Prefect home live.
+
+Layout (default ``./.posttrain``, `orchestration.store`)::
+
+    lock                      held by the running pipeline (one writer per store)
+    data/<key>/               prepared train/eval datasets (datasets save_to_disk + stats.json)
+    stages/<stage>-<key>/     model + tokenizer + stage.json, written atomically by the stage
+    evals/<stage>-<key>/      report.json + examples.jsonl
+    results/                  Prefect result storage: one record per cache key
+    prefect/                  PREFECT_HOME of the embedded (ephemeral) Prefect API
+
+Each output directory is named after its step's cache key (:mod:`posttrain.pipeline.keys`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from posttrain.core.atomic import tidy_interrupted
+from posttrain.core.errors import PosttrainError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Store", "StoreLockedError"]
+
+
+class StoreLockedError(PosttrainError, RuntimeError):
+    """Another pipeline run holds this store."""
+
+
+@dataclass(frozen=True)
+class Store:
+    root: Path
+
+    @classmethod
+    def at(cls, path: str | Path) -> Store:
+        root = Path(path).expanduser().resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        return cls(root)
+
+    def data_dir(self, key: str) -> Path:
+        return self.root / "data" / key[:12]
+
+    def stage_dir(self, stage: str, key: str) -> Path:
+        return self.root / "stages" / f"{stage}-{key[:12]}"
+
+    def eval_dir(self, stage: str, key: str) -> Path:
+        return self.root / "evals" / f"{stage}-{key[:12]}"
+
+    @property
+    def results_dir(self) -> Path:
+        return self.root / "results"
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.root / "prefect"
+
+    def clean_interrupted_writes(self) -> list[Path]:
+        """Tidy what a killed run left half-written (see :mod:`posttrain.core.atomic`).
+
+        Call it while holding :meth:`lock`: then no other run can be writing, so every ``.tmp-``
+        directory is the unfinished output of a run that died and an ``.old-`` one a complete
+        previous output. Returns what was deleted or restored.
+        """
+        touched = [p for area in ("data", "stages", "evals") for p in tidy_interrupted(self.root / area)]
+        if touched:
+            logger.warning(
+                "cleaned %d leftover(s) of an interrupted run in %s: %s",
+                len(touched),
+                self.root,
+                ", ".join(p.name for p in touched),
+            )
+        return touched
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the store's lock for a pipeline run; a second concurrent run fails at once.
+
+        flock is released by the kernel when the process dies, so a SIGKILLed run never leaves a
+        stale lock behind.
+        """
+        path = self.root / "lock"
+        with path.open("a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                fh.seek(0)
+                holder = fh.read().strip() or "unknown"
+                raise StoreLockedError(
+                    f"{self.root} is in use by another posttrain run (pid {holder})"
+                ) from None
+            fh.seek(0)
+            fh.truncate()
+            fh.write(str(os.getpid()))
+            fh.flush()
+            try:
+                yield
+            finally:
+                fh.seek(0)
+                fh.truncate()
+                fcntl.flock(fh, fcntl.LOCK_UN)

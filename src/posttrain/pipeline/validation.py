@@ -1,0 +1,43 @@
+"""Loading a config for a run: the schema (``posttrain.core.config``), then what only the layers
+above the schema can check, the reward names and their params.
+
+Everything that runs a config (the CLI, the flow's callers, tests) loads it here, so a config that
+validates here is a config every step can build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from posttrain.core.config import PipelineConfig, parse_config, read_config_mapping
+from posttrain.core.errors import ConfigError
+from posttrain.rewards.registry import build_reward
+
+__all__ = ["check_rewards", "load_config", "validate_config"]
+
+
+def check_rewards(cfg: PipelineConfig, source: str = "<config>") -> None:
+    """Every reward of every GRPO stage and of DPO resolves with its params; else one-line ConfigError."""
+    groups: list[tuple[str, Any]] = [(f"grpo.stages.{i}", s.rewards) for i, s in enumerate(cfg.grpo.stages)]
+    if cfg.dpo is not None:
+        groups.append(("dpo", cfg.dpo.rewards))
+    for where, specs in groups:
+        for j, spec in enumerate(specs):
+            try:
+                build_reward(spec.name, dict(spec.params))
+            except ValueError as exc:
+                raise ConfigError(f"{source}: {where}.rewards.{j}: {exc}") from None
+
+
+def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
+    """A config mapping checked against the schema and the reward registry."""
+    cfg = parse_config(raw, source)
+    check_rewards(cfg, source)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConfig:
+    """Load and validate a YAML pipeline config, applying ``--set`` style overrides first."""
+    return validate_config(read_config_mapping(path, overrides), str(path))

@@ -1,1 +1,0 @@
-"""Prefect @task wrappers around `posttrain.steps`: thin, no logic (see stages.py)."""

@@ -1,0 +1,124 @@
+"""The typed plan without Prefect: step order from the config, --force names, and how walk threads
+the model and data through the steps (and stops knowing keys after a step that would rerun)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.core.config import ConfigError
+from posttrain.pipeline import load_config
+from posttrain.pipeline.plan import DataStep, EvalStep, GRPOStep, SFTStep, StepInputs, build_plan
+from posttrain.pipeline.steps import DataResult, ModelRef
+
+SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+
+
+def plan_for(*overrides: str):
+    return build_plan(load_config(SMOKE, list(overrides)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (
+            (),
+            ["data", "eval-baseline", "sft", "eval-sft", "dpo", "eval-dpo", "grpo-format", "eval-grpo-format"]
+            + ["grpo-correctness", "eval-grpo-correctness"],
+        ),  # everything
+        (
+            ("eval.after_each_stage=false", "eval.baseline=false"),
+            ["data", "sft", "dpo", "grpo-format", "grpo-correctness", "eval-grpo-correctness"],
+        ),  # only the final evaluation
+        (
+            ("sft.enabled=false", "dpo=null", "eval.baseline=false"),
+            ["data", "grpo-format", "eval-grpo-format", "grpo-correctness", "eval-grpo-correctness"],
+        ),  # GRPO only
+    ],
+)
+def test_plan_follows_the_config(overrides, names):
+    assert plan_for(*overrides).names == names
+
+
+def test_steps_are_typed():
+    plan = plan_for()
+    assert isinstance(plan.step("data"), DataStep)
+    assert isinstance(plan.step("sft"), SFTStep) and plan.step("sft").kind == "sft"
+    grpo = plan.step("grpo-format")
+    assert isinstance(grpo, GRPOStep) and grpo.kind == "grpo"
+    assert grpo.section(plan.config).name == "format"
+    assert isinstance(plan.step("eval-sft"), EvalStep) and plan.step("eval-sft").stage == "sft"
+    assert [s.name for s in plan.training_steps] == ["sft", "dpo", "grpo-format", "grpo-correctness"]
+
+
+def test_force_names_steps_of_the_plan():
+    plan = plan_for()
+    plan.check_force(["data", "grpo-correctness"])
+    with pytest.raises(ConfigError, match="--force grpo-bogus: not a step of smoke; steps: data, dpo, "):
+        plan.check_force(["grpo-bogus"])
+    with pytest.raises(ConfigError, match="eval-sft"):
+        plan.check_force(["eval-sft"])  # evaluations are not forced: nothing downstream uses them
+
+
+def _data(fp: str = "d") -> DataResult:
+    return DataResult(data_dir="/data", train_fingerprint=f"train-{fp}", eval_fingerprint=f"eval-{fp}")
+
+
+def test_walk_threads_model_and_data_through_the_steps(monkeypatch):
+    from posttrain.models.artifacts import StageResult
+
+    plan = plan_for("eval.after_each_stage=false", "eval.baseline=false")
+    seen = []
+
+    def visit(step, key, inputs: StepInputs):
+        seen.append((step.name, inputs.model.path, inputs.data.data_dir if inputs.data else None, key))
+        if isinstance(step, DataStep):
+            return _data()
+        if isinstance(step, EvalStep):
+            return None  # an evaluation with no result does not hide anything downstream
+        return StageResult(step.name, f"/out/{step.name}", {}, {"output": f"fp-{step.name}"})
+
+    final = plan.walk(ModelRef("/base", "fp-base"), visit)
+    assert [(name, model, data) for name, model, data, _ in seen] == [
+        ("data", "/base", None),
+        ("sft", "/base", "/data"),
+        ("dpo", "/out/sft", "/data"),
+        ("grpo-format", "/out/dpo", "/data"),
+        ("grpo-correctness", "/out/grpo-format", "/data"),
+        ("eval-grpo-correctness", "/out/grpo-correctness", "/data"),
+    ]
+    assert all(key for *_, key in seen)
+    assert final.model == ModelRef("/out/grpo-correctness", "fp-grpo-correctness")
+
+
+def test_keys_after_an_unknown_output_are_unknown():
+    plan = plan_for("eval.after_each_stage=false", "eval.baseline=false")
+    keys = {}
+
+    def visit(step, key, inputs):
+        keys[step.name] = key
+        return _data() if isinstance(step, DataStep) else None  # sft "would run": its output is unknown
+
+    plan.walk(ModelRef("/base", "fp-base"), visit)
+    assert keys["data"] and keys["sft"]
+    assert all(
+        keys[name] is None for name in ("dpo", "grpo-format", "grpo-correctness", "eval-grpo-correctness")
+    )
+
+
+def test_keys_change_with_the_inputs():
+    plan = plan_for()
+    sft = plan.step("sft")
+    base = StepInputs(ModelRef("/base", "fp-base"), _data())
+    assert sft.key(plan.config, base) == sft.key(
+        plan.config, StepInputs(ModelRef("/elsewhere", "fp-base"), _data())
+    )
+    assert sft.key(plan.config, base) != sft.key(
+        plan.config, StepInputs(ModelRef("/base", "fp-other"), _data())
+    )
+    assert sft.key(plan.config, base) != sft.key(
+        plan.config, StepInputs(ModelRef("/base", "fp-base"), _data("x"))
+    )
+    other = plan_for("sft.trainer.learning_rate=0.5")
+    assert other.step("sft").key(other.config, base) != sft.key(plan.config, base)
