@@ -69,14 +69,13 @@ class _Runner:
         task = step_task.with_options(result_storage=self.store.results_dir, refresh_cache=not cached)
         call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
         call["output_dir"] = str(step.output_dir(self.store, key))
-        tags = {"posttrain.step_kind": step.kind}
         if cached:
             result = task(**call, return_state=True).result()
-            run = self.tracker.record_cached_stage(step.name, cache_key=key)
-            run.set_tags({"cache_key": key, **tags})
+            run = self.tracker.record_cached_stage(step.name, kind=step.kind, cache_key=key)
+            run.set_tags({"cache_key": key})
         else:
             with self.tracker.stage(
-                step.name, params=step.section(self.cfg), cache_key=key, tags=tags
+                step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key
             ) as run:
                 result = task(**call, report_to=run.report_to, return_state=True).result()
                 _log_result(run, result)

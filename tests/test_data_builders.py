@@ -8,14 +8,14 @@ from trl.data_utils import is_conversational
 from posttrain.core.config import DataConfig, SyntheticConfig
 from posttrain.core.errors import DataError
 from posttrain.core.prompts import build_prompt, format_sft_target
-from posttrain.data import (
+from posttrain.data.builders import (
     DPO_FEATURES,
     DpoPair,
     build_dpo_dataset,
     build_sft_dataset,
-    prepare_data,
     select_dpo_pair,
 )
+from posttrain.data.prepare import prepare_data
 
 REFERENCE = "She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
 GOOD = "<reasoning>\n48/2 = 24, 48 + 24 = 72\n</reasoning>\n<answer>\n72\n</answer>"

@@ -13,7 +13,7 @@ from posttrain.core.errors import DataError
 from posttrain.core.gsm8k import RECORD_FIELDS, count_steps, extract_final_answer
 from posttrain.core.parsing import normalize_number
 from posttrain.core.prompts import format_sft_target
-from posttrain.data import load_hub, load_jsonl, load_records
+from posttrain.data.sources import load_hub, load_jsonl, load_records
 
 GOOD = {"question": "Tom has 2 apples and buys 3 more. How many?", "answer": "2+3 = <<2+3=5>>5\n#### 5"}
 

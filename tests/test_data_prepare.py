@@ -12,16 +12,16 @@ import pytest
 from posttrain.core.config import DataConfig, SyntheticConfig
 from posttrain.core.errors import DataError
 from posttrain.core.prompts import build_prompt
-from posttrain.data import (
+from posttrain.data.prepare import (
     FEATURES,
     PreparedData,
     decontaminate,
     filter_by_steps,
-    generate_problems,
     prepare_data,
     prompt_token_lengths,
     split_records,
 )
+from posttrain.data.synthetic import generate_problems
 
 NATALIA = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -134,7 +134,7 @@ def test_prepare_is_reproducible_and_fingerprints_are_content_hashes():
         != first.stats["eval_fingerprint"]
     )
     code = (
-        "from posttrain.core.config import DataConfig, SyntheticConfig; from posttrain.data import prepare_data; "
+        "from posttrain.core.config import DataConfig, SyntheticConfig; from posttrain.data.prepare import prepare_data; "
         "cfg = DataConfig(synthetic=SyntheticConfig(num_examples=100), eval_size=10); "
         "print(prepare_data(cfg).stats['train_fingerprint'])"
     )

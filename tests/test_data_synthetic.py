@@ -17,7 +17,7 @@ import pytest
 from posttrain.core.errors import DataError
 from posttrain.core.gsm8k import RECORD_FIELDS, count_steps, extract_final_answer
 from posttrain.core.prompts import format_sft_target
-from posttrain.data import THEMES, generate_problems
+from posttrain.data.synthetic import THEMES, generate_problems
 
 ANNOTATION = re.compile(r"<<([^=<>]+)=([^<>]+)>>")
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}

@@ -332,7 +332,7 @@ def test_compare_runs_shows_only_the_differing_param_and_stage_metrics(uri, tmp_
         with start_pipeline_run(cfg) as tracker:
             with tracker.stage("eval-baseline") as s:
                 s.log_eval({"accuracy_strict": 0.1})
-            with tracker.stage("grpo-format") as s:
+            with tracker.stage("grpo-format", kind="grpo") as s:
                 s.log_history([{"step": i, "reward": accuracy * i} for i in range(1, 4)])
             with tracker.stage("eval-grpo-format") as s:
                 s.log_eval({"accuracy_strict": accuracy})

@@ -8,9 +8,24 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from posttrain.core.config import DataConfig, EvalConfig
+from posttrain.core.errors import PosttrainError
+from posttrain.core.prompts import format_sft_target
+from posttrain.flows.server import prestart_for_config, use_embedded_prefect
+from posttrain.models.loading import load_tokenizer
+from posttrain.models.resolve import list_models, pull_builtin, resolve_model_path
+from posttrain.pipeline import load_config
+from posttrain.pipeline.store import Store
+from posttrain.rewards.check import judge, score_examples
+from posttrain.rewards.registry import build_reward, reward_names
+
+# Modules that import torch, datasets, Prefect or MLflow (seconds each) are imported inside the
+# commands that use them, so `posttrain --help`, `validate` and `rewards list` stay quick.
 
 EXIT_USAGE = 2
 
@@ -19,10 +34,7 @@ class CLIError(Exception):
     """An expected failure reported as one line."""
 
 
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    from posttrain.core.errors import PosttrainError
-
-    return (CLIError, PosttrainError, FileNotFoundError)
+EXPECTED_ERRORS = (CLIError, PosttrainError, FileNotFoundError)
 
 
 # --------------------------------------------------------------------------- formatting
@@ -48,8 +60,6 @@ def _fmt(value: object) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from posttrain.pipeline import load_config
-
     for path in args.configs:
         cfg = load_config(path, args.set)
         stages = " -> ".join(cfg.stage_names()) or "(no training stages)"
@@ -59,9 +69,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _data_config_for(target: str, overrides: Sequence[str]):
     """A YAML config's data section, or a local-JSONL data section for a .jsonl file or folder."""
-    from posttrain.core.config import DataConfig
-    from posttrain.pipeline import load_config
-
     path = Path(target)
     if path.suffix in {".yaml", ".yml"}:
         cfg = load_config(path, overrides)
@@ -72,16 +79,12 @@ def _data_config_for(target: str, overrides: Sequence[str]):
 
 
 def cmd_data_preview(args: argparse.Namespace) -> int:
-    from posttrain.core.prompts import format_sft_target
     from posttrain.data.prepare import prepare_data
 
     data_cfg, model_name = _data_config_for(args.target, args.set)
     tokenizer = None
     tokenizer_name = args.tokenizer or model_name
     if tokenizer_name:
-        from posttrain.models.loading import load_tokenizer
-        from posttrain.models.resolve import resolve_model_path
-
         tokenizer = load_tokenizer(resolve_model_path(tokenizer_name))
     prepared = prepare_data(data_cfg, tokenizer=tokenizer)
     for example in prepared.train.select(range(min(args.n, len(prepared.train)))):
@@ -97,18 +100,12 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
 
 
 def cmd_rewards_list(args: argparse.Namespace) -> int:
-    from posttrain.rewards.registry import reward_names
-
     print("\n".join(reward_names()))
     return 0
 
 
 def cmd_rewards_check(args: argparse.Namespace) -> int:
-    from posttrain.core.prompts import format_sft_target
     from posttrain.data.sources import load_records
-    from posttrain.pipeline import load_config
-    from posttrain.rewards.check import judge, score_examples
-    from posttrain.rewards.registry import build_reward
 
     cfg = load_config(args.config, args.set)
     groups = [(f"grpo stage '{s.name}'", s.rewards) for s in cfg.grpo.stages]
@@ -135,18 +132,12 @@ def cmd_rewards_check(args: argparse.Namespace) -> int:
 
 
 def _pipeline_config(args: argparse.Namespace):
-    from posttrain.flows.server import use_embedded_prefect
-    from posttrain.pipeline import load_config
-    from posttrain.pipeline.store import Store
-
     cfg = load_config(args.config, args.set)
     use_embedded_prefect(Store.at(cfg.orchestration.store))
     return cfg
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from posttrain.flows.server import prestart_for_config
-
     server = None if args.dry_run else prestart_for_config(args.config, args.set)
     try:
         cfg = _pipeline_config(args)
@@ -187,8 +178,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     if not args.model or not args.data:
         raise CLIError("eval needs --model and --data (or --diff A B)")
-    from posttrain.core.config import EvalConfig
-
     cfg = EvalConfig(
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, backend=args.backend, limit=args.limit
     )
@@ -219,8 +208,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
-
     cfg = _pipeline_config(args)
     if not os.environ.get("PREFECT_API_URL"):
         raise CLIError(
@@ -241,16 +228,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from posttrain.models.resolve import pull_builtin
-
     path = pull_builtin(args.name, args.cache_dir, force=args.force)
     print(f"{args.name}: {path}")
     return 0
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from posttrain.models.resolve import list_models
-
     rows = [(m["name"], m["pulled"], m["size_mb"], m["description"]) for m in list_models(args.cache_dir)]
     print(format_table(rows, ("name", "pulled", "MB", "description")))
     return 0
@@ -370,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     try:
         return args.func(args)
-    except _expected_errors() as exc:
+    except EXPECTED_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

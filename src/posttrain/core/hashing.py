@@ -49,12 +49,16 @@ def jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def package_versions(packages: Sequence[str] = VERSIONED_PACKAGES) -> dict[str, str]:
-    """Installed version of each package, ``not installed`` where it is absent."""
+def package_versions(
+    packages: Sequence[str] = VERSIONED_PACKAGES, *, include_missing: bool = True
+) -> dict[str, str]:
+    """Installed version of each package; one that is absent is ``not installed``, or left out
+    with ``include_missing=False`` (for pip requirements, which must name installed packages)."""
     versions = {}
     for name in packages:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            versions[name] = "not installed"
+            if include_missing:
+                versions[name] = "not installed"
     return versions

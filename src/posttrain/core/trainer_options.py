@@ -70,7 +70,7 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
 
 @cache
 def _trl_config_class(kind: str) -> type:
-    import trl
+    import trl  # heavy: deferred until needed
 
     return {"sft": trl.SFTConfig, "dpo": trl.DPOConfig, "grpo": trl.GRPOConfig}[kind]
 

@@ -21,6 +21,7 @@ from typing import Any
 import datasets
 
 from posttrain.core.errors import DataError
+from posttrain.core.parsing import completion_text
 from posttrain.core.prompts import format_sft_target
 from posttrain.data.prepare import MESSAGES_FEATURE
 
@@ -72,8 +73,6 @@ class DpoPair:
 
 
 def _text(completion: Any) -> str:
-    from posttrain.core.parsing import completion_text
-
     return completion_text(completion)
 
 

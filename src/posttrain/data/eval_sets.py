@@ -18,6 +18,7 @@ from typing import Any
 
 from posttrain.core.errors import DataError
 from posttrain.data.sources import load_hub, load_jsonl
+from posttrain.data.synthetic import generate_problems
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ def load_eval_records(
             raise DataError("eval data 'heldout' needs the held-out records (split off the training data)")
         records = list(heldout[:limit] if limit is not None else heldout)
     elif source == "synthetic":
-        from posttrain.data.synthetic import generate_problems
-
         low, high = synthetic_steps
         records = generate_problems(limit or SYNTHETIC_EVAL_SIZE, low, high, seed=synthetic_seed)
     else:

@@ -21,17 +21,15 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import datasets
 
+from posttrain.core.config import DataConfig
 from posttrain.core.errors import DataError
 from posttrain.core.gsm8k import RECORD_FIELDS
 from posttrain.core.prompts import build_prompt, select_few_shot
 from posttrain.data.sources import load_records
-
-if TYPE_CHECKING:
-    from posttrain.core.config import DataConfig
 
 logger = logging.getLogger(__name__)
 

@@ -148,7 +148,7 @@ def load_hub(
     offline alternatives: the usual cause is a machine without network, where the raw traceback is
     long and unhelpful.
     """
-    import datasets
+    import datasets  # heavy: deferred until needed
 
     try:
         ds = datasets.load_dataset(hub_id, config, split=split)

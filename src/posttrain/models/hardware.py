@@ -27,14 +27,14 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def cuda_available() -> bool:
-    import torch
+    import torch  # heavy: deferred until needed
 
     return torch.cuda.is_available()
 
 
 def resolve_precision(precision: str) -> str:
     """Map `auto` to the fastest safe precision on this machine: 'bf16', 'fp16' or 'fp32'."""
-    import torch
+    import torch  # heavy: deferred until needed
 
     if precision != "auto":
         return precision
@@ -44,7 +44,7 @@ def resolve_precision(precision: str) -> str:
 
 
 def resolve_dtype(precision: str):
-    import torch
+    import torch  # heavy: deferred until needed
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
         resolve_precision(precision)

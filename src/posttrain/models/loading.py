@@ -25,7 +25,7 @@ __all__ = ["build_peft_config", "load_model_and_tokenizer", "load_stage_model", 
 
 
 def load_tokenizer(path: str, revision: str | None = None, padding_side: str = "left"):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: deferred until needed
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
@@ -54,8 +54,8 @@ def load_model_and_tokenizer(
     For inference the weights are cast to the resolved precision. For training on a CPU they stay
     fp32 and TRL's autocast supplies bf16 compute: pure-bf16 weights would lose small updates.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # heavy: deferred until needed
+    from transformers import AutoModelForCausalLM  # heavy: deferred until needed
 
     if is_adapter_dir(name_or_path):
         # A stage saved with adapter_policy: adapter: merged onto its recorded base.
@@ -76,7 +76,7 @@ def load_model_and_tokenizer(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if quantization == "4bit":
-        from transformers import BitsAndBytesConfig
+        from transformers import BitsAndBytesConfig  # heavy: deferred until needed
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -100,7 +100,7 @@ def load_model_and_tokenizer(
 
 def build_peft_config(lora_cfg):
     """A peft LoraConfig from posttrain's `model.lora` section."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # heavy: deferred until needed
 
     return LoraConfig(
         r=lora_cfg.r,
@@ -127,8 +127,8 @@ def load_stage_model(
     inference precision: merging into bf16 weights would round the update away. The tokenizer comes
     from the adapter directory (stages save it next to the adapter).
     """
-    import torch
-    from peft import PeftModel
+    import torch  # heavy: deferred until needed
+    from peft import PeftModel  # heavy: deferred until needed
 
     path = str(name_or_path)
     if not is_adapter_dir(path):

@@ -87,7 +87,7 @@ def verify_model_dir(model_dir: Path, full: bool = False) -> None:
 
 def convert_gguf(gguf_path: Path, output_dir: Path) -> Path:
     """Dequantize a GGUF file into a safetensors HF directory (written atomically)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: deferred until needed
 
     if not gguf_path.is_file():
         raise ModelError(f"GGUF file not found: {gguf_path}")

@@ -44,8 +44,14 @@ _CORPUS = [
 
 def build_tiny_tokenizer():
     """A deterministic byte-level BPE tokenizer (~400 tokens) with a ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )  # heavy: deferred until needed
+    from transformers import PreTrainedTokenizerFast  # heavy: deferred until needed
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -71,8 +77,8 @@ def build_tiny_tokenizer():
 
 def build_tiny_model(output_dir: str | Path, seed: int = 0) -> Path:
     """Write a tiny random Llama (2 layers, width 64) and its tokenizer to ``output_dir``."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import torch  # heavy: deferred until needed
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # heavy: deferred until needed
 
     output_dir = Path(output_dir)
     tokenizer = build_tiny_tokenizer()

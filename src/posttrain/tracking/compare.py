@@ -18,8 +18,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from posttrain.core.config import TrackingConfig
+from posttrain.tracking.mlflow_io import ROLE_TAG, STEP_KIND_TAG, resolve_tracking_uri
+
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: deferred until needed
 
 __all__ = [
     "Comparison",
@@ -112,10 +115,7 @@ def compare_runs(
     Pipeline runs are recognised by their ``posttrain.role=pipeline`` tag, so stage runs never show
     up as candidates. ``tracking_uri`` defaults like :func:`posttrain.tracking.resolve_tracking_uri`.
     """
-    from mlflow import MlflowClient
-
-    from posttrain.core.config import TrackingConfig
-    from posttrain.tracking.mlflow_io import ROLE_TAG, resolve_tracking_uri
+    from mlflow import MlflowClient  # heavy: deferred until needed
 
     client = MlflowClient(tracking_uri=tracking_uri or resolve_tracking_uri(TrackingConfig()))
     if run_ids:
@@ -148,7 +148,7 @@ def _summarize(client: Any, run: Any) -> RunSummary:
     curves = {
         s.info.run_name: [(m.step, m.value) for m in client.get_metric_history(s.info.run_id, "reward")]
         for s in stages
-        if s.info.run_name.startswith("grpo-")
+        if s.data.tags.get(STEP_KIND_TAG) == "grpo"
     }
     start = datetime.fromtimestamp(info.start_time / 1000, tz=timezone.utc) if info.start_time else None
     duration = (info.end_time - info.start_time) / 1000 if info.end_time and info.start_time else None
@@ -184,7 +184,7 @@ def cell_text(cell: Any) -> Any:
 
 
 def _figure(width: float, height: float, ncols: int = 1) -> tuple[Figure, list[Any]]:
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: deferred until needed
 
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     axes = fig.subplots(1, ncols, squeeze=False)[0]

@@ -1,4 +1,6 @@
-"""Shared MLflow helpers: URIs, params flattening, batched logging, tags and run lookups."""
+"""MLflow plumbing shared by the pipeline run and the stage runs: URIs, params flattening, batched
+logging through an explicit client, metric copies for cached stages, and the guard that keeps
+transformers' MLflow callback from opening runs of its own."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import re
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 CACHE_KEY_TAG = "posttrain.cache_key"
 ROLE_TAG = "posttrain.role"
+STEP_TAG = "posttrain.stage"
+"""The plan step a nested run records (``Step.name``)."""
+STEP_KIND_TAG = "posttrain.step_kind"
+"""Its kind (``Step.kind``: data, sft, dpo, grpo, eval): what comparisons and plots select runs by."""
 # mlflow 3.17 limits (mlflow.utils.validation): longer values are rejected, not truncated.
 MAX_PARAM_LENGTH = 6000
 MAX_TAG_LENGTH = 8000
 _PARAMS_PER_BATCH = 100
 _METRICS_PER_BATCH = 1000
-_VERSIONED = ("posttrain", "torch", "transformers", "trl", "peft", "datasets", "prefect", "mlflow")
+TRACKED_PACKAGES = ("posttrain", "torch", "transformers", "trl", "peft", "datasets", "prefect", "mlflow")
 # Read by transformers' MLflowCallback: either would make it open (and close) a run of its own.
 _CALLBACK_HIJACK_VARS = ("MLFLOW_RUN_ID", "MLFLOW_NESTED_RUN")
 _BAD_KEY_CHARS = re.compile(r"[^\w\-. /:]")
@@ -42,7 +47,7 @@ def resolve_tracking_uri(tracking: TrackingConfig) -> str:
     with a different working directory still writes to the same database.
     """
     uri = tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-    db = _sqlite_path(uri)
+    db = sqlite_path(uri)
     return f"sqlite:///{db.resolve()}" if db is not None and not db.is_absolute() else uri
 
 
@@ -68,25 +73,21 @@ def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
             out.update(flatten_params(item, f"{prefix}.{index}" if prefix else str(index)))
     else:
         text = value if isinstance(value, str) else json.dumps(value, default=str)
-        out[_safe_key(prefix or "value")] = _truncate(text, MAX_PARAM_LENGTH)
+        out[safe_key(prefix or "value")] = truncate(text, MAX_PARAM_LENGTH)
     return out
 
 
-def _safe_key(key: str) -> str:
+def safe_key(key: str) -> str:
     return _BAD_KEY_CHARS.sub("_", key)[:250]
 
 
-def _truncate(text: str, limit: int) -> str:
+def truncate(text: str, limit: int) -> str:
     marker = "...[truncated]"
     return text if len(text) <= limit else text[: limit - len(marker)] + marker
 
 
-def _sqlite_path(uri: str) -> Path | None:
+def sqlite_path(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
 
 
 def _numeric(value: Any) -> float | None:
@@ -98,7 +99,7 @@ def _numeric(value: Any) -> float | None:
     return None
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
@@ -106,14 +107,6 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
-
-
-def _versions(packages: Sequence[str] = _VERSIONED) -> dict[str, str]:
-    found = {}
-    for name in packages:
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            found[name] = metadata.version(name)
-    return found
 
 
 def prompt_async_flush() -> None:
@@ -128,39 +121,39 @@ def prompt_async_flush() -> None:
     os.environ.setdefault("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1")
 
 
-def _client(uri: str):
-    from mlflow import MlflowClient
+def mlflow_client(uri: str):
+    from mlflow import MlflowClient  # heavy: deferred until needed
 
     return MlflowClient(tracking_uri=uri)
 
 
-def _metric_batch(metrics: Mapping[str, Any], step: int | None = None, stamp: int | None = None) -> list[Any]:
-    from mlflow.entities import Metric
+def metric_batch(metrics: Mapping[str, Any], step: int | None = None, stamp: int | None = None) -> list[Any]:
+    from mlflow.entities import Metric  # heavy: deferred until needed
 
     stamp = stamp or int(time.time() * 1000)
     return [
-        Metric(_safe_key(k), v, stamp, step or 0)
+        Metric(safe_key(k), v, stamp, step or 0)
         for k, raw in metrics.items()
         if (v := _numeric(raw)) is not None
     ]
 
 
-def _send_metrics(client: Any, run_id: str, batch: Sequence[Any]) -> None:
+def send_metric_batch(client: Any, run_id: str, batch: Sequence[Any]) -> None:
     for i in range(0, len(batch), _METRICS_PER_BATCH):
         client.log_batch(run_id, metrics=list(batch[i : i + _METRICS_PER_BATCH]))
 
 
-def _log_metrics(client: Any, run_id: str, metrics: Mapping[str, Any], step: int | None = None) -> None:
-    _send_metrics(client, run_id, _metric_batch(metrics, step))
+def send_metric_values(client: Any, run_id: str, metrics: Mapping[str, Any], step: int | None = None) -> None:
+    send_metric_batch(client, run_id, metric_batch(metrics, step))
 
 
-def _log_params(client: Any, run_id: str, params: Mapping[str, str]) -> None:
+def send_params(client: Any, run_id: str, params: Mapping[str, str]) -> None:
     """Log only new keys: MLflow rejects re-logging a key with another value (same value is a no-op).
 
     The run's existing params are read back first, so this holds across processes too; a changed
     value is kept as a ``param_conflict.<key>`` tag instead of failing the pipeline.
     """
-    from mlflow.entities import Param
+    from mlflow.entities import Param  # heavy: deferred until needed
 
     existing = client.get_run(run_id).data.params
     new = {k: v for k, v in params.items() if k not in existing}
@@ -171,25 +164,25 @@ def _log_params(client: Any, run_id: str, params: Mapping[str, str]) -> None:
             existing[key],
             params[key],
         )
-        client.set_tag(run_id, _safe_key(f"param_conflict.{key}"), _truncate(params[key], MAX_TAG_LENGTH))
+        client.set_tag(run_id, safe_key(f"param_conflict.{key}"), truncate(params[key], MAX_TAG_LENGTH))
     items = [Param(k, v) for k, v in new.items()]
     for i in range(0, len(items), _PARAMS_PER_BATCH):
         client.log_batch(run_id, params=items[i : i + _PARAMS_PER_BATCH])
 
 
-def _copy_metric_history(client: Any, source_run_id: str, target_run_id: str) -> dict[str, float]:
+def copy_metric_history(client: Any, source_run_id: str, target_run_id: str) -> dict[str, float]:
     """Copy every metric's full history (so reward curves of cached stages still plot)."""
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric  # heavy: deferred until needed
 
     latest = client.get_run(source_run_id).data.metrics
     history = [m for key in latest for m in client.get_metric_history(source_run_id, key)]
     # Fresh entities: the originals carry the source run's id (and model/dataset links).
-    _send_metrics(client, target_run_id, [Metric(m.key, m.value, m.timestamp, m.step) for m in history])
+    send_metric_batch(client, target_run_id, [Metric(m.key, m.value, m.timestamp, m.step) for m in history])
     return dict(latest)
 
 
 @contextlib.contextmanager
-def _callback_env_guard() -> Iterator[None]:
+def callback_env_guard() -> Iterator[None]:
     saved = {name: os.environ.pop(name) for name in _CALLBACK_HIJACK_VARS if name in os.environ}
     if saved:
         logger.warning(
@@ -202,8 +195,8 @@ def _callback_env_guard() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _mirror_eval(client: Any, parent_run_id: str | None, stage: str, metrics: Mapping[str, Any]) -> None:
+def mirror_eval(client: Any, parent_run_id: str | None, stage: str, metrics: Mapping[str, Any]) -> None:
     """Copy a stage's ``eval/<m>`` metrics to the parent as ``<stage>/<m>`` (one row per run in the UI)."""
     evals = {f"{stage}/{k[5:]}": v for k, v in metrics.items() if k.startswith("eval/")}
     if parent_run_id and evals:
-        _log_metrics(client, parent_run_id, evals)
+        send_metric_values(client, parent_run_id, evals)

@@ -11,23 +11,26 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import PipelineConfig, dump_config
-from posttrain.core.hashing import stable_hash
+from posttrain.core.hashing import package_versions, stable_hash
+from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
 from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
     ROLE_TAG,
-    _callback_env_guard,
-    _client,
-    _copy_metric_history,
-    _git_commit,
-    _log_metrics,
-    _log_params,
-    _mirror_eval,
-    _sqlite_path,
-    _versions,
+    STEP_KIND_TAG,
+    STEP_TAG,
+    TRACKED_PACKAGES,
+    callback_env_guard,
+    copy_metric_history,
     experiment_name,
     flatten_params,
+    git_commit,
+    mirror_eval,
+    mlflow_client,
     prompt_async_flush,
     resolve_tracking_uri,
+    send_metric_values,
+    send_params,
+    sqlite_path,
 )
 from posttrain.tracking.stage import StageRun
 
@@ -58,7 +61,7 @@ class Tracker:
 
         Normally already set by :func:`start_pipeline_run`; not so in a process that unpickled us.
         """
-        import mlflow
+        import mlflow  # heavy: deferred until needed
 
         if mlflow.get_tracking_uri() != self.tracking_uri:
             mlflow.set_tracking_uri(self.tracking_uri)
@@ -74,11 +77,13 @@ class Tracker:
         self,
         name: str,
         *,
+        kind: str | None = None,
         params: Any = None,
         cache_key: str | None = None,
         tags: Mapping[str, Any] | None = None,
     ) -> Iterator[StageRun]:
-        """A nested run named ``name``, active in this thread while the block runs.
+        """A nested run named after the plan step ``name`` (of ``kind``), active in this thread
+        while the block runs.
 
         ``report_to=["mlflow"]`` training inside the block logs into it. ``cache_key`` tags the run
         as the producer of that cache entry (see :meth:`find_producer`). An exception marks it FAILED.
@@ -86,14 +91,14 @@ class Tracker:
         if not self.enabled:
             yield StageRun(name)
             return
-        import mlflow
+        import mlflow  # heavy: deferred until needed
 
         self._use_uri()
-        run_tags = {"posttrain.stage": name, **(tags or {})}
+        run_tags = {STEP_TAG: name, **({STEP_KIND_TAG: kind} if kind else {}), **(tags or {})}
         if cache_key:
             run_tags[CACHE_KEY_TAG] = cache_key
         with (
-            _callback_env_guard(),
+            callback_env_guard(),
             mlflow.start_run(
                 run_name=name,
                 experiment_id=self.experiment_id,
@@ -111,7 +116,12 @@ class Tracker:
                 mlflow.flush_async_logging()
 
     def record_cached_stage(
-        self, name: str, *, producer_run_id: str | None = None, cache_key: str | None = None
+        self,
+        name: str,
+        *,
+        kind: str | None = None,
+        producer_run_id: str | None = None,
+        cache_key: str | None = None,
     ) -> StageRun:
         """A finished nested run for a stage served from cache: ``cached=true``, ``cached_from_run_id``.
 
@@ -120,18 +130,20 @@ class Tracker:
         """
         if not self.enabled:
             return StageRun(name)
-        client = _client(self.tracking_uri)
+        client = mlflow_client(self.tracking_uri)
         producer_run_id = producer_run_id or (self.find_producer(cache_key) if cache_key else None)
-        tags = {"mlflow.parentRunId": self.run_id, "posttrain.stage": name, "cached": "true"}
+        tags = {"mlflow.parentRunId": self.run_id, STEP_TAG: name, "cached": "true"}
+        if kind:
+            tags[STEP_KIND_TAG] = kind
         if producer_run_id:
             tags["cached_from_run_id"] = producer_run_id
         run = client.create_run(self.experiment_id, run_name=name, tags=tags)
         stage = StageRun(name, run.info.run_id, self.run_id, self.tracking_uri)
         if producer_run_id:
-            latest = _copy_metric_history(client, producer_run_id, stage.run_id)
-            _mirror_eval(client, self.run_id, name, latest)
+            latest = copy_metric_history(client, producer_run_id, stage.run_id)
+            mirror_eval(client, self.run_id, name, latest)
             params = client.get_run(producer_run_id).data.params
-            _log_params(client, stage.run_id, {k: v for k, v in params.items() if k.startswith("stage.")})
+            send_params(client, stage.run_id, {k: v for k, v in params.items() if k.startswith("stage.")})
         else:
             logger.warning("stage %s was served from cache but no run produced key %s", name, cache_key)
         client.set_terminated(stage.run_id, "FINISHED")
@@ -141,7 +153,7 @@ class Tracker:
         """Id of the latest finished run tagged with ``cache_key``: this experiment first, then any."""
         if not self.enabled:
             return None
-        client = _client(self.tracking_uri)
+        client = mlflow_client(self.tracking_uri)
         query = f"tags.`{CACHE_KEY_TAG}` = '{cache_key}' and attributes.status = 'FINISHED'"
         everywhere = [e.experiment_id for e in client.search_experiments()]
         for ids in ([self.experiment_id], everywhere):
@@ -153,7 +165,7 @@ class Tracker:
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Metrics on the parent run (pipeline totals: duration, final accuracy)."""
         if self.enabled:
-            _log_metrics(_client(self.tracking_uri), self.run_id, metrics, step)
+            send_metric_values(mlflow_client(self.tracking_uri), self.run_id, metrics, step)
 
     def log_final_model(
         self, model_dir: str | Path, *, base_model_path: str | Path | None = None, name: str = "model"
@@ -170,8 +182,8 @@ class Tracker:
         """
         if not (self.enabled and self.log_models):
             return None
-        import mlflow
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import mlflow  # heavy: deferred until needed
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: deferred until needed
 
         model_dir = Path(model_dir)
         adapter = (model_dir / "adapter_config.json").is_file()
@@ -185,7 +197,7 @@ class Tracker:
                     f"{model_dir} is a PEFT adapter: pass base_model_path (a full model "
                     "directory, not another adapter; merge chained adapters first)"
                 )
-            from peft import PeftModel
+            from peft import PeftModel  # heavy: deferred until needed
 
             model = PeftModel.from_pretrained(
                 AutoModelForCausalLM.from_pretrained(base_model_path), str(model_dir)
@@ -197,7 +209,7 @@ class Tracker:
         # Created first so it lands in this experiment: log_model alone files a model under the
         # thread's active experiment, which for our never-active parent run is "Default".
         self._use_uri()
-        params = _client(self.tracking_uri).get_run(self.run_id).data.params
+        params = mlflow_client(self.tracking_uri).get_run(self.run_id).data.params
         logged = mlflow.initialize_logged_model(
             name=name, source_run_id=self.run_id, params=params, experiment_id=self.experiment_id
         )
@@ -209,16 +221,14 @@ class Tracker:
             pip_requirements=model_requirements(peft=adapter),
             **extra,
         )
-        _client(self.tracking_uri).set_tag(self.run_id, "posttrain.model_uri", info.model_uri)
+        mlflow_client(self.tracking_uri).set_tag(self.run_id, "posttrain.model_uri", info.model_uri)
         return info.model_uri
 
     def plot_accuracy_by_stage(self, metric_filter: str = "accuracy") -> bool:
         """``accuracy_by_stage.png`` on the parent, from the ``eval/*`` metrics of its stage runs."""
         if not self.enabled:
             return False
-        from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
-
-        client = _client(self.tracking_uri)
+        client = mlflow_client(self.tracking_uri)
         per_stage = {
             s: {k: v for k, v in m.items() if metric_filter in k}
             for s, m in eval_metrics_by_stage(client, self.experiment_id, self.run_id).items()
@@ -233,11 +243,11 @@ class Tracker:
         """End the parent run and restore the tracking URI that was set before this run."""
         if not self.enabled or self._finished:
             return
-        import mlflow
+        import mlflow  # heavy: deferred until needed
 
         with contextlib.suppress(Exception):
             mlflow.flush_async_logging()
-        _client(self.tracking_uri).set_terminated(self.run_id, status)
+        mlflow_client(self.tracking_uri).set_terminated(self.run_id, status)
         # set_tracking_uri(None) clears both the global and $MLFLOW_TRACKING_URI.
         mlflow.set_tracking_uri(self._previous_uri)  # type: ignore[arg-type]
         self._finished = True  # a second finish (or __exit__ after finish) is harmless
@@ -248,7 +258,7 @@ def model_requirements(peft: bool = False) -> list[str]:
     names = ["mlflow", "torch", "transformers", "accelerate", "tokenizers", "safetensors"] + (
         ["peft"] if peft else []
     )
-    return [f"{n}=={v.split('+')[0]}" for n, v in _versions(names).items()]
+    return [f"{n}=={v.split('+')[0]}" for n, v in package_versions(names, include_missing=False).items()]
 
 
 def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> Tracker:
@@ -259,27 +269,30 @@ def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> T
     """
     if not cfg.tracking.enabled:
         return Tracker()
-    import mlflow
+    import mlflow  # heavy: deferred until needed
 
     uri = resolve_tracking_uri(cfg.tracking)
     prompt_async_flush()
     previous = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
-    client = _client(uri)
+    client = mlflow_client(uri)
     experiment_id = _get_or_create_experiment(client, experiment_name(cfg), uri)
     tags = {
         ROLE_TAG: "pipeline",
         "posttrain.config_name": cfg.name,
         "posttrain.config_hash": stable_hash(cfg),
-        **{f"posttrain.version.{k}": v for k, v in _versions().items()},
+        **{
+            f"posttrain.version.{k}": v
+            for k, v in package_versions(TRACKED_PACKAGES, include_missing=False).items()
+        },
     }
-    if commit := _git_commit():
+    if commit := git_commit():
         tags.update({"posttrain.git_commit": commit, "mlflow.source.git.commit": commit})
     run = client.create_run(experiment_id, run_name=run_name or cfg.name, tags=tags)
     tracker = Tracker(True, uri, experiment_id, run.info.run_id, cfg.tracking.log_model, previous)
     try:
         client.log_text(tracker.run_id, dump_config(cfg), "config.yaml")
-        _log_params(client, tracker.run_id, flatten_params(cfg))
+        send_params(client, tracker.run_id, flatten_params(cfg))
     except Exception:
         tracker.finish("FAILED")
         raise
@@ -295,12 +308,12 @@ def open_tracking_store(cfg: PipelineConfig) -> None:
     follows reuses it. Nothing is logged.
     """
     if cfg.tracking.enabled:
-        _client(resolve_tracking_uri(cfg.tracking))
+        mlflow_client(resolve_tracking_uri(cfg.tracking))
 
 
 def _get_or_create_experiment(client: Any, name: str, uri: str) -> str:
     """Existing (restored if deleted) or new experiment; a SQLite store keeps artifacts next to its DB."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # heavy: deferred until needed
 
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
@@ -308,7 +321,7 @@ def _get_or_create_experiment(client: Any, name: str, uri: str) -> str:
             logger.warning("restoring deleted MLflow experiment %r", name)
             client.restore_experiment(experiment.experiment_id)
         return experiment.experiment_id
-    db = _sqlite_path(uri)
+    db = sqlite_path(uri)
     location = (db.parent / "mlruns").resolve().as_uri() if db is not None else None
     try:
         return client.create_experiment(name, artifact_location=location)

@@ -10,18 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.core.hashing import jsonable
+from posttrain.tracking.compare import cell_text, reward_curves_figure, reward_series
 from posttrain.tracking.mlflow_io import (
     MAX_TAG_LENGTH,
-    _client,
-    _jsonable,
-    _log_metrics,
-    _log_params,
-    _metric_batch,
-    _mirror_eval,
-    _safe_key,
-    _send_metrics,
-    _truncate,
     flatten_params,
+    metric_batch,
+    mirror_eval,
+    mlflow_client,
+    safe_key,
+    send_metric_batch,
+    send_metric_values,
+    send_params,
+    truncate,
 )
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 def _clip(value: Any, limit: int) -> Any:
     """Long texts shortened for the UI table; numbers and missing cells (None) kept as they are."""
-    return _truncate(value, limit) if isinstance(value, str) else value
+    return truncate(value, limit) if isinstance(value, str) else value
 
 
 @dataclass
@@ -58,18 +59,18 @@ class StageRun:
 
     @property
     def _client(self) -> Any:
-        return _client(self.tracking_uri)
+        return mlflow_client(self.tracking_uri)
 
     def log_params(self, section: Any, prefix: str = "stage") -> None:
         """The stage's resolved config section, flattened under ``stage.`` (clear of the callback's keys)."""
         if self.enabled:
-            _log_params(self._client, self.run_id, flatten_params(section, prefix))
+            send_params(self._client, self.run_id, flatten_params(section, prefix))
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Numeric values only (text and None are skipped); bools log as 0/1."""
         if self.enabled:
-            _log_metrics(self._client, self.run_id, metrics, step)
-            _mirror_eval(self._client, self.parent_run_id, self.name, metrics)
+            send_metric_values(self._client, self.run_id, metrics, step)
+            mirror_eval(self._client, self.parent_run_id, self.name, metrics)
 
     def log_history(self, rows: Sequence[Mapping[str, Any]], step_key: str = "step") -> None:
         """Per-step metrics from log dicts (a trainer's ``log_history``, ``log_history.jsonl``), in one batch.
@@ -81,24 +82,24 @@ class StageRun:
         batch = [
             metric
             for index, row in enumerate(rows)
-            for metric in _metric_batch(
+            for metric in metric_batch(
                 {k: v for k, v in row.items() if k != step_key}, int(row.get(step_key, index))
             )
         ]
-        _send_metrics(self._client, self.run_id, batch)
-        _mirror_eval(self._client, self.parent_run_id, self.name, {m.key: m.value for m in batch})
+        send_metric_batch(self._client, self.run_id, batch)
+        mirror_eval(self._client, self.parent_run_id, self.name, {m.key: m.value for m in batch})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self.enabled:
-            from mlflow.entities import RunTag
+            from mlflow.entities import RunTag  # heavy: deferred until needed
 
-            batch = [RunTag(_safe_key(k), _truncate(str(v), MAX_TAG_LENGTH)) for k, v in tags.items()]
+            batch = [RunTag(safe_key(k), truncate(str(v), MAX_TAG_LENGTH)) for k, v in tags.items()]
             self._client.log_batch(self.run_id, tags=batch)
 
     def log_stage_json(self, data: Mapping[str, Any]) -> None:
         """``stage.json`` as an artifact: what produced the stage output, readable without the store."""
         if self.enabled:
-            self._client.log_dict(self.run_id, _jsonable(dict(data)), "stage.json")
+            self._client.log_dict(self.run_id, jsonable(dict(data)), "stage.json")
 
     def log_dataset(
         self,
@@ -119,7 +120,7 @@ class StageRun:
         if not self.enabled:
             return
         import mlflow.data
-        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.entities import Dataset, DatasetInput, InputTag  # heavy: deferred until needed
 
         digest = (digest or getattr(dataset, "_fingerprint", None) or "")[:36] or None
         with warnings.catch_warnings():  # schema inference warns about int columns as if for a model
@@ -130,7 +131,7 @@ class StageRun:
                 ds = mlflow.data.from_pandas(dataset, name=name, digest=digest)
         tags = [InputTag("mlflow.data.context", context)]
         if source:
-            tags.append(InputTag("posttrain.source", _truncate(source, 500)))
+            tags.append(InputTag("posttrain.source", truncate(source, 500)))
         self._client.log_inputs(self.run_id, [DatasetInput(Dataset(**ds.to_dict()), tags)])
 
     def log_eval(
@@ -148,7 +149,7 @@ class StageRun:
         if records:
             import pandas as pd
 
-            rows = _jsonable([dict(r) for r in records])
+            rows = jsonable([dict(r) for r in records])
             self._client.log_table(self.run_id, pd.DataFrame(rows), "eval_examples.json")
             self._client.log_text(
                 self.run_id, "\n".join(json.dumps(r) for r in rows) + "\n", "eval_examples.jsonl"
@@ -167,8 +168,6 @@ class StageRun:
         if not self.enabled or not files:
             return 0
         import pandas as pd
-
-        from posttrain.tracking.compare import cell_text
 
         table = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
         for column in table.columns:
@@ -194,10 +193,10 @@ class StageRun:
             more = f" (+{len(same) - 1} more)" if len(same) > 1 else ""
             tags[f"alert.{kind}"] = f"step {same[0].get('step')}: {same[0].get('message', '')}{more}"
         self.set_tags(tags)
-        self._client.log_dict(self.run_id, {"alerts": _jsonable(rows)}, "alerts.json")
+        self._client.log_dict(self.run_id, {"alerts": jsonable(rows)}, "alerts.json")
         if self.parent_run_id:  # visible from the pipeline run too: which stage raised what
             kinds = ",".join(k.removeprefix("alert.") for k in tags if k.startswith("alert."))
-            self._client.set_tag(self.parent_run_id, _safe_key(f"alerts.{self.name}"), kinds)
+            self._client.set_tag(self.parent_run_id, safe_key(f"alerts.{self.name}"), kinds)
 
     def plot_rewards(self, history: Sequence[Mapping[str, Any]] | None = None) -> bool:
         """``reward_curves.png``: ``reward`` and each ``rewards/<fn>/mean`` against the step.
@@ -207,8 +206,6 @@ class StageRun:
         """
         if not self.enabled:
             return False
-        from posttrain.tracking.compare import reward_curves_figure, reward_series
-
         curves = reward_series(history) if history is not None else self._reward_history()
         if not curves:
             return False
@@ -217,7 +214,7 @@ class StageRun:
         return True
 
     def _reward_history(self) -> dict[str, list[tuple[int, float]]]:
-        import mlflow
+        import mlflow  # heavy: deferred until needed
 
         mlflow.flush_async_logging()  # the callback logs asynchronously
         client = self._client

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import ModelConfig, SFTStageConfig
+from posttrain.data.builders import build_sft_dataset
 from posttrain.models.artifacts import StageResult
 from posttrain.training.runner import (
     StageContext,
@@ -24,6 +25,7 @@ from posttrain.training.runner import (
     load_policy,
     trainer_arguments,
 )
+from posttrain.training.trl_compat import compact_fused_head_on_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +38,6 @@ def sft_dataset(train_dataset: Any, num_examples: int | None = None):
     if num_examples is not None and num_examples < len(ds):
         ds = ds.select(range(num_examples))
     if "completion" not in ds.column_names:
-        from posttrain.data.builders import build_sft_dataset
-
         ds = build_sft_dataset(ds)
     extra = [c for c in ds.column_names if c not in ("prompt", "completion")]
     return ds.remove_columns(extra) if extra else ds
@@ -62,9 +62,7 @@ def run_sft(
     options = sft_cfg.trainer_options()
 
     def train(ctx: StageContext) -> TrainOutcome:
-        from trl import SFTConfig, SFTTrainer
-
-        from posttrain.training.trl_compat import compact_fused_head_on_cpu
+        from trl import SFTConfig, SFTTrainer  # heavy: deferred until needed
 
         compact_fused_head_on_cpu()
         data = sft_dataset(train_dataset, sft_cfg.num_examples)
