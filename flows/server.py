@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from posttrain.core.config import ConfigError, OrchestrationConfig, read_config_mapping
+from posttrain.flows.prefect_compat import kill_embedded_server, start_embedded_server
 from posttrain.pipeline.store import Store
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ class EarlyPrefectServer:
 
     Prefect starts its ephemeral server (a uvicorn subprocess, 7-8 s on 2 cores) lazily, at the
     flow's first API call, after the config has been validated and torch/TRL imported. Starting it
-    first lets the two overlap. ``SubprocessASGIServer`` is a per-process singleton, so the flow's
-    client finds it running. Call :meth:`wait` before the flow starts, so it never sees a
+    first lets the two overlap. The server is a per-process singleton (see :mod:`.prefect_compat`),
+    so the flow's client finds it running. Call :meth:`wait` before the flow starts, so it never sees a
     half-started server, or :meth:`cancel` when the run stops before its flow (a config error), so
     the error is not held up by the server's graceful shutdown.
     """
@@ -61,10 +61,8 @@ class EarlyPrefectServer:
 
     def _start(self) -> None:
         try:
-            from prefect.server.api.server import SubprocessASGIServer  # Prefect's own singleton
-
             if not self._cancelled.is_set():
-                SubprocessASGIServer().start()
+                start_embedded_server()
         except Exception as exc:  # the flow's own client starts it again and reports the failure
             logger.debug("early Prefect server start failed: %s", exc)
 
@@ -73,10 +71,7 @@ class EarlyPrefectServer:
 
     def cancel(self) -> None:
         self._cancelled.set()
-        server = sys.modules.get("prefect.server.api.server")
-        process = server and server.SubprocessASGIServer().server_process
-        if process is not None:
-            process.kill()  # still booting: nothing of ours is in its database yet
+        kill_embedded_server()  # still booting: nothing of ours is in its database yet
 
 
 def prestart_embedded_prefect(store: Store) -> EarlyPrefectServer | None:
