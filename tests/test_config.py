@@ -88,6 +88,14 @@ def test_every_shipped_config_validates(path):
         (minimal(modle={}), "modle: unknown key"),  # top-level typo
         (minimal(eval={"pass_k": 4}), "temperature > 0"),  # pass@k needs sampling
         ({"name": "t", "model": {"name": "m", "quantization": "4bit"}}, "QLoRA"),  # 4bit without LoRA
+        (
+            minimal(data={"synthetic": {"min_steps": 2}}),
+            "data.synthetic: 'min_steps' was renamed to 'min_ops'",
+        ),  # renamed key
+        (
+            minimal(grpo={"stages": [{**grpo_stage(), "data_filter": {"max_steps": 2}}]}),
+            "grpo.stages.0.data_filter: 'max_steps' was renamed to 'max_ops'",
+        ),  # renamed key in a stage
     ],
 )
 def test_bad_configs_fail_in_one_line_naming_the_key(tmp_path, data, fragment):

@@ -10,7 +10,7 @@ import pytest
 
 from posttrain.core.config import DataConfig
 from posttrain.core.errors import DataError
-from posttrain.core.gsm8k import RECORD_FIELDS, count_steps, extract_final_answer
+from posttrain.core.gsm8k import RECORD_FIELDS, count_ops, extract_final_answer
 from posttrain.core.parsing import normalize_number
 from posttrain.core.prompts import format_sft_target
 from posttrain.data.sources import load_hub, load_jsonl, load_records
@@ -60,9 +60,9 @@ def test_data_error_is_value_error():
     assert issubclass(DataError, ValueError)
 
 
-def test_count_steps():
-    assert count_steps("a <<1+1=2>>2 b <<2*3=6>>6\n#### 6") == 2
-    assert count_steps("no annotations\n#### 1") == 0
+def test_count_ops():
+    assert count_ops("a <<1+1=2>>2 b <<2*3=6>>6\n#### 6") == 2
+    assert count_ops("no annotations\n#### 1") == 0
 
 
 def test_load_jsonl_records_and_ids(tmp_path):
@@ -76,7 +76,7 @@ def test_load_jsonl_records_and_ids(tmp_path):
         "question": GOOD["question"],
         "solution": GOOD["answer"],
         "answer": "5",
-        "steps": 1,
+        "ops": 1,
         "source": "train.jsonl",
     }
     assert result.records[1]["answer"] == "1000"
@@ -163,7 +163,7 @@ def test_real_gsm8k_train_every_line_parses(gsm8k_train_path):
         assert normalize_number(record["answer"]) == record["answer"]  # canonical
         target = format_sft_target(record["solution"])
         assert "<<" not in target and target.endswith(f"<answer>\n{record['answer']}\n</answer>")
-    assert sum(r["steps"] for r in result.records) == 23716  # every <<...>> annotation counted
+    assert sum(r["ops"] for r in result.records) == 23716  # every <<...>> annotation counted
 
 
 def _fake_hub(rows):

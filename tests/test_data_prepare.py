@@ -16,7 +16,7 @@ from posttrain.data.prepare import (
     FEATURES,
     PreparedData,
     decontaminate,
-    filter_by_steps,
+    filter_by_ops,
     prepare_data,
     prompt_token_lengths,
     split_records,
@@ -102,7 +102,7 @@ def test_prepare_synthetic_columns_counts_and_prompts():
         "question",
         "solution",
         "answer",
-        "steps",
+        "ops",
         "source",
         "prompt",
     ]
@@ -113,7 +113,7 @@ def test_prepare_synthetic_columns_counts_and_prompts():
         == stats["eval"] + stats["decontaminated"] + stats["dropped_long_prompts"] + stats["train"]
     )
     assert stats["skipped_bad"] == 0 and stats["dropped_long_prompts"] == 0  # no tokenizer: no length filter
-    assert sum(stats["train_steps"].values()) == stats["train"]
+    assert sum(stats["train_ops"].values()) == stats["train"]
     assert not set(prepared.train["id"]) & set(prepared.eval["id"])
     row = prepared.train[0]
     assert row["prompt"] == build_prompt(row["question"], DataConfig().system_prompt)
@@ -276,8 +276,8 @@ def test_save_load_round_trip(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def steps_ds():
-    cfg = DataConfig(synthetic=SyntheticConfig(num_examples=200, min_steps=1, max_steps=4), eval_size=5)
+def ops_ds():
+    cfg = DataConfig(synthetic=SyntheticConfig(num_examples=200, min_ops=1, max_ops=4), eval_size=5)
     return prepare_data(cfg).train
 
 
@@ -291,17 +291,17 @@ def steps_ds():
         (None, None, {1, 2, 3, 4}),  # no filter
     ],
 )
-def test_filter_by_steps(steps_ds, lo, hi, expected):
-    assert set(filter_by_steps(steps_ds, lo, hi)["steps"]) == expected
+def test_filter_by_ops(ops_ds, lo, hi, expected):
+    assert set(filter_by_ops(ops_ds, lo, hi)["ops"]) == expected
 
 
-def test_filter_by_steps_errors(steps_ds):
+def test_filter_by_ops_errors(ops_ds):
     with pytest.raises(
-        DataError, match=r"no examples with steps in \[7, 9\]; the dataset has steps \[1, 2, 3, 4\]"
+        DataError, match=r"no examples with ops in \[7, 9\]; the dataset has ops \[1, 2, 3, 4\]"
     ):
-        filter_by_steps(steps_ds, 7, 9)
-    with pytest.raises(DataError, match="min_steps"):
-        filter_by_steps(steps_ds, 3, 2)
+        filter_by_ops(ops_ds, 7, 9)
+    with pytest.raises(DataError, match="min_ops"):
+        filter_by_ops(ops_ds, 3, 2)
 
 
 def test_config_import_does_not_load_the_data_pipeline():

@@ -15,7 +15,7 @@ from fractions import Fraction
 import pytest
 
 from posttrain.core.errors import DataError
-from posttrain.core.gsm8k import RECORD_FIELDS, count_steps, extract_final_answer
+from posttrain.core.gsm8k import RECORD_FIELDS, count_ops, extract_final_answer
 from posttrain.core.prompts import format_sft_target
 from posttrain.data.synthetic import THEMES, generate_problems
 
@@ -40,14 +40,14 @@ def evaluate(expression: str) -> Fraction:
 
 @pytest.fixture(scope="module")
 def problems():
-    return generate_problems(5000, min_steps=1, max_steps=8, seed=123)
+    return generate_problems(5000, min_ops=1, max_ops=8, seed=123)
 
 
 def test_arithmetic_and_format_round_trip(problems):
     for p in problems:
         solution = p["solution"]
         annotations = ANNOTATION.findall(solution)
-        assert len(annotations) == p["steps"] == count_steps(solution), solution
+        assert len(annotations) == p["ops"] == count_ops(solution), solution
         for expression, result in annotations:
             value = evaluate(expression)
             assert value == Fraction(result) and value.denominator == 1 and value > 0, (expression, result)
@@ -70,9 +70,9 @@ def test_record_schema(problems):
 
 
 def test_steps_cover_requested_range(problems):
-    assert set(Counter(p["steps"] for p in problems)) == set(range(1, 9))
-    narrow = generate_problems(300, min_steps=3, max_steps=3, seed=1)
-    assert {p["steps"] for p in narrow} == {3}
+    assert set(Counter(p["ops"] for p in problems)) == set(range(1, 9))
+    narrow = generate_problems(300, min_ops=3, max_ops=3, seed=1)
+    assert {p["ops"] for p in narrow} == {3}
 
 
 def test_variety_of_themes_and_operations(problems):
@@ -117,8 +117,8 @@ def test_deterministic_across_processes():
     ("args", "message"),
     [
         ((-1, 1, 2), "num_examples"),  # negative count
-        ((5, 0, 2), "min_steps"),  # zero steps
-        ((5, 3, 2), "min_steps"),  # inverted range
+        ((5, 0, 2), "min_ops"),  # zero steps
+        ((5, 3, 2), "min_ops"),  # inverted range
     ],
 )
 def test_invalid_arguments(args, message):
@@ -127,6 +127,6 @@ def test_invalid_arguments(args, message):
 
 
 def test_long_chains_still_valid():
-    for p in generate_problems(200, min_steps=15, max_steps=20, seed=2):
-        assert count_steps(p["solution"]) == p["steps"]
+    for p in generate_problems(200, min_ops=15, max_ops=20, seed=2):
+        assert count_ops(p["solution"]) == p["ops"]
         assert all(evaluate(e) == Fraction(r) for e, r in ANNOTATION.findall(p["solution"]))

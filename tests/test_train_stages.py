@@ -171,7 +171,7 @@ def test_two_grpo_stages_chain_in_adapter_mode(tiny_model_dir, data, tmp_path):
     assert first.alerts[0]["kind"] == "no_signal" and first.alerts[0]["step"] == 1
     assert "rewards/xml_count_reward/mean" in first.metrics and "reward" in first.metrics
 
-    second_cfg = grpo_stage("correct", {"min_steps": 2, "num_examples": 8}, max_steps=2, beta=0.05)
+    second_cfg = grpo_stage("correct", {"min_ops": 2, "num_examples": 8}, max_steps=2, beta=0.05)
     second = run_grpo_stage(second_cfg, model_cfg, first.output_dir, data, tmp_path / "g2")
     info = assert_stage_output(second, "grpo-correct", "adapter")
     assert info["adapter"]["base"] == first.output_dir and info["adapter"]["root"] == info["adapter"][

@@ -88,7 +88,7 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(resolve_model_path(tokenizer_name))
     prepared = prepare_data(data_cfg, tokenizer=tokenizer)
     for example in prepared.train.select(range(min(args.n, len(prepared.train)))):
-        print(f"=== {example['id']}  (gold answer: {example['answer']}, steps: {example['steps']})")
+        print(f"=== {example['id']}  (gold answer: {example['answer']}, ops: {example['ops']})")
         for message in example["prompt"]:
             print(f"[{message['role']}]\n{message['content']}")
         print(f"[sft target]\n{format_sft_target(example['solution'])}\n")

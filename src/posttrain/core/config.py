@@ -88,17 +88,35 @@ class ModelConfig(StrictModel):
         return self
 
 
+# "steps" meant three things in one config (pipeline steps, optimizer steps, arithmetic operations
+# per problem); the last are now `ops`. Old keys fail with the new name instead of "unknown key".
+_OPS_RENAMES = {"min_steps": "min_ops", "max_steps": "max_ops"}
+
+
+def _reject_renamed(value: Any, renames: dict[str, str], why: str) -> Any:
+    if isinstance(value, dict):
+        for old, new in renames.items():
+            if old in value:
+                raise ValueError(f"'{old}' was renamed to '{new}' ({why})")
+    return value
+
+
 class SyntheticConfig(StrictModel):
     num_examples: int = Field(1000, ge=1)
-    min_steps: int = Field(1, ge=1)
+    min_ops: int = Field(1, ge=1)
     """Fewest arithmetic operations in a problem (1 = one operation)."""
-    max_steps: int = Field(4, ge=1)
+    max_ops: int = Field(4, ge=1)
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, value: Any) -> Any:
+        return _reject_renamed(value, _OPS_RENAMES, "arithmetic operations per problem")
 
     @model_validator(mode="after")
     def _ordered(self) -> SyntheticConfig:
-        if self.min_steps > self.max_steps:
-            raise ValueError(f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})")
+        if self.min_ops > self.max_ops:
+            raise ValueError(f"min_ops ({self.min_ops}) > max_ops ({self.max_ops})")
         return self
 
 
@@ -169,9 +187,17 @@ class MonitorConfig(StrictModel):
 
 
 class StageDataFilter(StrictModel):
-    min_steps: int | None = Field(None, ge=1)
-    max_steps: int | None = Field(None, ge=1)
+    """Which prepared examples a GRPO stage trains on: a range of arithmetic operations per problem
+    (``ops``: the synthetic generator's count, GSM8K's calculator annotations), then the first N."""
+
+    min_ops: int | None = Field(None, ge=1)
+    max_ops: int | None = Field(None, ge=1)
     num_examples: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, value: Any) -> Any:
+        return _reject_renamed(value, _OPS_RENAMES, "arithmetic operations per problem")
 
 
 class GRPOStageConfig(_StageWithTrainer):

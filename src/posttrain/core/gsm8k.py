@@ -6,11 +6,11 @@ solution has no ``#### <number>`` line is reported instead of turning into a sil
 hours later. A record is a plain dict::
 
     {"id": "train-00042", "question": "...", "solution": "...worked solution...\\n#### 72",
-     "answer": "72", "steps": 2, "source": "train.jsonl"}
+     "answer": "72", "ops": 2, "source": "train.jsonl"}
 
 ``answer`` is the canonical number string of :func:`posttrain.core.parsing.normalize_number`, the
 same function the rewards and the evaluator apply to model output, so the two sides compare equal
-exactly when the numbers are equal. ``steps`` counts the ``<<a*b=c>>`` calculator annotations: a
+exactly when the numbers are equal. ``ops`` counts the ``<<a*b=c>>`` calculator annotations (arithmetic operations): a
 cheap, consistent difficulty proxy used for curriculum stages.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 from posttrain.core.errors import DataError
 from posttrain.core.parsing import ANNOTATION_RE, final_line, normalize_number
 
-__all__ = ["RECORD_FIELDS", "count_steps", "extract_final_answer", "make_record"]
+__all__ = ["RECORD_FIELDS", "count_ops", "extract_final_answer", "make_record"]
 
-RECORD_FIELDS = ("id", "question", "solution", "answer", "steps", "source")
+RECORD_FIELDS = ("id", "question", "solution", "answer", "ops", "source")
 
 
 def extract_final_answer(solution: str) -> str:
@@ -47,10 +47,10 @@ def extract_final_answer(solution: str) -> str:
     return value
 
 
-def count_steps(solution: str) -> int:
-    """Number of ``<<...>>`` calculator annotations, GSM8K's own count of arithmetic steps.
+def count_ops(solution: str) -> int:
+    """Number of ``<<...>>`` calculator annotations, GSM8K's own count of arithmetic operations.
 
-    >>> count_steps("48/2 = <<48/2=24>>24\\n48+24 = <<48+24=72>>72\\n#### 72")
+    >>> count_ops("48/2 = <<48/2=24>>24\\n48+24 = <<48+24=72>>72\\n#### 72")
     2
     """
     return len(ANNOTATION_RE.findall(solution))
@@ -77,6 +77,6 @@ def make_record(raw: Any, *, record_id: str, source: str) -> dict[str, Any]:
         "question": question,
         "solution": solution.strip(),
         "answer": answer,
-        "steps": count_steps(solution),
+        "ops": count_ops(solution),
         "source": source,
     }

@@ -45,14 +45,14 @@ def load_eval_records(
     hub_id: str = "openai/gsm8k",
     hub_config: str = "main",
     hub_split: str = "test",
-    synthetic_steps: tuple[int, int] = (1, 4),
+    synthetic_ops: tuple[int, int] = (1, 4),
     synthetic_seed: int = SYNTHETIC_EVAL_SEED,
 ) -> list[dict[str, Any]]:
     """The first ``limit`` evaluation records (``id, question, answer, ...``) of one source.
 
     ``source`` is ``hub`` (GSM8K ``hub_split``, default the test split), ``local`` (``path``: a
     GSM8K-format ``.jsonl`` file or folder), ``heldout`` (the ``heldout`` records the caller split
-    off the training data) or ``synthetic`` (generated, ``synthetic_steps`` operations each).
+    off the training data) or ``synthetic`` (generated, ``synthetic_ops`` operations each).
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
@@ -67,7 +67,7 @@ def load_eval_records(
             raise DataError("eval data 'heldout' needs the held-out records (split off the training data)")
         records = list(heldout[:limit] if limit is not None else heldout)
     elif source == "synthetic":
-        low, high = synthetic_steps
+        low, high = synthetic_ops
         records = generate_problems(limit or SYNTHETIC_EVAL_SIZE, low, high, seed=synthetic_seed)
     else:
         raise DataError(f"unknown eval data source {source!r} (expected hub, local, heldout or synthetic)")

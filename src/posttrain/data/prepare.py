@@ -38,7 +38,7 @@ __all__ = [
     "MESSAGES_FEATURE",
     "PreparedData",
     "decontaminate",
-    "filter_by_steps",
+    "filter_by_ops",
     "prepare_data",
     "prompt_token_lengths",
     "question_ngrams",
@@ -52,7 +52,7 @@ FEATURES = datasets.Features(
         "question": datasets.Value("string"),
         "solution": datasets.Value("string"),
         "answer": datasets.Value("string"),
-        "steps": datasets.Value("int32"),
+        "ops": datasets.Value("int32"),
         "source": datasets.Value("string"),
         "prompt": MESSAGES_FEATURE,
     }
@@ -310,40 +310,40 @@ def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequenc
         "dropped_long_prompts": too_long,
         "eval_long_prompts": eval_too_long,
         "train": len(train_ds),
-        "train_steps": {str(k): v for k, v in sorted(Counter(r["steps"] for r in train).items())},
+        "train_ops": {str(k): v for k, v in sorted(Counter(r["ops"] for r in train).items())},
         "train_fingerprint": train_ds._fingerprint,
         "eval_fingerprint": eval_ds._fingerprint,
     }
-    logger.info("prepared %s: %s", source, {k: v for k, v in stats.items() if k != "train_steps"})
+    logger.info("prepared %s: %s", source, {k: v for k, v in stats.items() if k != "train_ops"})
     return PreparedData(train=train_ds, eval=eval_ds, stats=stats)
 
 
-def _steps_in_range(steps: list[int], lo: int | None, hi: int | None) -> list[bool]:
-    return [(lo is None or s >= lo) and (hi is None or s <= hi) for s in steps]
+def _ops_in_range(ops: list[int], lo: int | None, hi: int | None) -> list[bool]:
+    return [(lo is None or n >= lo) and (hi is None or n <= hi) for n in ops]
 
 
-def filter_by_steps(
-    ds: datasets.Dataset, min_steps: int | None = None, max_steps: int | None = None
+def filter_by_ops(
+    ds: datasets.Dataset, min_ops: int | None = None, max_ops: int | None = None
 ) -> datasets.Dataset:
-    """Rows whose ``steps`` lie in ``[min_steps, max_steps]`` (either bound optional), for curriculum stages.
+    """Rows whose ``ops`` (arithmetic operations) lie in ``[min_ops, max_ops]`` (either bound optional), for curriculum stages.
 
     An empty result raises :class:`DataError` listing the step counts that do exist, since a stage
     with no data would otherwise fail deep inside the trainer.
     """
-    if min_steps is None and max_steps is None:
+    if min_ops is None and max_ops is None:
         return ds
-    if min_steps is not None and max_steps is not None and min_steps > max_steps:
-        raise DataError(f"min_steps ({min_steps}) > max_steps ({max_steps})")
+    if min_ops is not None and max_ops is not None and min_ops > max_ops:
+        raise DataError(f"min_ops ({min_ops}) > max_ops ({max_ops})")
     out = ds.filter(
-        _steps_in_range,
-        input_columns="steps",
+        _ops_in_range,
+        input_columns="ops",
         batched=True,
-        fn_kwargs={"lo": min_steps, "hi": max_steps},
-        desc="filter by steps",
+        fn_kwargs={"lo": min_ops, "hi": max_ops},
+        desc="filter by ops",
     )
     if len(out) == 0:
-        present = sorted(set(ds["steps"]))
+        present = sorted(set(ds["ops"]))
         raise DataError(
-            f"no examples with steps in [{min_steps}, {max_steps}]; the dataset has steps {present}"
+            f"no examples with ops in [{min_ops}, {max_ops}]; the dataset has ops {present}"
         )
     return out

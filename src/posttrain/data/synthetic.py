@@ -2,8 +2,8 @@
 
 Why generate: the pipeline must run end to end without hub access, and curriculum stages need
 problems of *known* difficulty (GSM8K's annotation count is only a proxy). A problem chains
-``steps`` operations (+, -, *, /, and two-operation events such as "k items at $b each" or "p% off")
-over one running quantity: ``steps = 1`` is one operation. Each is annotated GSM8K-style
+``ops`` operations (+, -, *, /, and two-operation events such as "k items at $b each" or "p% off")
+over one running quantity: ``ops = 1`` is one operation. Each is annotated GSM8K-style
 (``<<a*b=c>>``), the solution ends with ``#### N``, and every value is a positive integer.
 
 Determinism: problem ``i`` is drawn from its own :class:`random.Random` seeded with a string derived
@@ -41,7 +41,7 @@ _PRONOUNS = {
 }
 _PERCENTS = (10, 20, 25, 30, 40, 50, 60, 75, 80)
 
-_COST = {"add": 1, "sub": 1, "mul": 1, "div": 1, "buy": 2, "earn": 2, "pct_off": 2, "pct_on": 2}  # steps each
+_COST = {"add": 1, "sub": 1, "mul": 1, "div": 1, "buy": 2, "earn": 2, "pct_off": 2, "pct_on": 2}  # operations each
 
 Draw = tuple[dict[str, int], list[tuple[str, int]], int]  # template params, (expression, result)s, new value
 
@@ -311,15 +311,15 @@ def _render(template: str, ctx: dict[str, Any], params: dict[str, int], calcs: l
     return template.format(**ctx, **params, **extra, calc=extra["calc1"])
 
 
-def _try_problem(rng: random.Random, theme: Theme, steps: int) -> tuple[str, str, int] | None:
-    """(question, solution, answer) with exactly ``steps`` annotated operations, or None if stuck."""
+def _try_problem(rng: random.Random, theme: Theme, n_ops: int) -> tuple[str, str, int] | None:
+    """(question, solution, answer) with exactly ``n_ops`` annotated operations, or None if stuck."""
     name, gender = rng.choice(_PEOPLE)
     ctx: dict[str, Any] = {"name": name, **_PRONOUNS[gender]}
-    others = iter(rng.sample([p for p, _ in _PEOPLE if p != name], steps)) if theme.chain else iter(())
+    others = iter(rng.sample([p for p, _ in _PEOPLE if p != name], n_ops)) if theme.chain else iter(())
     ctx["cur"] = name
     questions, solutions = [], []
     used: set[tuple[str, str]] = set()
-    remaining = steps
+    remaining = n_ops
     if theme.products and (not theme.intros or rng.random() < 0.5):
         q_tpl, s_tpl, a_range, b_range = rng.choice(theme.products)
         a, b = rng.randint(*a_range), rng.randint(*b_range)
@@ -365,8 +365,8 @@ def _try_problem(rng: random.Random, theme: Theme, steps: int) -> tuple[str, str
     return " ".join(questions), "\n".join(solutions), value
 
 
-def generate_problems(num_examples: int, min_steps: int = 1, max_steps: int = 4, seed: int = 0) -> list[dict]:
-    """``num_examples`` records (the :mod:`posttrain.core.gsm8k` schema), steps uniform in the range.
+def generate_problems(num_examples: int, min_ops: int = 1, max_ops: int = 4, seed: int = 0) -> list[dict]:
+    """``num_examples`` records (the :mod:`posttrain.core.gsm8k` schema), operations uniform in the range.
 
     >>> [p["id"] for p in generate_problems(2, seed=7)]
     ['synthetic-s7-0', 'synthetic-s7-1']
@@ -375,26 +375,26 @@ def generate_problems(num_examples: int, min_steps: int = 1, max_steps: int = 4,
     """
     if num_examples < 0:
         raise DataError(f"num_examples must be >= 0, got {num_examples}")
-    if not 1 <= min_steps <= max_steps:
-        raise DataError(f"need 1 <= min_steps <= max_steps, got min_steps={min_steps}, max_steps={max_steps}")
+    if not 1 <= min_ops <= max_ops:
+        raise DataError(f"need 1 <= min_ops <= max_ops, got min_ops={min_ops}, max_ops={max_ops}")
     records, seen, repeats = [], set(), 0
     for i in range(num_examples):
         rng = random.Random(f"posttrain-synthetic:{seed}:{i}")
-        steps = rng.randint(min_steps, max_steps)
-        themes = [t for t in THEMES if not t.chain or steps < len(_PEOPLE)]
+        n_ops = rng.randint(min_ops, max_ops)
+        themes = [t for t in THEMES if not t.chain or n_ops < len(_PEOPLE)]
         for attempt in range(1000):  # redraw repeats of earlier questions (held-out copies), up to a point
-            made = _try_problem(rng, rng.choice(themes), steps)
+            made = _try_problem(rng, rng.choice(themes), n_ops)
             if made is not None and (made[0] not in seen or attempt >= 100):
                 break
         else:  # pragma: no cover - every theme can always add, so this needs a broken template table
-            raise DataError(f"could not generate a {steps}-step problem (seed={seed}, index={i})")
+            raise DataError(f"could not generate a {n_ops}-operation problem (seed={seed}, index={i})")
         question, solution, answer = made
         repeats += question in seen
         seen.add(question)
-        values = (f"synthetic-s{seed}-{i}", question, solution, str(answer), steps, "synthetic")
+        values = (f"synthetic-s{seed}-{i}", question, solution, str(answer), n_ops, "synthetic")
         records.append(dict(zip(RECORD_FIELDS, values, strict=True)))
     if repeats:
         logger.warning(
-            "%d of %d synthetic problems are repeats (too many for the steps)", repeats, num_examples
+            "%d of %d synthetic problems are repeats (too many for so few operations)", repeats, num_examples
         )
     return records

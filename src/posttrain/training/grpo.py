@@ -49,10 +49,10 @@ def grpo_options(stage_cfg: GRPOStageConfig) -> dict[str, Any]:
 
 
 def select_stage_data(dataset: Any, data_filter) -> Any:
-    """Apply a stage's ``data_filter``: step range first, then the first ``num_examples`` rows."""
-    from posttrain.data.prepare import filter_by_steps
+    """Apply a stage's ``data_filter``: operation range first, then the first ``num_examples`` rows."""
+    from posttrain.data.prepare import filter_by_ops
 
-    ds = filter_by_steps(dataset, data_filter.min_steps, data_filter.max_steps)
+    ds = filter_by_ops(dataset, data_filter.min_ops, data_filter.max_ops)
     if data_filter.num_examples is not None and data_filter.num_examples < len(ds):
         ds = ds.select(range(data_filter.num_examples))
     return ds
