@@ -36,6 +36,9 @@ def use_embedded_prefect(store: Store) -> bool:
     embedded mode is in effect.
     """
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect gives its embedded server 20 s to boot; on a busy 2-core machine it needs 7-18 s
+    # alone, so a run that starts while the machine is loaded would fail before doing anything.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if os.environ.get("PREFECT_API_URL"):
         return False
     os.environ.setdefault("PREFECT_HOME", str(store.prefect_home))
