@@ -160,3 +160,15 @@ def test_diff_flexible_mode_uses_flexible_flags():
     b = EvalReport(model="b", summary={}, records=(flexible_only,))
     assert len(diff_reports(a, b, mode="strict").stayed_wrong) == 1
     assert len(diff_reports(a, b, mode="flexible").fixed) == 1
+
+
+def test_summarize_keeps_strict_and_flexible_apart():
+    unformatted_right = score_completion("6 * 7 = 42, so 42.", "42")  # no answer block: flexible only
+    formatted_then_rambles = score_completion("<answer>42</answer> or maybe 43", "42")  # strict only
+    both_wrong = score_completion("<answer>13</answer>", "42")
+    metrics = summarize([[unformatted_right], [formatted_then_rambles], [both_wrong], [both_wrong]])
+    assert (unformatted_right.correct_strict, unformatted_right.correct_flexible) == (False, True)
+    assert (formatted_then_rambles.correct_strict, formatted_then_rambles.correct_flexible) == (True, False)
+    assert metrics["accuracy_strict"] == 0.25 and metrics["accuracy_flexible"] == 0.25
+    metrics = summarize([[unformatted_right], [unformatted_right], [both_wrong], [formatted_then_rambles]])
+    assert metrics["accuracy_strict"] == 0.25 and metrics["accuracy_flexible"] == 0.5

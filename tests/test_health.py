@@ -63,6 +63,25 @@ CASES = [
         [],
     ),
     ("NaN metrics are ignored", [{"kl": float("nan"), "entropy": float("nan")}], {}, []),
+    (
+        "no_signal fires at the threshold exactly",
+        [{**healthy(0), "frac_reward_zero_std": 0.5}],
+        {"zero_std_threshold": 0.5},
+        [(1, "no_signal")],
+    ),
+    (
+        "no_signal stays quiet just under the threshold",
+        [{**healthy(0), "frac_reward_zero_std": 0.49}],
+        {"zero_std_threshold": 0.5},
+        [],
+    ),
+    ("kl at the threshold is not a blow-up", [{**healthy(0), "kl": 1.0}], {"kl_threshold": 1.0}, []),
+    (
+        "kl just over the threshold is",
+        [{**healthy(0), "kl": 1.01}],
+        {"kl_threshold": 1.0},
+        [(1, "kl_blowup")],
+    ),
 ]
 
 
