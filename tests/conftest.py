@@ -19,6 +19,8 @@ os.environ.pop("PREFECT_API_URL", None)
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="posttrain-prefect-")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+# On a loaded 2-core machine the ephemeral server can take longer than the 20 s default to boot.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
