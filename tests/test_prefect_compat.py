@@ -3,10 +3,10 @@ or a server singleton of another shape, fails here before it fails a run."""
 
 from __future__ import annotations
 
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
