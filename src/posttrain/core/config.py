@@ -295,10 +295,15 @@ class EvalConfig(StrictModel):
 class TrackingConfig(StrictModel):
     enabled: bool = True
     experiment: str | None = None
-    """Defaults to the config's `name`."""
+    """Defaults to $MLFLOW_EXPERIMENT_NAME (or $MLFLOW_EXPERIMENT_ID), else the config's `name`."""
     tracking_uri: str | None = None
     """Defaults to $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory."""
     log_model: bool = True
+    """The final stage's LoggedModel holds its weights (an MLflow transformers model); every other
+    stage's LoggedModel is a reference (tags + stage.json)."""
+    system_metrics: bool = True
+    """Stage runs log CPU/RAM/disk/network/GPU metrics (MLflow's ``log_system_metrics``); the sampling
+    interval is MLflow's ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` (default 10 s)."""
 
 
 class OrchestrationConfig(StrictModel):
