@@ -241,3 +241,17 @@ def test_dry_run_and_the_flow_run_the_same_plan(first_run, workdir, monkeypatch)
     expected = [s for s in STEPS if s != "eval-dpo"]
     assert planned == expected
     assert ran == expected
+
+
+def test_health_alerts_become_prefect_events_naming_the_stage():
+    from posttrain.flows.prefect_ui import health_alert_events
+
+    alerts = [{"step": 1, "kind": "no_signal", "value": 1.0, "message": "all equal", "remedy": "SFT first"}]
+    [event] = health_alert_events("smoke", "grpo-format", alerts, mlflow_run_id="abc", task_run_id="t-1")
+    assert event["event"] == "posttrain.health.no_signal"
+    assert event["resource"]["prefect.resource.id"] == "posttrain.stage.smoke.grpo-format"
+    assert event["resource"]["posttrain.alert"] == "no_signal" and event["payload"] == alerts[0]
+    assert {r["prefect.resource.role"]: r["prefect.resource.id"] for r in event["related"]} == {
+        "task-run": "prefect.task-run.t-1",
+        "mlflow-run": "mlflow.run.abc",
+    }
