@@ -19,14 +19,15 @@ from prefect.artifacts import create_markdown_artifact
 
 from posttrain.core.config import PipelineConfig
 from posttrain.evaluation.report import EvalReport
+from posttrain.flows.prefect_ui import emit_health_alerts, posttrain_logs_to_prefect
 from posttrain.flows.records import PrefectRecords
 from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_stage_json
 from posttrain.pipeline import load_config
-from posttrain.pipeline.plan import Plan, Planner, Step, StepInputs, build_plan, dry_run
+from posttrain.pipeline.plan import EvalStep, Plan, Planner, Step, StepInputs, TrainStep, build_plan, dry_run
 from posttrain.pipeline.steps import DataResult, EvalResult, base_model, load_data
 from posttrain.pipeline.store import Store
 from posttrain.tasks.steps import step_task
-from posttrain.tracking import Tracker, start_pipeline_run
+from posttrain.tracking import MODEL_ID_TAG, StageRun, Tracker, flatten_params, start_pipeline_run
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class _Runner:
         self.cfg, self.store, self.tracker = plan.config, store, tracker
         self.planner = Planner(plan, PrefectRecords(store), force)
         self.summary = PipelineSummary(plan.config.name, tracker.run_id)
+        self.final_stage = plan.training_steps[-1].name if plan.training_steps else None
+        self.models: dict[str, str] = {}
+        """Training step name → its MLflow LoggedModel id (evaluations log against it)."""
 
     def __call__(self, step: Step, key: str | None, inputs: StepInputs) -> Any:
         assert key is not None, "the flow always knows its inputs"
@@ -69,16 +73,29 @@ class _Runner:
         task = step_task.with_options(result_storage=self.store.results_dir, refresh_cache=not cached)
         call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
         call["output_dir"] = str(step.output_dir(self.store, key))
+        evaluated = self.models.get(step.stage) if isinstance(step, EvalStep) else None
         if cached:
             result = task(**call, return_state=True).result()
             run = self.tracker.record_cached_stage(step.name, kind=step.kind, cache_key=key)
             run.set_tags({"cache_key": key})
+            if isinstance(step, TrainStep):
+                self._stage_model(step, run, key, result, cached=True)
         else:
             with self.tracker.stage(
                 step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key
             ) as run:
-                result = task(**call, report_to=run.report_to, return_state=True).result()
-                _log_result(run, result)
+                state = task(**call, report_to=run.report_to, return_state=True)
+                result = state.result()
+                _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
+                if isinstance(step, TrainStep):
+                    self._stage_model(step, run, key, result, cached=False)
+                    emit_health_alerts(
+                        self.cfg.name,
+                        step.name,
+                        list(result.alerts),
+                        mlflow_run_id=run.run_id,
+                        task_run_id=state.state_details.task_run_id,
+                    )
         status = "cached" if cached else "ran"
         self.summary.outcomes.append(
             StepOutcome(
@@ -94,9 +111,30 @@ class _Runner:
         logger.info("%-22s %-6s %s", step.name, decision.status, decision.reason)
         return result
 
+    def _stage_model(self, step: TrainStep, run: StageRun, key: str, result: Any, *, cached: bool) -> None:
+        """The stage output's LoggedModel: the producer's for a cached stage, else a new one (with
+        the weights for the final stage when ``tracking.log_model``, a reference otherwise)."""
+        model_id = self.tracker.find_stage_model(key) if cached else None
+        if model_id is None:
+            params = {
+                **flatten_params(self.cfg.model, "model"),
+                **flatten_params(step.section(self.cfg), "stage"),
+            }
+            where = {"kind": step.kind, "cache_key": key, "params": params}
+            if step.name == self.final_stage and self.tracker.log_models:
+                model = result.output_dir
+                base = adapter_root(model) if is_adapter_dir(model) else None
+                uri = self.tracker.log_final_model(model, base_model_path=base, stage=run, **where)
+                model_id = uri.removeprefix("models:/") if uri else None
+            else:
+                model_id = self.tracker.log_stage_model(run, output_dir=result.output_dir, **where)
+        if model_id is not None:
+            self.models[step.name] = model_id
+            run.set_tags({MODEL_ID_TAG: model_id})
 
-def _log_result(run: Any, result: Any) -> None:
-    """What each kind of step leaves in its nested MLflow run."""
+
+def _log_result(run: Any, result: Any, *, model_id: str | None = None, dataset_name: str = "eval") -> None:
+    """What each kind of step leaves in its nested MLflow run (evaluations: against ``model_id``)."""
     if isinstance(result, DataResult):
         data = load_data(result)
         run.log_metrics({k: v for k, v in result.stats.items() if isinstance(v, int | float)})
@@ -105,7 +143,8 @@ def _log_result(run: Any, result: Any) -> None:
         return
     if isinstance(result, EvalResult):
         report = EvalReport.load(result.report_dir)
-        run.log_eval(result.summary, [r.as_dict() for r in report.records])
+        records = [r.as_dict() for r in report.records]
+        run.log_eval(result.summary, records, model_id=model_id, dataset_name=dataset_name)
         run.log_metrics({f"eval/{k}": v for k, v in result.timings.items() if isinstance(v, int | float)})
         return
     info = read_stage_json(result.output_dir)
@@ -123,19 +162,11 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
     cfg = config
     plan = build_plan(cfg)
     store = Store.at(cfg.orchestration.store)
-    with store.lock(), start_pipeline_run(cfg) as tracker:
+    with posttrain_logs_to_prefect(), store.lock(), start_pipeline_run(cfg, steps=plan.names) as tracker:
         store.clean_interrupted_writes()
         runner = _Runner(plan, store, tracker, force or ())
-        final = plan.walk(base_model(cfg), runner)
+        plan.walk(base_model(cfg), runner)
         tracker.plot_accuracy_by_stage()
-        training = {s.name for s in plan.training_steps}
-        last_training = next((o for o in reversed(runner.summary.outcomes) if o.step in training), None)
-        if last_training is not None and last_training.status == "ran":
-            # A cached final model was logged by the run that produced it (see cached_from_run_id).
-            model = final.model.path
-            tracker.log_final_model(
-                model, base_model_path=adapter_root(model) if is_adapter_dir(model) else None
-            )
         create_markdown_artifact(
             key=f"{cfg.name.lower().replace('.', '-')}-summary",
             markdown=summary_markdown(runner.summary),

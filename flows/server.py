@@ -42,7 +42,6 @@ def use_embedded_prefect(store: Store) -> bool:
     if os.environ.get("PREFECT_API_URL"):
         return False
     os.environ.setdefault("PREFECT_HOME", str(store.prefect_home))
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     return True
 
 

@@ -89,6 +89,26 @@ def test_every_shipped_config_validates(path):
         (minimal(eval={"pass_k": 4}), "temperature > 0"),  # pass@k needs sampling
         ({"name": "t", "model": {"name": "m", "quantization": "4bit"}}, "QLoRA"),  # 4bit without LoRA
         (
+            {"name": "t", "model": {"name": "m", "lora": {"r": 8, "use_rslor": True}}},
+            "model.lora: unknown LoraConfig option 'use_rslor' (did you mean 'use_rslora'",
+        ),  # peft option typo
+        (
+            {"name": "t", "model": {"name": "m", "lora": {"use_dora": "maybe"}}},
+            "model.lora: option 'use_dora': Input should be a valid boolean",
+        ),  # peft option type
+        (
+            {"name": "t", "model": {"name": "m", "lora": {"task_type": "SEQ_CLS"}}},
+            "'task_type' is managed by posttrain",
+        ),  # managed peft key
+        (
+            {"name": "t", "model": {"name": "m", "lora": {"layers_pattern": "layers"}}},
+            "LoraConfig rejects these options: `layers_pattern` cannot be used",
+        ),  # peft's own __post_init__ check
+        (
+            {"name": "t", "model": {"name": "m", "lora": {"alpha": 8, "lora_alpha": 16}}},
+            "give 'alpha' or peft's 'lora_alpha', not both",
+        ),  # both spellings
+        (
             minimal(data={"synthetic": {"min_steps": 2}}),
             "data.synthetic: 'min_steps' was renamed to 'min_ops'",
         ),  # renamed key
@@ -105,6 +125,21 @@ def test_bad_configs_fail_in_one_line_naming_the_key(tmp_path, data, fragment):
     assert fragment in message
     assert "\n" not in message
     assert message.startswith(str(tmp_path / "cfg.yaml"))
+
+
+def test_lora_passes_peft_options_through_by_peft_names():
+    from posttrain.models.loading import build_peft_config
+
+    lora = {"r": 8, "use_rslora": True, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+    cfg = parse_config(minimal(model={"name": "tiny-random", "lora": lora}))
+    peft = build_peft_config(cfg.model.lora)
+    assert (peft.r, peft.use_rslora, peft.lora_dropout, peft.task_type) == (8, True, 0.0, "CAUSAL_LM")
+    assert peft.target_modules == {"q_proj", "v_proj"} and peft.lora_alpha == 32  # posttrain's default
+    again = parse_config(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"))))
+    assert again == cfg and stable_hash(again.model) == stable_hash(cfg.model)  # round-trips, hashed
+    assert stable_hash(cfg.model) != stable_hash(
+        parse_config(minimal(model={"name": "tiny-random", "lora": {"r": 8}})).model
+    )
 
 
 def test_trainer_values_are_coerced_from_yaml_strings(tmp_path):

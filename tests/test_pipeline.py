@@ -50,7 +50,10 @@ STEPS = [
 def first_run(workdir):
     from posttrain.flows.pipeline import posttrain_pipeline
 
-    return posttrain_pipeline(smoke(workdir))
+    # MLflow samples system metrics every 10 s by default; the smoke stages last a few seconds.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+        return posttrain_pipeline(smoke(workdir))
 
 
 def test_first_run_executes_every_step(first_run):
@@ -137,6 +140,75 @@ def test_mlflow_holds_parent_and_nested_stage_runs(first_run, workdir):
     artifacts = {a.path for a in client.list_artifacts(grpo.info.run_id)}
     assert "stage.json" in artifacts
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"config.yaml"}
+
+
+TRAINING = ["sft", "dpo", "grpo-format", "grpo-correctness"]
+
+
+def test_each_stage_is_a_logged_model_with_its_evaluation_linked(first_run, workdir):
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    parent = client.get_run(first_run["run_id"])
+    models = client.search_logged_models(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`posttrain.pipeline_run_id` = '{parent.info.run_id}'",
+    )
+    by_stage = {m.name: m for m in models}
+    assert sorted(by_stage) == sorted(TRAINING)  # one per training stage, none for data or evals
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    runs = {r.info.run_name: r for r in children}
+    for stage, model in by_stage.items():
+        assert str(model.status) == "READY" and model.source_run_id == runs[stage].info.run_id
+        assert model.tags["posttrain.model_content"] == "reference"  # smoke: tracking.log_model false
+        assert model.tags["posttrain.output_dir"] == next(
+            o["output"] for o in first_run["outcomes"] if o["step"] == stage
+        )
+        assert model.params["stage.trainer.max_steps"] == "2" and model.params["model.name"] == "tiny-random"
+        eval_run = runs[f"eval-{stage}"]
+        # later tests rerun evaluations of the same (cached) stage outputs: they link to this model too
+        [linked] = [
+            m for m in model.metrics if m.run_id == eval_run.info.run_id and m.key == "eval/accuracy_strict"
+        ]
+        assert (
+            linked.value == eval_run.data.metrics["eval/accuracy_strict"] and linked.dataset_name == "heldout"
+        )
+        assert [a.path for a in client.list_logged_model_artifacts(model.model_id)] == ["stage.json"]
+    # the evaluation set is the same dataset for every stage, so the model view compares like with like
+    assert len({x.dataset_digest for m in models for x in m.metrics}) == 1
+    system = [k for k in runs["grpo-format"].data.metrics if k.startswith("system/")]
+    assert "system/cpu_utilization_percentage" in system and "system/system_memory_usage_megabytes" in system
+
+
+def test_compare_promote_moves_the_champion_alias(first_run, workdir, capsys):
+    import mlflow
+
+    from posttrain.cli import main
+
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    args = ["compare", "--experiment", "smoke", "--last", "1", "--tracking-uri", uri]
+    args += ["--plot", str(workdir / "promote.png"), "--promote", "--metric", "strict_format_rate"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    client = mlflow.MlflowClient(uri)
+    champion = client.get_model_version_by_alias("smoke", "champion")
+    model = client.get_logged_model(champion.source.removeprefix("models:/"))
+    scores = {
+        m.name: {x.key: x.value for x in m.metrics}["eval/strict_format_rate"]
+        for m in client.search_logged_models([model.experiment_id])
+        if m.tags.get("posttrain.pipeline_run_id") == model.tags["posttrain.pipeline_run_id"]
+    }
+    assert scores[model.name] == max(scores.values())
+    assert f"champion: smoke v{champion.version} = {model.name}" in out and "no champion before" in out
+    assert main(args) == 0  # again: nothing moves, and it says so
+    assert "champion unchanged: smoke v1" in capsys.readouterr().out
+    assert main([*args[:-1], "no_such_metric"]) == 2
+    assert (
+        "--promote: no stage model of these runs has the metric 'eval/no_such_metric'"
+        in capsys.readouterr().err
+    )
 
 
 def test_cli_dry_run_compare_and_serve_without_server(first_run, workdir, capsys, monkeypatch):
@@ -263,3 +335,17 @@ def test_cached_stage_runs_point_at_the_run_that_produced_them(first_run, workdi
         assert "cached" not in producer.data.tags  # the run that computed it, not another cached copy
     for name in ("data", "eval-baseline"):  # never recomputed since the first run
         assert cached[name].data.tags["cached_from_run_id"] == produced[name].info.run_id
+
+
+def test_health_alerts_become_prefect_events_naming_the_stage():
+    from posttrain.flows.prefect_ui import health_alert_events
+
+    alerts = [{"step": 1, "kind": "no_signal", "value": 1.0, "message": "all equal", "remedy": "SFT first"}]
+    [event] = health_alert_events("smoke", "grpo-format", alerts, mlflow_run_id="abc", task_run_id="t-1")
+    assert event["event"] == "posttrain.health.no_signal"
+    assert event["resource"]["prefect.resource.id"] == "posttrain.stage.smoke.grpo-format"
+    assert event["resource"]["posttrain.alert"] == "no_signal" and event["payload"] == alerts[0]
+    assert {r["prefect.resource.role"]: r["prefect.resource.id"] for r in event["related"]} == {
+        "task-run": "prefect.task-run.t-1",
+        "mlflow-run": "mlflow.run.abc",
+    }

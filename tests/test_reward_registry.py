@@ -17,7 +17,7 @@ from posttrain.rewards.check import (
     ranks_as_intended,
     score_examples,
 )
-from posttrain.rewards.registry import build_reward, is_factory, reward_names
+from posttrain.rewards.registry import build_reward, is_factory, reward_names, trl_reward_names
 from posttrain.rewards.scaling import AdaptiveScaler
 from posttrain.rewards.shaping import LengthReward, RepetitionPenalty
 
@@ -30,18 +30,65 @@ LENGTH_OK = "accepted params: min_tokens, max_tokens, decay_tokens"
 SCALER_OK = "accepted: momentum, eps, clip, suffix"
 
 
+POSTTRAIN_NAMES = [
+    "correctness",
+    "int_answer",
+    "length",
+    "reasoning_steps",
+    "repetition",
+    "soft_format",
+    "strict_format",
+    "xml_count",
+]
+TRL_NAMES = [
+    "accuracy_reward",
+    "get_cosine_scaled_reward",
+    "get_repetition_penalty_reward",
+    "get_soft_overlong_punishment",
+    "reasoning_accuracy_reward",
+    "think_format_reward",
+]
+
+
 def test_reward_names_sorted_and_complete():
-    assert reward_names() == [
-        "correctness",
-        "int_answer",
-        "length",
-        "reasoning_steps",
-        "repetition",
-        "soft_format",
-        "strict_format",
-        "xml_count",
-    ]
+    assert trl_reward_names() == TRL_NAMES  # what trl.rewards exports in TRL 1.16
+    assert reward_names() == sorted(POSTTRAIN_NAMES + TRL_NAMES)
     assert is_factory("length") and is_factory("repetition") and not is_factory("correctness")
+    assert is_factory("get_soft_overlong_punishment") and not is_factory("accuracy_reward")
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}]
+
+
+def test_trl_rewards_by_their_own_names():
+    accuracy = build_reward("accuracy_reward")
+    assert accuracy.__name__ == "accuracy_reward"  # metrics keep TRL's names: rewards/accuracy_reward/mean
+    completions = [chat(r"so \boxed{42}"), chat(r"so \boxed{13}")]
+    # posttrain's gold `answer` reaches TRL's `solution`; the worked solution column is not used
+    assert accuracy(completions, answer=["42", "42"], solution=["#### 13", "#### 13"]) == [1.0, 0.0]
+    think = build_reward("think_format_reward")
+    assert think([chat("<think>\nhm\n</think>\n42"), chat("42")]) == [1.0, 0.0]
+    overlong = build_reward(
+        "get_soft_overlong_punishment", {"max_completion_len": 10, "soft_punish_cache": 4}
+    )
+    assert overlong.__name__ == "soft_overlong_punishment_reward"
+    assert overlong(None, completion_ids=[[1] * 5, [1] * 8, [1] * 11]) == [0.0, -0.5, -1.0]
+    assert build_reward("accuracy_reward", {"adaptive": True}).__name__ == "accuracy_reward_scaled"
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "pattern"),
+    [
+        ("accuracy_reward", {"scale": 2}, r"TRL reward 'accuracy_reward' takes no params"),  # plain + params
+        ("get_soft_overlong_punishment", {}, r"'get_soft_overlong_punishment': invalid params"),  # missing
+        ("get_soft_overlong_punishment", {"max_len": 9}, r"unknown param\(s\) 'max_len'"),  # typo
+        ("acuracy_reward", {}, r"unknown reward 'acuracy_reward' \(did you mean 'accuracy_reward'"),  # typo
+    ],
+)
+def test_trl_reward_errors(name, params, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        build_reward(name, params)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +139,7 @@ def test_unknown_reward_lists_valid_names():
     with pytest.raises(ValueError) as info:
         build_reward("foo")
     message = str(info.value)
-    assert message.startswith("unknown reward 'foo'; valid rewards: correctness, int_answer, length,")
+    assert message.startswith("unknown reward 'foo'; valid rewards: accuracy_reward, correctness,")
     for name in reward_names():
         assert name in message
     assert "package.module:function" in message
@@ -240,6 +287,12 @@ def test_check_passes_trl_keyword_arguments():
 
 
 def test_check_all_registry_rewards_at_unit_weight_rank_as_intended():
-    rows = score_examples([(name, 1.0, build_reward(name)) for name in reward_names()])
+    rows = score_examples([(name, 1.0, build_reward(name)) for name in POSTTRAIN_NAMES])
     assert ranks_as_intended(rows)
-    assert all(set(row.scores) == set(reward_names()) for row in rows)
+    assert all(set(row.scores) == set(POSTTRAIN_NAMES) for row in rows)
+
+
+def test_check_calls_trl_rewards_as_the_trainer_does():
+    """Conversational completions, as the trainer passes them: TRL's rewards index ``[0]["content"]``."""
+    rows = score_examples([("accuracy_reward", 1.0, build_reward("accuracy_reward"))])
+    assert {row.scores["accuracy_reward"] for row in rows} == {0.0}  # no \\boxed{} answer in the examples

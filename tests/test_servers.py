@@ -6,6 +6,7 @@ run, and checks that the run completes and that its MLflow runs landed on the tr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -124,6 +125,9 @@ def test_serve_registers_a_cron_deployment_whose_triggered_run_completes(servers
             f"orchestration.store={tmp / 'store'}",
             "--set",
             f"model.cache_dir={tmp / 'models'}",
+            # Every GRPO step's entropy is below this, so the stage raises a health alert for sure.
+            "--set",
+            "grpo.stages.0.monitor.min_entropy=1000",
         ],
         env,
         tmp / "serve.log",
@@ -136,6 +140,16 @@ def test_serve_registers_a_cron_deployment_whose_triggered_run_completes(servers
         lines = dict(line.split("=", 1) for line in result.stdout.strip().splitlines() if "=" in line)
         assert lines["cron"] == "0 3 * * *"
         assert lines["state"] == "COMPLETED", (tmp / "serve.log").read_text()[-3000:]
+        # posttrain's own log lines are in the task runs' logs (what the Prefect UI shows per task)
+        assert int(lines["posttrain_task_logs"]) >= 5, lines
+        assert "[grpo-format] done in" in lines["grpo_format_logs"], lines
+        # each health alert is a Prefect event an automation can act on, tied to the flow run
+        assert "posttrain.health.entropy" in lines["event_names"].split(","), lines
+        event = json.loads(lines["event"])
+        assert event["resource"]["prefect.resource.id"] == "posttrain.stage.smoke.grpo-format"
+        roles = {r["prefect.resource.role"]: r["prefect.resource.id"] for r in event["related"]}
+        assert roles["flow-run"] == f"prefect.flow-run.{lines['flow_run']}" and "task-run" in roles
+        assert event["payload"]["kind"] == "entropy" and event["payload"]["step"] == 1
     finally:
         stop(serve)
 
@@ -168,4 +182,30 @@ with get_client(sync_client=True) as client:
     print("cron=" + deployment.schedules[0].schedule.cron)
 run = run_deployment("posttrain-pipeline/nightly", timeout=480)
 print("state=" + run.state.type.value)
+print("flow_run=" + str(run.id))
+
+import json, os, urllib.request
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, TaskRunFilter, TaskRunFilterFlowRunId
+
+with get_client(sync_client=True) as client:
+    logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=200)
+    tasks = {t.id: t.name for t in client.read_task_runs(
+        task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[run.id])))}
+ours = [l for l in logs if l.name.startswith("posttrain") and l.task_run_id is not None]
+print("posttrain_task_logs=" + str(len(ours)))
+print("grpo_format_logs=" + " | ".join(l.message for l in ours if tasks.get(l.task_run_id) == "grpo-format"))
+
+body = json.dumps({"filter": {"event": {"prefix": ["posttrain.health."]}}, "limit": 50}).encode()
+request = urllib.request.Request(os.environ["PREFECT_API_URL"] + "/events/filter", data=body,
+                                 headers={"Content-Type": "application/json"})
+deadline = time.monotonic() + 60
+while True:  # the server persists events asynchronously
+    with urllib.request.urlopen(request, timeout=10) as response:
+        events = json.loads(response.read())["events"]
+    if events or time.monotonic() > deadline:
+        break
+    time.sleep(1)
+print("event_names=" + ",".join(sorted({e["event"] for e in events})))
+wanted = [e for e in events if e["event"] == "posttrain.health.entropy"]
+print("event=" + json.dumps(min(wanted, key=lambda e: e["occurred"]) if wanted else {}))
 """

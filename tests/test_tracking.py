@@ -470,3 +470,82 @@ def test_open_tracking_store_creates_the_database_and_logs_nothing(tmp_path):
     open_tracking_store(make_cfg(f"sqlite:///{db}"))
     assert db.exists()
     assert [e.name for e in client(f"sqlite:///{db}").search_experiments()] == ["Default"]
+
+
+# --------------------------------------------------------------------------- MLflow's own variables
+
+
+def test_mlflow_experiment_name_and_an_outer_run_are_honoured(uri, monkeypatch):
+    """$MLFLOW_EXPERIMENT_NAME picks the experiment; under $MLFLOW_RUN_ID (as `mlflow run` sets it)
+    or a caller's active run, the pipeline run nests in it and leaves it running."""
+    import mlflow
+
+    from posttrain.core.errors import ConfigError
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    with start_pipeline_run(make_cfg(uri)) as tracker:
+        pass
+    assert client(uri).get_experiment(tracker.experiment_id).name == "from-env"
+    cfg = make_cfg(uri, tracking={"tracking_uri": uri, "experiment": "explicit"})
+    with start_pipeline_run(cfg) as explicit:
+        pass
+    assert client(uri).get_experiment(explicit.experiment_id).name == "explicit"  # the config wins
+
+    outer_experiment = client(uri).create_experiment("outer")
+    outer = client(uri).create_run(outer_experiment, run_name="outer")
+    monkeypatch.setenv("MLFLOW_RUN_ID", outer.info.run_id)
+    with start_pipeline_run(make_cfg(uri)) as nested, nested.stage("sft") as stage:
+        assert os.environ.get("MLFLOW_RUN_ID") is None  # hidden from the trainer's callback
+    parent = client(uri).get_run(nested.run_id)
+    assert parent.data.tags["mlflow.parentRunId"] == outer.info.run_id
+    assert parent.info.experiment_id == outer_experiment
+    assert client(uri).get_run(stage.run_id).data.tags["mlflow.parentRunId"] == nested.run_id
+    assert client(uri).get_run(outer.info.run_id).info.status == "RUNNING"  # not ours to end
+
+    monkeypatch.setenv("MLFLOW_RUN_ID", "0" * 32)
+    with pytest.raises(ConfigError, match=r"^MLFLOW_RUN_ID=0{32}: no such run at sqlite"):
+        start_pipeline_run(make_cfg(uri))
+
+    monkeypatch.delenv("MLFLOW_RUN_ID")
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run(experiment_id=outer_experiment) as active:
+            with start_pipeline_run(make_cfg(uri)) as inner, inner.stage("sft") as stage:
+                assert mlflow.active_run().info.run_id == stage.run_id
+            assert mlflow.active_run().info.run_id == active.info.run_id
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert client(uri).get_run(inner.run_id).data.tags["mlflow.parentRunId"] == active.info.run_id
+
+
+def test_stage_models_link_evaluations_and_reuse_by_cache_key(uri, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    out = tmp_path / "sft-out"
+    out.mkdir()
+    (out / "stage.json").write_text('{"stage": "sft"}')
+    records = [{"id": "a", "question": "1+1?", "gold": "2"}, {"id": "b", "question": "2+2?", "gold": "4"}]
+    with start_pipeline_run(make_cfg(uri)) as tracker:
+        with tracker.stage("sft", kind="sft", cache_key="sft-key") as sft:
+            import time
+
+            time.sleep(0.8)  # long enough for one system-metrics sample
+        model_id = tracker.log_stage_model(
+            sft, kind="sft", output_dir=out, cache_key="sft-key", params={"p": "1"}
+        )
+        with tracker.stage("eval-sft", kind="eval") as ev:
+            ev.log_eval({"accuracy_strict": 0.5}, records, model_id=model_id, dataset_name="heldout")
+    assert tracker.find_stage_model("sft-key") == model_id and tracker.find_stage_model("other") is None
+    model = client(uri).get_logged_model(model_id)
+    assert model.source_run_id == sft.run_id and model.model_type == "sft" and model.params == {"p": "1"}
+    [metric] = model.metrics
+    assert (metric.key, metric.value, metric.run_id) == ("eval/accuracy_strict", 0.5, ev.run_id)
+    assert metric.dataset_name == "heldout" and metric.dataset_digest
+    run = client(uri).get_run(ev.run_id)
+    assert run.data.metrics["eval/accuracy_strict"] == 0.5
+    assert [i.dataset.name for i in run.inputs.dataset_inputs] == ["heldout"]
+    assert client(uri).get_run(tracker.run_id).data.metrics == {"eval-sft/accuracy_strict": 0.5}
+    assert any(k.startswith("system/cpu") for k in client(uri).get_run(sft.run_id).data.metrics)
+    found = client(uri).search_logged_models(
+        [tracker.experiment_id], filter_string="tags.`posttrain.stage` = 'sft'"
+    )
+    assert [m.model_id for m in found] == [model_id]

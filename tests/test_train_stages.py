@@ -182,6 +182,27 @@ def test_two_grpo_stages_chain_in_adapter_mode(tiny_model_dir, data, tmp_path):
     generate_a_few_tokens(second.output_dir)
 
 
+def test_grpo_with_peft_options_and_a_trl_reward(tiny_model_dir, data, tmp_path):
+    """peft's own LoraConfig options reach the adapter; TRL's accuracy_reward trains by its name."""
+    from posttrain.core.config import PipelineConfig
+    from posttrain.training.grpo import run_grpo_stage
+
+    lora = {"r": 8, "use_rslora": True, "target_modules": ["q_proj", "v_proj"]}
+    model_cfg = PipelineConfig(name="t", model={"name": str(tiny_model_dir), "lora": lora}).model
+    stage = GRPOStageConfig(
+        name="trl",
+        rewards=[{"name": "accuracy_reward"}, {"name": "xml_count", "weight": 0.5}],
+        trainer={"max_steps": 1, **GRPO_SHAPES},
+    )
+    adapter_cfg = model_cfg.model_copy(update={"adapter_policy": "adapter"})
+    result = run_grpo_stage(stage, adapter_cfg, tiny_model_dir, data, tmp_path / "g")
+    assert_stage_output(result, "grpo-trl", "adapter")
+    assert "rewards/accuracy_reward/mean" in result.metrics
+    saved = json.loads((Path(result.output_dir) / "adapter_config.json").read_text())
+    assert saved["r"] == 8 and saved["use_rslora"] is True
+    assert sorted(saved["target_modules"]) == ["q_proj", "v_proj"]
+
+
 def test_grpo_full_finetune_with_kl_and_stop_on_alert(tiny_model_dir, data, tmp_path):
     from posttrain.training.grpo import run_grpo_stage
 

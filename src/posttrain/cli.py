@@ -204,7 +204,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(format_comparison(comparison))
     png = plot_comparison(comparison, args.plot)
     print(f"plot: {png}")
+    if args.promote:
+        print(_promote(comparison, args))
     return 0
+
+
+def _promote(comparison, args: argparse.Namespace) -> str:
+    """``compare --promote``: move the champion alias to the best stage model of the compared runs."""
+    from posttrain.core.config import TrackingConfig
+    from posttrain.tracking import models_of_runs, promote_champion, resolve_tracking_uri
+    from posttrain.tracking.mlflow_io import mlflow_client
+
+    uri = args.tracking_uri or resolve_tracking_uri(TrackingConfig())
+    candidates = models_of_runs(mlflow_client(uri), [r.run_id for r in comparison.runs])
+    try:
+        promotion = promote_champion(
+            uri, candidates, args.metric, registered_model=args.registered_model, force=args.force
+        )
+    except ValueError as exc:
+        raise CLIError(f"--promote: {exc}") from None
+    return promotion.message
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -320,6 +339,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db"
     )
+    p.add_argument(
+        "--promote",
+        action="store_true",
+        help="register the best stage model of these runs and move the 'champion' alias to it",
+    )
+    p.add_argument(
+        "--metric", default="accuracy_strict", help="--promote: evaluation metric, higher is better"
+    )
+    p.add_argument(
+        "--registered-model", default=None, help="--promote: registered model (default: config name)"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="--promote: move the alias even if the champion scores higher"
+    )
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("serve", help="schedule the pipeline as a Prefect deployment (needs a Prefect server)")
@@ -343,14 +376,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_prefect(level: int):
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.name.startswith("prefect") or record.levelno >= max(level, logging.WARNING)
+
+    return keep
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    for noisy in ("httpx", "httpcore", "prefect", "alembic", "urllib3"):
+    for noisy in ("httpx", "httpcore", "alembic", "urllib3", "mlflow.system_metrics"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    # Prefect's own INFO lines still reach its UI (run logs); only the terminal leaves them out.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_quiet_prefect(level))
     try:
         return args.func(args)
     except EXPECTED_ERRORS as exc:

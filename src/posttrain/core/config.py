@@ -18,6 +18,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from posttrain.core.errors import ConfigError
+from posttrain.core.peft_options import (
+    LORA_ALIASES,
+    POSTTRAIN_LORA_KEYS,
+    build_lora_config,
+    validate_lora_options,
+)
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT
 from posttrain.core.trainer_options import TRAINER_DEFAULTS, validate_trainer_options
 
@@ -61,10 +67,42 @@ class _StageWithTrainer(StrictModel):
 
 
 class LoraConfig(StrictModel):
+    """``model.lora``: posttrain's four settings plus any other ``peft.LoraConfig`` option by peft's
+    own name (``use_rslora``, ``use_dora``, ``modules_to_save``, ``init_lora_weights``, ...), checked
+    by building the real ``LoraConfig`` (see :mod:`posttrain.core.peft_options`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
     r: int = Field(16, ge=1)
     alpha: int = Field(32, ge=1)
+    """peft's ``lora_alpha`` (either name is accepted)."""
     dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """peft's ``lora_dropout`` (either name is accepted)."""
+    target_modules: list[str] | str = "all-linear"
+    """Module names, ``all-linear``, or a regular expression (peft's rules)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _peft_options(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        value = dict(value)
+        for peft_name, ours in LORA_ALIASES.items():
+            if peft_name in value:
+                if ours in value:
+                    raise ValueError(f"give '{ours}' or peft's '{peft_name}', not both")
+                value[ours] = value.pop(peft_name)
+        extra = {k: v for k, v in value.items() if k not in POSTTRAIN_LORA_KEYS}
+        return {**value, **validate_lora_options(extra)}
+
+    @model_validator(mode="after")
+    def _real_lora_config(self) -> LoraConfig:
+        build_lora_config(self.peft_options())
+        return self
+
+    def peft_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``peft.LoraConfig`` (without ``task_type``), by peft's names."""
+        ours = {peft: getattr(self, name) for name, peft in POSTTRAIN_LORA_KEYS.items()}
+        return {**ours, **(self.model_extra or {})}
 
 
 class ModelConfig(StrictModel):
@@ -257,10 +295,15 @@ class EvalConfig(StrictModel):
 class TrackingConfig(StrictModel):
     enabled: bool = True
     experiment: str | None = None
-    """Defaults to the config's `name`."""
+    """Defaults to $MLFLOW_EXPERIMENT_NAME (or $MLFLOW_EXPERIMENT_ID), else the config's `name`."""
     tracking_uri: str | None = None
     """Defaults to $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory."""
     log_model: bool = True
+    """The final stage's LoggedModel holds its weights (an MLflow transformers model); every other
+    stage's LoggedModel is a reference (tags + stage.json)."""
+    system_metrics: bool = True
+    """Stage runs log CPU/RAM/disk/network/GPU metrics (MLflow's ``log_system_metrics``); the sampling
+    interval is MLflow's ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` (default 10 s)."""
 
 
 class OrchestrationConfig(StrictModel):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.errors import ModelError, StageError
+from posttrain.core.peft_options import build_lora_config
 from posttrain.models.artifacts import STAGE_FILE, adapter_root, is_adapter_dir, read_stage_json
 from posttrain.models.hardware import check_hardware, cuda_available, resolve_dtype
 from posttrain.models.resolve import resolve_model_path
@@ -99,16 +100,8 @@ def load_model_and_tokenizer(
 
 
 def build_peft_config(lora_cfg):
-    """A peft LoraConfig from posttrain's `model.lora` section."""
-    from peft import LoraConfig  # heavy: deferred until needed
-
-    return LoraConfig(
-        r=lora_cfg.r,
-        lora_alpha=lora_cfg.alpha,
-        lora_dropout=lora_cfg.dropout,
-        target_modules=lora_cfg.target_modules,
-        task_type="CAUSAL_LM",
-    )
+    """The peft ``LoraConfig`` of posttrain's ``model.lora`` section, every peft option passed through."""
+    return build_lora_config(lora_cfg.peft_options())
 
 
 def load_stage_model(

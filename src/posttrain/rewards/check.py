@@ -110,10 +110,12 @@ def score_examples(
     cases = [(label, text, EXAMPLE_GOLD, EXAMPLE_QUESTION) for label, text in EXAMPLE_COMPLETIONS.items()]
     for i, (text, gold) in enumerate(references, start=1):
         cases.append((f"reference #{i}", text, gold, ""))
-    completions = [text for _, text, _, _ in cases]
+    # Conversational, as the trainer passes them for posttrain's chat prompts (TRL's own rewards
+    # read ``completion[0]["content"]``; posttrain's accept both shapes).
+    completions = [[{"role": "assistant", "content": text}] for _, text, _, _ in cases]
     call_kwargs = {
-        "prompts": [prompt for _, _, _, prompt in cases],
-        "completion_ids": _pseudo_token_ids(completions),
+        "prompts": [[{"role": "user", "content": prompt}] for _, _, _, prompt in cases],
+        "completion_ids": _pseudo_token_ids([text for _, text, _, _ in cases]),
         "answer": [gold for _, _, gold, _ in cases],
         "trainer_state": None,
         "log_extra": _noop_log_extra,

@@ -9,6 +9,11 @@ handled here: TRL applies them through ``GRPOConfig.reward_weights``.
 * plain rewards (``correctness``, ``int_answer``, ``strict_format``, ``soft_format``,
   ``xml_count``, ``reasoning_steps``) take no params;
 * factories (``length``, ``repetition``) are called with ``params`` as keyword arguments;
+* TRL's own rewards by their names in ``trl.rewards`` (``accuracy_reward``, ``think_format_reward``,
+  ``get_soft_overlong_punishment``, ...), so a recipe from TRL or open-r1 ports without rewriting:
+  the ``get_*`` factories take ``params``, the others none. Their metrics keep TRL's names
+  (``rewards/accuracy_reward/mean``). TRL's accuracy rewards compare against a ``solution`` column;
+  posttrain hands them its gold ``answer`` (the normalized final number) as ``solution``;
 * ``"package.module:function"`` imports a custom reward; with params it is treated as a factory
   (called with them, must return a callable), without params it is the reward itself;
 * any reward can be standardized by :func:`~posttrain.rewards.scaling.make_adaptive_scaler` with the
@@ -23,6 +28,7 @@ handled here: TRL applies them through ``GRPOConfig.reward_weights``.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import logging
@@ -36,7 +42,16 @@ from posttrain.rewards.shaping import make_length_reward, make_repetition_penalt
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADAPTIVE_PARAM", "FACTORIES", "PLAIN_REWARDS", "build_reward", "is_factory", "reward_names"]
+__all__ = [
+    "ADAPTIVE_PARAM",
+    "FACTORIES",
+    "PLAIN_REWARDS",
+    "TrlReward",
+    "build_reward",
+    "is_factory",
+    "reward_names",
+    "trl_reward_names",
+]
 
 PLAIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "correctness": correctness_reward,
@@ -53,14 +68,67 @@ FACTORIES: dict[str, Callable[..., Callable[..., list[float | None]]]] = {
 ADAPTIVE_PARAM = "adaptive"
 
 
+TRL_REWARDS_MODULE = "trl.rewards"
+
+
+def trl_reward_names() -> list[str]:
+    """The reward functions and factories ``trl.rewards`` exports (its submodules left out), sorted."""
+    module = importlib.import_module(TRL_REWARDS_MODULE)
+    return sorted(
+        name
+        for name in getattr(module, "__all__", dir(module))
+        if not name.startswith("_") and inspect.isfunction(getattr(module, name, None))
+    )
+
+
 def reward_names() -> list[str]:
-    """All registry names, sorted (custom ``module:function`` rewards are not listed)."""
-    return sorted({*PLAIN_REWARDS, *FACTORIES})
+    """All names a stage may use, posttrain's and TRL's, sorted (custom ``module:function`` not listed)."""
+    return sorted({*PLAIN_REWARDS, *FACTORIES, *trl_reward_names()})
+
+
+def _is_trl_factory(fn: Callable[..., Any]) -> bool:
+    """TRL's rewards all take ``**kwargs`` (the trainer passes every dataset column); its factories do not."""
+    return not _accepted_params(fn)[1]
 
 
 def is_factory(name: str) -> bool:
-    """Whether registry name ``name`` takes params."""
-    return name in FACTORIES
+    """Whether ``name`` (posttrain's or TRL's) takes params."""
+    if name in FACTORIES:
+        return True
+    return name in trl_reward_names() and _is_trl_factory(_trl_function(name))
+
+
+def _trl_function(name: str) -> Callable[..., Any]:
+    return getattr(importlib.import_module(TRL_REWARDS_MODULE), name)
+
+
+class TrlReward:
+    """One of TRL's rewards, called with posttrain's gold ``answer`` as TRL's ``solution``.
+
+    A callable class rather than a closure so TRL's async rollout worker can pickle it; ``__name__``
+    is the TRL reward's own, so its metrics keep TRL's names.
+    """
+
+    def __init__(self, reward_fn: Callable[..., Any]) -> None:
+        self.reward_fn = reward_fn
+        self.__name__ = reward_name(reward_fn)
+        accepted, _ = _accepted_params(reward_fn)
+        self._wants_solution = "solution" in accepted
+
+    def __call__(self, completions: list[Any], **kwargs: Any) -> list[float | None]:
+        if self._wants_solution and "answer" in kwargs:
+            kwargs["solution"] = kwargs["answer"]
+        return self.reward_fn(completions=completions, **kwargs)
+
+
+def _build_trl(name: str, params: dict[str, Any]) -> Callable[..., Any]:
+    fn = _trl_function(name)
+    if _is_trl_factory(fn):
+        fn = _call_with_params(f"TRL reward factory {name!r}", fn, params)
+    elif params:
+        got = ", ".join(map(repr, params))
+        raise ValueError(f"TRL reward {name!r} takes no params (only {ADAPTIVE_PARAM!r}), got {got}")
+    return TrlReward(fn)
 
 
 def _accepted_params(fn: Callable[..., Any], skip: tuple[str, ...] = ()) -> tuple[list[str], bool]:
@@ -145,8 +213,10 @@ def build_reward(name: str, params: Mapping[str, Any] | None = None) -> Callable
     >>> build_reward("nope")
     Traceback (most recent call last):
     ...
-    ValueError: unknown reward 'nope'; valid rewards: correctness, int_answer, length, reasoning_steps, \
-repetition, soft_format, strict_format, xml_count (or a custom 'package.module:function')
+    ValueError: unknown reward 'nope'; valid rewards: accuracy_reward, correctness, \
+get_cosine_scaled_reward, get_repetition_penalty_reward, get_soft_overlong_punishment, int_answer, \
+length, reasoning_accuracy_reward, reasoning_steps, repetition, soft_format, strict_format, \
+think_format_reward, xml_count (or a custom 'package.module:function')
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"reward name must be a non-empty string, got {name!r}")
@@ -167,9 +237,13 @@ repetition, soft_format, strict_format, xml_count (or a custom 'package.module:f
         reward = PLAIN_REWARDS[name]
     elif name in FACTORIES:
         reward = _call_with_params(f"reward {name!r}", FACTORIES[name], params)
+    elif name in trl_reward_names():
+        reward = _build_trl(name, params)
     else:
+        close = difflib.get_close_matches(name, reward_names(), n=3)
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
         raise ValueError(
-            f"unknown reward {name!r}; valid rewards: {', '.join(reward_names())} "
+            f"unknown reward {name!r}{hint}; valid rewards: {', '.join(reward_names())} "
             "(or a custom 'package.module:function')"
         )
 

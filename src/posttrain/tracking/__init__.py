@@ -42,11 +42,27 @@ from posttrain.tracking.mlflow_io import (
     flatten_params,
     resolve_tracking_uri,
 )
+from posttrain.tracking.models import (
+    CHAMPION_ALIAS,
+    MODEL_ID_TAG,
+    Promotion,
+    StageModel,
+    models_of_runs,
+    promote_champion,
+    stage_models,
+)
 from posttrain.tracking.pipeline import Tracker, model_requirements, open_tracking_store, start_pipeline_run
 from posttrain.tracking.stage import StageRun
 
 __all__ = [
     "CACHE_KEY_TAG",
+    "CHAMPION_ALIAS",
+    "MODEL_ID_TAG",
+    "Promotion",
+    "StageModel",
+    "models_of_runs",
+    "promote_champion",
+    "stage_models",
     "DEFAULT_TRACKING_URI",
     "MAX_PARAM_LENGTH",
     "ROLE_TAG",

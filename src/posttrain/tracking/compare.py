@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.core.config import TrackingConfig
-from posttrain.tracking.mlflow_io import ROLE_TAG, STEP_KIND_TAG, resolve_tracking_uri
+from posttrain.tracking.mlflow_io import (
+    ROLE_TAG,
+    STEP_KIND_TAG,
+    STEPS_TAG,
+    global_tracking_uri,
+    mlflow_client,
+    resolve_tracking_uri,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure  # heavy: deferred until needed
@@ -112,56 +119,130 @@ def compare_runs(
 ) -> Comparison:
     """Compare pipeline runs: the given ids, else the ``last`` (default 2) in ``experiment`` (or any).
 
-    Pipeline runs are recognised by their ``posttrain.role=pipeline`` tag, so stage runs never show
-    up as candidates. ``tracking_uri`` defaults like :func:`posttrain.tracking.resolve_tracking_uri`.
+    The table is one ``mlflow.search_runs`` query: a pipeline run carries its params and, mirrored
+    from its evaluation runs, every ``<stage>/<metric>``. Pipeline runs are recognised by their
+    ``posttrain.role=pipeline`` tag, so stage runs never show up as candidates. The reward curves
+    for the plot take one more search (the GRPO stage runs of all compared runs) and one metric
+    history per GRPO stage run. ``tracking_uri`` defaults like
+    :func:`posttrain.tracking.resolve_tracking_uri`.
     """
-    from mlflow import MlflowClient  # heavy: deferred until needed
-
-    client = MlflowClient(tracking_uri=tracking_uri or resolve_tracking_uri(TrackingConfig()))
-    if run_ids:
-        runs = [client.get_run(r) for r in run_ids]
+    uri = tracking_uri or resolve_tracking_uri(TrackingConfig())
+    client = mlflow_client(uri)
+    if experiment is not None:
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            raise ValueError(f"no MLflow experiment named {experiment!r}")
+        ids = [found.experiment_id]
     else:
-        if experiment is not None:
-            found = client.get_experiment_by_name(experiment)
-            if found is None:
-                raise ValueError(f"no MLflow experiment named {experiment!r}")
-            ids = [found.experiment_id]
-        else:
-            ids = [e.experiment_id for e in client.search_experiments()]
-        runs = client.search_runs(
-            ids,
-            f"tags.`{ROLE_TAG}` = 'pipeline'",
-            max_results=last or 2,
-            order_by=["attributes.start_time DESC"],
-        )[::-1]
-    summaries = [_summarize(client, run) for run in runs]
+        ids = [e.experiment_id for e in client.search_experiments()]
+    if run_ids:
+        quoted = ", ".join(f"'{r}'" for r in run_ids)
+        query, limit = f"attributes.run_id IN ({quoted})", len(run_ids)
+        if experiment is None:
+            ids = [e.experiment_id for e in client.search_experiments(view_type=_ALL)]
+    else:
+        query, limit = f"tags.`{ROLE_TAG}` = 'pipeline'", last or 2
+    frame = _search_runs(uri, ids, query, limit)
+    rows = frame.to_dict("records")
+    if run_ids:
+        by_id = {row["run_id"]: row for row in rows}
+        missing = [r for r in run_ids if r not in by_id]
+        if missing:
+            raise ValueError(f"no MLflow run {missing[0]!r} at {uri}")
+        rows = [by_id[r] for r in run_ids]
+    else:
+        rows = rows[::-1]  # oldest first
+    curves = _reward_curves(client, ids, rows)
+    summaries = [_summarize(row, curves.get(row["run_id"], {})) for row in rows]
     keys = sorted({k for s in summaries for k in s.params})
     diffs = {k: vals for k in keys if len(set(vals := [s.params.get(k) for s in summaries])) > 1}
-    metric_names = list(dict.fromkeys(m for s in summaries for m in s.stage_metrics))
+    metric_names = _ordered_metrics(summaries, rows)
     return Comparison(summaries, diffs, metric_names)
 
 
-def _summarize(client: Any, run: Any) -> RunSummary:
-    info = run.info
-    stages = _stage_runs(client, info.experiment_id, info.run_id)
-    metrics = {f"{stage}/{k}": v for stage, values in _evals(stages).items() for k, v in values.items()}
-    curves = {
-        s.info.run_name: [(m.step, m.value) for m in client.get_metric_history(s.info.run_id, "reward")]
-        for s in stages
-        if s.data.tags.get(STEP_KIND_TAG) == "grpo"
-    }
-    start = datetime.fromtimestamp(info.start_time / 1000, tz=timezone.utc) if info.start_time else None
-    duration = (info.end_time - info.start_time) / 1000 if info.end_time and info.start_time else None
+_ALL = 3  # mlflow.entities.ViewType.ALL: explicit run ids may sit in a deleted experiment
+
+
+def _search_runs(uri: str, experiment_ids: Sequence[str], query: str, limit: int) -> Any:
+    """``mlflow.search_runs`` against ``uri`` (the fluent API reads the global URI)."""
+    import mlflow  # heavy: deferred until needed
+
+    with global_tracking_uri(uri):
+        return mlflow.search_runs(
+            experiment_ids=list(experiment_ids),
+            filter_string=query,
+            max_results=limit,
+            order_by=["attributes.start_time DESC"],
+            output_format="pandas",
+        )
+
+
+def _present(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _timestamp(value: Any) -> datetime | None:
+    if not _present(value):
+        return None
+    if hasattr(value, "to_pydatetime"):
+        value = value.to_pydatetime()
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return datetime.fromtimestamp(float(value) / 1000, tz=timezone.utc)
+
+
+def _summarize(row: Mapping[str, Any], curves: Mapping[str, list[tuple[int, float]]]) -> RunSummary:
+    start, end = _timestamp(row.get("start_time")), _timestamp(row.get("end_time"))
     return RunSummary(
-        run_id=info.run_id,
-        name=info.run_name,
-        status=info.status,
+        run_id=row["run_id"],
+        name=row.get("tags.mlflow.runName") or "",
+        status=row.get("status") or "",
         start_time=start,
-        duration_s=duration,
-        params=dict(run.data.params),
-        stage_metrics=metrics,
+        duration_s=(end - start).total_seconds() if start and end else None,
+        params={k[7:]: v for k, v in row.items() if k.startswith("params.") and _present(v)},
+        stage_metrics={
+            k[8:]: float(v) for k, v in row.items() if k.startswith("metrics.") and "/" in k and _present(v)
+        },
         reward_curves={k: v for k, v in curves.items() if v},
     )
+
+
+def _ordered_metrics(summaries: Sequence[RunSummary], rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every ``<stage>/<metric>``, stages in the plan's order (the runs' ``posttrain.steps`` tags)."""
+    order: dict[str, int] = {}
+    for row in rows:
+        for step in str(row.get(f"tags.{STEPS_TAG}") or "").split(","):
+            if step:
+                order.setdefault(step, len(order))
+    names = {m for s in summaries for m in s.stage_metrics}
+    return sorted(names, key=lambda m: (order.get(m.rsplit("/", 1)[0], len(order)), m))
+
+
+def _reward_curves(
+    client: Any, experiment_ids: Sequence[str], rows: Sequence[Mapping[str, Any]]
+) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Pipeline run id → GRPO stage name → its ``reward`` history.
+
+    MLflow's filter has no ``IN`` for tags, so the GRPO stage runs started since the oldest compared
+    run are found in one search and matched to their parents here.
+    """
+    parents = {row["run_id"] for row in rows}
+    starts = [s for row in rows if (s := _timestamp(row.get("start_time"))) is not None]
+    if not parents:
+        return {}
+    since = f" AND attributes.start_time >= {int(min(starts).timestamp() * 1000)}" if starts else ""
+    stages = client.search_runs(
+        list(experiment_ids),
+        f"tags.`{STEP_KIND_TAG}` = 'grpo'{since}",
+        order_by=["attributes.start_time ASC"],
+    )
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for stage in stages:
+        parent = stage.data.tags.get("mlflow.parentRunId")
+        if parent in parents:
+            history = client.get_metric_history(stage.info.run_id, "reward")
+            curves.setdefault(parent, {})[stage.info.run_name] = [(m.step, m.value) for m in history]
+    return curves
 
 
 def cell_text(cell: Any) -> Any:

@@ -26,6 +26,8 @@ STEP_TAG = "posttrain.stage"
 """The plan step a nested run records (``Step.name``)."""
 STEP_KIND_TAG = "posttrain.step_kind"
 """Its kind (``Step.kind``: data, sft, dpo, grpo, eval): what comparisons and plots select runs by."""
+STEPS_TAG = "posttrain.steps"
+"""On the pipeline run: the plan's step names in order, comma-separated (orders compare's columns)."""
 # mlflow 3.17 limits (mlflow.utils.validation): longer values are rejected, not truncated.
 MAX_PARAM_LENGTH = 6000
 MAX_TAG_LENGTH = 8000
@@ -52,8 +54,9 @@ def resolve_tracking_uri(tracking: TrackingConfig) -> str:
 
 
 def experiment_name(cfg: PipelineConfig) -> str:
-    """``tracking.experiment`` or the config's name: runs of one config compare side by side."""
-    return cfg.tracking.experiment or cfg.name
+    """``tracking.experiment``, else ``$MLFLOW_EXPERIMENT_NAME``, else the config's name (runs of one
+    config compare side by side)."""
+    return cfg.tracking.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.name
 
 
 def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
@@ -121,6 +124,23 @@ def prompt_async_flush() -> None:
     os.environ.setdefault("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1")
 
 
+@contextlib.contextmanager
+def global_tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's global tracking URI at ``uri`` for a block, then restore the previous one.
+
+    For calls that read the global URI whatever client made them: the fluent ``mlflow.search_runs``,
+    and the model registry resolving a ``models:/<id>`` source to its LoggedModel.
+    """
+    import mlflow  # heavy: deferred until needed
+
+    previous = os.environ.get("MLFLOW_TRACKING_URI")  # set_tracking_uri exports it
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous)  # type: ignore[arg-type]
+
+
 def mlflow_client(uri: str):
     from mlflow import MlflowClient  # heavy: deferred until needed
 
@@ -184,11 +204,8 @@ def copy_metric_history(client: Any, source_run_id: str, target_run_id: str) -> 
 @contextlib.contextmanager
 def callback_env_guard() -> Iterator[None]:
     saved = {name: os.environ.pop(name) for name in _CALLBACK_HIJACK_VARS if name in os.environ}
-    if saved:
-        logger.warning(
-            "ignoring %s inside a posttrain stage: the stage run is the run to log into",
-            ", ".join(sorted(saved)),
-        )
+    if saved:  # the outer run (MLFLOW_RUN_ID) is the pipeline run's parent already
+        logger.debug("hiding %s from the trainer's MLflow callback inside a stage", ", ".join(sorted(saved)))
     try:
         yield
     finally:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import PipelineConfig, dump_config
+from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import package_versions, stable_hash
 from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
 from posttrain.tracking.mlflow_io import (
@@ -18,6 +19,7 @@ from posttrain.tracking.mlflow_io import (
     ROLE_TAG,
     STEP_KIND_TAG,
     STEP_TAG,
+    STEPS_TAG,
     TRACKED_PACKAGES,
     callback_env_guard,
     copy_metric_history,
@@ -32,6 +34,7 @@ from posttrain.tracking.mlflow_io import (
     send_params,
     sqlite_path,
 )
+from posttrain.tracking.models import create_stage_model, find_stage_model
 from posttrain.tracking.stage import StageRun
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,9 @@ class Tracker:
     run_id: str | None = None
     log_models: bool = False
     _previous_uri: str | None = field(default=None, repr=False)
+    config_name: str | None = None
+    system_metrics: bool = False
+    """Stage runs log CPU/RAM/disk/network (and GPU) metrics (``log_system_metrics=True``)."""
     _finished: bool = field(default=False, repr=False)
 
     @property
@@ -97,14 +103,19 @@ class Tracker:
         run_tags = {STEP_TAG: name, **({STEP_KIND_TAG: kind} if kind else {}), **(tags or {})}
         if cache_key:
             run_tags[CACHE_KEY_TAG] = cache_key
+        run_tags["mlflow.parentRunId"] = self.run_id
+        # Created with the client, then resumed as the active run: start_run(parent_run_id=...)
+        # refuses a parent other than the thread's active run, which is the caller's own run when
+        # posttrain runs inside `with mlflow.start_run():`.
+        created = mlflow_client(self.tracking_uri).create_run(
+            self.experiment_id, run_name=name, tags={k: str(v) for k, v in run_tags.items()}
+        )
         with (
             callback_env_guard(),
             mlflow.start_run(
-                run_name=name,
-                experiment_id=self.experiment_id,
-                parent_run_id=self.run_id,
+                run_id=created.info.run_id,
                 nested=True,
-                tags={k: str(v) for k, v in run_tags.items()},
+                log_system_metrics=True if self.system_metrics else None,
             ) as run,
         ):
             stage = StageRun(name, run.info.run_id, self.run_id, self.tracking_uri)
@@ -167,10 +178,71 @@ class Tracker:
         if self.enabled:
             send_metric_values(mlflow_client(self.tracking_uri), self.run_id, metrics, step)
 
+    def log_stage_model(
+        self,
+        stage: StageRun,
+        *,
+        kind: str | None = None,
+        output_dir: str | Path | None = None,
+        cache_key: str | None = None,
+        params: Mapping[str, str] | None = None,
+    ) -> str | None:
+        """A lightweight LoggedModel for a stage output: tags naming it and ``stage.json``; returns its id.
+
+        See :mod:`posttrain.tracking.models`. None when tracking is off.
+        """
+        if not (self.enabled and stage.enabled):
+            return None
+        client = mlflow_client(self.tracking_uri)
+        model = create_stage_model(
+            client,
+            self.experiment_id,
+            stage=stage.name,
+            kind=kind,
+            source_run_id=stage.run_id,
+            pipeline_run_id=self.run_id,
+            config_name=self.config_name or "",
+            output_dir=output_dir,
+            cache_key=cache_key,
+            params=params,
+        )
+        stage_json = Path(output_dir, "stage.json") if output_dir else None
+        try:
+            if stage_json is not None and stage_json.is_file():
+                client.log_model_artifact(model.model_id, str(stage_json))
+        except Exception:
+            client.finalize_logged_model(model.model_id, "FAILED")
+            raise
+        client.finalize_logged_model(model.model_id, "READY")
+        return model.model_id
+
+    def find_stage_model(self, cache_key: str) -> str | None:
+        """The LoggedModel produced under ``cache_key`` (this experiment first, then any), or None."""
+        if not self.enabled:
+            return None
+        client = mlflow_client(self.tracking_uri)
+        found = find_stage_model(client, [self.experiment_id], cache_key)
+        if found is None:
+            everywhere = [e.experiment_id for e in client.search_experiments()]
+            found = find_stage_model(client, everywhere, cache_key)
+        return found
+
     def log_final_model(
-        self, model_dir: str | Path, *, base_model_path: str | Path | None = None, name: str = "model"
+        self,
+        model_dir: str | Path,
+        *,
+        base_model_path: str | Path | None = None,
+        name: str = "model",
+        stage: StageRun | None = None,
+        kind: str | None = None,
+        cache_key: str | None = None,
+        params: Mapping[str, str] | None = None,
     ) -> str | None:
         """Log a model directory with ``mlflow.transformers.log_model``; returns its ``models:/`` URI.
+
+        With ``stage`` it is that stage's LoggedModel (named after the stage, produced by its run,
+        tagged like :meth:`log_stage_model`'s references); without, it hangs off the pipeline run.
+        ``params`` default to the pipeline run's (the flattened config).
 
         The model is loaded and passed as model + tokenizer: MLflow's path-only route (log a
         checkpoint without loading it) fails on transformers 5.24 (``check_task`` returns the
@@ -209,19 +281,36 @@ class Tracker:
         # Created first so it lands in this experiment: log_model alone files a model under the
         # thread's active experiment, which for our never-active parent run is "Default".
         self._use_uri()
-        params = mlflow_client(self.tracking_uri).get_run(self.run_id).data.params
-        logged = mlflow.initialize_logged_model(
-            name=name, source_run_id=self.run_id, params=params, experiment_id=self.experiment_id
+        client = mlflow_client(self.tracking_uri)
+        if params is None:
+            params = client.get_run(self.run_id).data.params
+        source_run_id = stage.run_id if stage is not None and stage.enabled else self.run_id
+        logged = create_stage_model(
+            client,
+            self.experiment_id,
+            stage=stage.name if stage is not None else name,
+            kind=kind,
+            source_run_id=source_run_id,
+            pipeline_run_id=self.run_id,
+            config_name=self.config_name or "",
+            output_dir=model_dir,
+            cache_key=cache_key,
+            params=params,
+            content="weights",
         )
-        info = mlflow.transformers.log_model(
-            {"model": model, "tokenizer": tokenizer},
-            task="text-generation",
-            model_id=logged.model_id,
-            run_id=self.run_id,
-            pip_requirements=model_requirements(peft=adapter),
-            **extra,
-        )
-        mlflow_client(self.tracking_uri).set_tag(self.run_id, "posttrain.model_uri", info.model_uri)
+        try:
+            info = mlflow.transformers.log_model(
+                {"model": model, "tokenizer": tokenizer},
+                task="text-generation",
+                model_id=logged.model_id,
+                run_id=source_run_id,
+                pip_requirements=model_requirements(peft=adapter),
+                **extra,
+            )
+        except Exception:
+            client.finalize_logged_model(logged.model_id, "FAILED")
+            raise
+        client.set_tag(self.run_id, "posttrain.model_uri", info.model_uri)
         return info.model_uri
 
     def plot_accuracy_by_stage(self, metric_filter: str = "accuracy") -> bool:
@@ -261,11 +350,17 @@ def model_requirements(peft: bool = False) -> list[str]:
     return [f"{n}=={v.split('+')[0]}" for n, v in package_versions(names, include_missing=False).items()]
 
 
-def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> Tracker:
+def start_pipeline_run(
+    cfg: PipelineConfig, *, run_name: str | None = None, steps: Sequence[str] = ()
+) -> Tracker:
     """Create the experiment (if needed) and the parent run; a disabled Tracker when tracking is off.
 
-    The parent gets tags (config hash and name, git commit, package versions), ``config.yaml``
-    and the flattened resolved config as params. Use as a context manager or call ``finish()``.
+    The parent gets tags (config hash and name, git commit, package versions, the plan's ``steps``
+    in order), ``config.yaml`` and the flattened resolved config as params. MLflow's own variables
+    are honoured: the experiment is ``tracking.experiment``, else ``$MLFLOW_EXPERIMENT_NAME`` /
+    ``$MLFLOW_EXPERIMENT_ID``, else the config's name; and under an outer run (``$MLFLOW_RUN_ID``,
+    or this thread's active run) the pipeline run is nested in it, in its experiment, and the
+    outer run is left running. Use as a context manager or call ``finish()``.
     """
     if not cfg.tracking.enabled:
         return Tracker()
@@ -276,7 +371,13 @@ def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> T
     previous = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     client = mlflow_client(uri)
-    experiment_id = _get_or_create_experiment(client, experiment_name(cfg), uri)
+    outer = _outer_run(client, uri)
+    if outer is not None:
+        experiment_id = outer.info.experiment_id
+    elif not cfg.tracking.experiment and os.environ.get("MLFLOW_EXPERIMENT_ID"):
+        experiment_id = _experiment_by_id(client, os.environ["MLFLOW_EXPERIMENT_ID"])
+    else:
+        experiment_id = _get_or_create_experiment(client, experiment_name(cfg), uri)
     tags = {
         ROLE_TAG: "pipeline",
         "posttrain.config_name": cfg.name,
@@ -288,8 +389,22 @@ def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> T
     }
     if commit := git_commit():
         tags.update({"posttrain.git_commit": commit, "mlflow.source.git.commit": commit})
+    if steps:
+        tags[STEPS_TAG] = ",".join(steps)
+    if outer is not None:
+        tags["mlflow.parentRunId"] = outer.info.run_id
+        logger.info("nesting the pipeline run under the outer MLflow run %s", outer.info.run_id)
     run = client.create_run(experiment_id, run_name=run_name or cfg.name, tags=tags)
-    tracker = Tracker(True, uri, experiment_id, run.info.run_id, cfg.tracking.log_model, previous)
+    tracker = Tracker(
+        True,
+        uri,
+        experiment_id,
+        run.info.run_id,
+        cfg.tracking.log_model,
+        previous,
+        config_name=cfg.name,
+        system_metrics=cfg.tracking.system_metrics,
+    )
     try:
         client.log_text(tracker.run_id, dump_config(cfg), "config.yaml")
         send_params(client, tracker.run_id, flatten_params(cfg))
@@ -309,6 +424,33 @@ def open_tracking_store(cfg: PipelineConfig) -> None:
     """
     if cfg.tracking.enabled:
         mlflow_client(resolve_tracking_uri(cfg.tracking))
+
+
+def _outer_run(client: Any, uri: str) -> Any | None:
+    """The run posttrain was started under: ``$MLFLOW_RUN_ID`` (as ``mlflow run`` and MLflow users
+    set it), else this thread's active run. A variable naming no run is a one-line error."""
+    import mlflow  # heavy: deferred until needed
+    from mlflow.exceptions import MlflowException  # heavy: deferred until needed
+
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if not run_id:
+        active = mlflow.active_run()
+        return client.get_run(active.info.run_id) if active is not None else None
+    try:
+        return client.get_run(run_id)
+    except MlflowException:
+        raise ConfigError(
+            f"MLFLOW_RUN_ID={run_id}: no such run at {uri} (unset it or point it at a run)"
+        ) from None
+
+
+def _experiment_by_id(client: Any, experiment_id: str) -> str:
+    from mlflow.exceptions import MlflowException  # heavy: deferred until needed
+
+    try:
+        return client.get_experiment(experiment_id).experiment_id
+    except MlflowException:
+        raise ConfigError(f"MLFLOW_EXPERIMENT_ID={experiment_id}: no such experiment") from None
 
 
 def _get_or_create_experiment(client: Any, name: str, uri: str) -> str:

@@ -30,6 +30,21 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- stage runs
 
 
+def _eval_dataset(records: Sequence[Mapping[str, Any]], name: str) -> Any | None:
+    """The evaluated examples (ids, questions, gold answers) as an MLflow dataset; its digest is
+    their content's, so two evaluations on the same questions share it. None without records."""
+    if not records:
+        return None
+    import mlflow.data  # heavy: deferred until needed
+    import pandas as pd
+
+    columns = [c for c in ("id", "question", "gold") if c in records[0]]
+    frame = pd.DataFrame([{c: str(r.get(c)) for c in columns} for r in records])
+    with warnings.catch_warnings():  # schema inference warns about column types as if for a model
+        warnings.simplefilter("ignore", UserWarning)
+        return mlflow.data.from_pandas(frame, name=name)
+
+
 def _clip(value: Any, limit: int) -> Any:
     """Long texts shortened for the UI table; numbers and missing cells (None) kept as they are."""
     return truncate(value, limit) if isinstance(value, str) else value
@@ -135,17 +150,29 @@ class StageRun:
         self._client.log_inputs(self.run_id, [DatasetInput(Dataset(**ds.to_dict()), tags)])
 
     def log_eval(
-        self, summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]] = (), prefix: str = "eval/"
+        self,
+        summary: Mapping[str, Any],
+        records: Sequence[Mapping[str, Any]] = (),
+        prefix: str = "eval/",
+        *,
+        model_id: str | None = None,
+        dataset_name: str = "eval",
     ) -> None:
         """Summary metrics as ``eval/<m>`` (mirrored to the parent as ``<stage>/<m>``) and per-example rows.
 
-        Rows go to ``eval_examples.json`` (``log_table``, for the UI; reading it back with
-        ``mlflow.load_table`` re-infers types, e.g. ``"4"`` becomes 4) and ``eval_examples.jsonl``
-        (exact round trip).
+        With ``model_id`` the metrics are logged against that LoggedModel (the evaluated stage's)
+        and the evaluation set, a dataset named ``dataset_name`` built from the records' ids and
+        questions, so the model view compares models on the same data. Rows go to
+        ``eval_examples.json`` (``log_table``, for the UI; reading it back with ``mlflow.load_table``
+        re-infers types, e.g. ``"4"`` becomes 4) and ``eval_examples.jsonl`` (exact round trip).
         """
         if not self.enabled:
             return
-        self.log_metrics({f"{prefix}{k}": v for k, v in summary.items()})
+        metrics = {f"{prefix}{k}": v for k, v in summary.items()}
+        if model_id is None:
+            self.log_metrics(metrics)
+        else:
+            self._log_model_metrics(metrics, model_id, _eval_dataset(records, dataset_name))
         if records:
             import pandas as pd
 
@@ -154,6 +181,17 @@ class StageRun:
             self._client.log_text(
                 self.run_id, "\n".join(json.dumps(r) for r in rows) + "\n", "eval_examples.jsonl"
             )
+
+    def _log_model_metrics(self, metrics: Mapping[str, Any], model_id: str, dataset: Any) -> None:
+        """``mlflow.log_metrics(..., model_id=, dataset=)`` into this run (links the model and the
+        dataset as run inputs too), and the parent's ``<stage>/<m>`` mirror."""
+        import mlflow  # heavy: deferred until needed
+
+        if mlflow.get_tracking_uri() != self.tracking_uri:
+            mlflow.set_tracking_uri(self.tracking_uri)
+        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+        mlflow.log_metrics(numeric, run_id=self.run_id, model_id=model_id, dataset=dataset, synchronous=True)
+        mirror_eval(self._client, self.parent_run_id, self.name, numeric)
 
     def log_completions(self, directory: str | Path, max_chars: int = 4000) -> int:
         """TRL's ``completions/*.parquet`` (``log_completions=True``) as one ``completions.json`` table.

@@ -1,0 +1,77 @@
+"""peft's ``LoraConfig`` passed through from ``model.lora``, checked against the real class.
+
+``model.lora`` keeps posttrain's short names for the four settings every config sets (``r``,
+``alpha``, ``dropout``, ``target_modules``; peft's ``lora_alpha`` / ``lora_dropout`` are accepted
+too) and passes every other key to ``peft.LoraConfig`` unchanged: ``use_rslora``, ``use_dora``,
+``modules_to_save``, ``init_lora_weights``, ``layers_to_transform``, ``rank_pattern``, ... Like the
+``trainer:`` options (:mod:`posttrain.core.trainer_options`), they are checked at load time: unknown
+keys with suggestions, value types from peft's own annotations, keys posttrain manages itself, and
+peft's own ``__post_init__`` checks, by building the real ``LoraConfig``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from functools import cache
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+__all__ = ["LORA_ALIASES", "POSTTRAIN_LORA_KEYS", "build_lora_config", "validate_lora_options"]
+
+POSTTRAIN_LORA_KEYS = {
+    "r": "r",
+    "alpha": "lora_alpha",
+    "dropout": "lora_dropout",
+    "target_modules": "target_modules",
+}
+"""posttrain's name of each setting it declares itself → peft's name."""
+LORA_ALIASES = {"lora_alpha": "alpha", "lora_dropout": "dropout"}
+"""peft's names accepted for posttrain's short ones."""
+# Keys posttrain sets itself: accepting them from YAML would silently fight the pipeline.
+_MANAGED_LORA_KEYS = {
+    "task_type": "posttrain trains causal LMs (CAUSAL_LM)",
+    "peft_type": "model.lora is a LoRA adapter",
+    "base_model_name_or_path": "posttrain records each stage's base model itself",
+    "revision": "set model.revision",
+    "inference_mode": "posttrain trains the adapter",
+    "auto_mapping": "set by peft",
+    "peft_version": "set by peft",
+}
+
+
+@cache
+def _lora_field_types() -> dict[str, Any]:
+    from peft import LoraConfig  # heavy: deferred until needed
+
+    return typing.get_type_hints(LoraConfig)
+
+
+def validate_lora_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Check peft-only ``options`` (not posttrain's four keys) against ``LoraConfig``; return them coerced."""
+    types = _lora_field_types()
+    coerced: dict[str, Any] = {}
+    for key, value in options.items():
+        if key in _MANAGED_LORA_KEYS:
+            raise ValueError(f"'{key}' is managed by posttrain: {_MANAGED_LORA_KEYS[key]}")
+        if key not in types:
+            known = [*POSTTRAIN_LORA_KEYS, *(k for k in types if k not in _MANAGED_LORA_KEYS)]
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            raise ValueError(f"unknown LoraConfig option '{key}'{hint}")
+        try:
+            coerced[key] = TypeAdapter(types[key]).validate_python(value)
+        except ValidationError as exc:
+            raise ValueError(f"option '{key}': {exc.errors()[0]['msg']} (got {value!r})") from None
+    return coerced
+
+
+def build_lora_config(options: dict[str, Any]) -> Any:
+    """The real ``peft.LoraConfig`` for causal LMs from peft-named ``options``; peft's own errors as ValueError."""
+    from peft import LoraConfig  # heavy: deferred until needed
+
+    try:
+        return LoraConfig(task_type="CAUSAL_LM", **options)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"LoraConfig rejects these options: {exc}") from None
