@@ -1,5 +1,6 @@
-"""Prefect's private hook (flows/prefect_compat.py) is pinned: a Prefect outside the checked range,
-or a server singleton of another shape, fails here before it fails a run."""
+"""Prefect's embedded server: started early for a run (flows/server.py), through the one private hook
+(flows/prefect_compat.py), which is pinned: a Prefect outside the checked range, or a server
+singleton of another shape, fails here before it fails a run."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from posttrain.flows import prefect_compat
+from posttrain.pipeline.store import Store
 
 
 def test_installed_prefect_is_inside_the_checked_range():
@@ -24,3 +26,26 @@ def test_embedded_server_singleton_has_the_shape_posttrain_uses():
     assert SubprocessASGIServer() is SubprocessASGIServer()  # one per process: the flow finds ours
     server = SubprocessASGIServer()
     assert callable(server.start) and hasattr(server, "server_process")
+
+
+def test_prestart_leaves_a_configured_server_alone(tmp_path, monkeypatch):
+    from posttrain.flows.server import prestart_embedded_prefect
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    assert prestart_embedded_prefect(Store.at(tmp_path)) is None
+
+
+def test_prestart_starts_the_server_the_flow_client_then_uses(tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from posttrain.flows.server import prestart_embedded_prefect
+
+    early = prestart_embedded_prefect(Store.at(tmp_path))
+    assert early is not None
+    early.wait()
+    server = SubprocessASGIServer()
+    assert server.running and server.server_process is not None
+    with get_client(sync_client=True) as client:
+        assert str(client.api_url).rstrip("/") == server.api_url.rstrip("/")
+        assert client.api_healthcheck() is None  # None means healthy

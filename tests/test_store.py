@@ -54,29 +54,6 @@ def test_layout(tmp_path):
     assert store.results_dir == tmp_path.resolve() / "results"
 
 
-def test_prestart_leaves_a_configured_server_alone(tmp_path, monkeypatch):
-    from posttrain.flows.server import prestart_embedded_prefect
-
-    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
-    assert prestart_embedded_prefect(Store.at(tmp_path)) is None
-
-
-def test_prestart_starts_the_server_the_flow_client_then_uses(tmp_path):
-    from prefect.client.orchestration import get_client
-    from prefect.server.api.server import SubprocessASGIServer
-
-    from posttrain.flows.server import prestart_embedded_prefect
-
-    early = prestart_embedded_prefect(Store.at(tmp_path))
-    assert early is not None
-    early.wait()
-    server = SubprocessASGIServer()
-    assert server.running and server.server_process is not None
-    with get_client(sync_client=True) as client:
-        assert str(client.api_url).rstrip("/") == server.api_url.rstrip("/")
-        assert client.api_healthcheck() is None  # None means healthy
-
-
 def test_clean_interrupted_writes_deletes_partial_outputs_and_restores_a_swapped_out_one(tmp_path):
     store = Store.at(tmp_path)
     stages = tmp_path / "stages"
