@@ -42,6 +42,7 @@ from typing import Any
 
 from posttrain.core.errors import StageError
 from posttrain.core.hashing import jsonable, package_versions, sha256_file
+from posttrain.models.datasets_compat import dataset_fingerprint
 from posttrain.models.resolve import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -129,9 +130,9 @@ def fingerprint_model(
 
 def fingerprint_dataset(dataset: Any) -> str:
     """The datasets library's own fingerprint (it tracks every transform), else a hash of the rows."""
-    fp = getattr(dataset, "_fingerprint", None)
+    fp = dataset_fingerprint(dataset)
     if fp:
-        return str(fp)
+        return fp
     blob = json.dumps(list(dataset), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -224,7 +225,7 @@ def save_policy(model: Any, tokenizer: Any, directory: Path, *, adapter_policy: 
     ``merge`` folds LoRA into the weights (a standalone model any tool can load); ``adapter`` keeps
     only the adapter (megabytes instead of the model's size, but it needs its base to load).
     """
-    from peft import PeftModel
+    from peft import PeftModel  # heavy: deferred until needed
 
     if isinstance(model, PeftModel):
         if adapter_policy == "adapter":
