@@ -25,6 +25,7 @@ from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import Plan, Planner, Step, StepInputs, build_plan, dry_run
 from posttrain.pipeline.steps import DataResult, EvalResult, base_model, load_data
 from posttrain.pipeline.store import Store
+from posttrain.pipeline.validation import check_rewards
 from posttrain.tasks.steps import step_task
 from posttrain.tracking import Tracker, start_pipeline_run
 
@@ -121,6 +122,7 @@ def _log_result(run: Any, result: Any) -> None:
 def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -> dict[str, Any]:
     """Run (or reuse) every step of one pipeline config's plan; returns the per-step summary."""
     cfg = config
+    check_rewards(cfg, cfg.name)  # parameters may come from anyone who can trigger a deployment
     plan = build_plan(cfg)
     store = Store.at(cfg.orchestration.store)
     with store.lock(), start_pipeline_run(cfg) as tracker:

@@ -17,7 +17,7 @@ from posttrain.rewards.check import (
     ranks_as_intended,
     score_examples,
 )
-from posttrain.rewards.registry import build_reward, is_factory, reward_names
+from posttrain.rewards.registry import CUSTOM_CODE_ENV, build_reward, is_factory, reward_names
 from posttrain.rewards.scaling import AdaptiveScaler
 from posttrain.rewards.shaping import LengthReward, RepetitionPenalty
 
@@ -28,6 +28,12 @@ FORMAT_MOD = "posttrain.rewards.format"
 SHAPING_MOD = "posttrain.rewards.shaping"
 LENGTH_OK = "accepted params: min_tokens, max_tokens, decay_tokens"
 SCALER_OK = "accepted: momentum, eps, clip, suffix"
+
+
+@pytest.fixture(autouse=True)
+def custom_code_allowed(monkeypatch):
+    """The registry's rules for custom names, with the opt-in given (its refusal: test_custom_code.py)."""
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
 
 
 def test_reward_names_sorted_and_complete():

@@ -22,7 +22,7 @@ from posttrain.models.resolve import list_models, pull_builtin, resolve_model_pa
 from posttrain.pipeline import load_config
 from posttrain.pipeline.store import Store
 from posttrain.rewards.check import judge, score_examples
-from posttrain.rewards.registry import build_reward, reward_names
+from posttrain.rewards.registry import CUSTOM_CODE_ENV, allow_custom_code, build_reward, reward_names
 
 # Modules that import torch, datasets, Prefect or MLflow (seconds each) are imported inside the
 # commands that use them, so `posttrain --help`, `validate` and `rewards list` stay quick.
@@ -256,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="override a config value, e.g. grpo.stages.1.trainer.learning_rate=1e-5",
         )
+        p.add_argument(
+            "--allow-custom-code",
+            action="store_true",
+            help=f"import custom 'package.module:function' rewards the config names (runs their code; "
+            f"same as {CUSTOM_CODE_ENV}=1)",
+        )
 
     p = sub.add_parser("validate", help="load and validate pipeline configs")
     p.add_argument("configs", nargs="+")
@@ -351,6 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for noisy in ("httpx", "httpcore", "prefect", "alembic", "urllib3"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    previous_opt_in = os.environ.get(CUSTOM_CODE_ENV)
+    if getattr(args, "allow_custom_code", False):
+        allow_custom_code()  # in the environment: Prefect's task threads and child processes see it too
     try:
         return args.func(args)
     except EXPECTED_ERRORS as exc:
@@ -359,6 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous_opt_in is None:
+            os.environ.pop(CUSTOM_CODE_ENV, None)
+        else:
+            os.environ[CUSTOM_CODE_ENV] = previous_opt_in
 
 
 if __name__ == "__main__":

@@ -343,7 +343,5 @@ def filter_by_ops(
     )
     if len(out) == 0:
         present = sorted(set(ds["ops"]))
-        raise DataError(
-            f"no examples with ops in [{min_ops}, {max_ops}]; the dataset has ops {present}"
-        )
+        raise DataError(f"no examples with ops in [{min_ops}, {max_ops}]; the dataset has ops {present}")
     return out
