@@ -50,7 +50,7 @@ STAGE_JSON_KEYS = {
 def data(tiny_tokenizer):
     from posttrain.data.prepare import prepare_data
 
-    cfg = DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=48, max_steps=3), eval_size=8)
+    cfg = DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=48, max_ops=3), eval_size=8)
     return prepare_data(cfg, tiny_tokenizer).train
 
 
