@@ -19,10 +19,10 @@ from prefect.artifacts import create_markdown_artifact
 
 from posttrain.core.config import PipelineConfig
 from posttrain.evaluation.report import EvalReport
-from posttrain.flows.records import PrefectRecords
 from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_stage_json
 from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import Plan, Planner, Step, StepInputs, build_plan, dry_run
+from posttrain.pipeline.records import StoreRecords
 from posttrain.pipeline.steps import DataResult, EvalResult, base_model, load_data
 from posttrain.pipeline.store import Store
 from posttrain.pipeline.validation import check_rewards
@@ -60,25 +60,28 @@ class _Runner:
 
     def __init__(self, plan: Plan, store: Store, tracker: Tracker, force: Sequence[str]):
         self.cfg, self.store, self.tracker = plan.config, store, tracker
-        self.planner = Planner(plan, PrefectRecords(store), force)
+        self.records = StoreRecords(store)
+        self.planner = Planner(plan, self.records, force)
         self.summary = PipelineSummary(plan.config.name, tracker.run_id)
 
     def __call__(self, step: Step, key: str | None, inputs: StepInputs) -> Any:
         assert key is not None, "the flow always knows its inputs"
         decision = self.planner.decide(step, key)
         cached = decision.status == "cached"
-        task = step_task.with_options(result_storage=self.store.results_dir, refresh_cache=not cached)
-        call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
-        call["output_dir"] = str(step.output_dir(self.store, key))
         if cached:
-            result = task(**call, return_state=True).result()
+            # The verified result from the store's JSON record: Prefect's result store (which
+            # unpickles what a record names) is never read; see posttrain.pipeline.records.
+            result = decision.result
             run = self.tracker.record_cached_stage(step.name, kind=step.kind, cache_key=key)
             run.set_tags({"cache_key": key})
         else:
+            call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
+            call["output_dir"] = str(step.output_dir(self.store, key))
             with self.tracker.stage(
                 step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key
             ) as run:
-                result = task(**call, report_to=run.report_to, return_state=True).result()
+                result = step_task(**call, report_to=run.report_to, return_state=True).result()
+                self.records.write(key, step=step.name, kind=step.kind, result=result)
                 _log_result(run, result)
         status = "cached" if cached else "ran"
         self.summary.outcomes.append(
@@ -160,7 +163,7 @@ def run_config(
 def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:
     """``--dry-run``: (step, cached/run, why) for each step of the plan the flow would run."""
     store = Store.at(cfg.orchestration.store)
-    return dry_run(build_plan(cfg), PrefectRecords(store), base_model(cfg), force)
+    return dry_run(build_plan(cfg), StoreRecords(store), base_model(cfg), force)
 
 
 def summary_markdown(summary: PipelineSummary) -> str:

@@ -306,11 +306,11 @@ def build_plan(cfg: PipelineConfig) -> Plan:
 
 
 class CacheRecords(Protocol):
-    """Where cached step results are kept (Prefect's result store, in ``flows/``)."""
+    """Where cached step results are kept (JSON records in the store: :mod:`posttrain.pipeline.records`)."""
 
     def exists(self, key: str) -> bool: ...
 
-    def read(self, key: str) -> Any: ...
+    def read(self, key: str, kind: str | None = None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -318,6 +318,8 @@ class Decision:
     status: str
     """`cached` or `run`."""
     reason: str
+    result: Any = field(default=None, compare=False, repr=False)
+    """The verified cached result when `cached`."""
 
 
 class Planner:
@@ -335,14 +337,20 @@ class Planner:
 
     def cached_result(self, step: Step, key: str) -> Any | None:
         """The cached result under ``key`` if its output is intact, else None."""
+        return self._lookup(step, key)[0]
+
+    def _lookup(self, step: Step, key: str) -> tuple[Any | None, str]:
+        """(result, "") for a usable cache entry, else (None, why not)."""
         if not self.records.exists(key):
-            return None
+            return None, "no cache entry for these inputs/config"
         try:
-            result = self.records.read(key)
+            result = self.records.read(key, step.kind)
         except Exception as exc:  # an unreadable record is a cache miss, never a crash
             logger.warning("cache record %s is unreadable (%s); recomputing", key, exc)
-            return None
-        return result if step.output_is_valid(result) else None
+            return None, "cache record unreadable"
+        if not step.output_is_valid(result):
+            return None, "cached output missing or modified"
+        return result, ""
 
     def decide(self, step: Step, key: str) -> Decision:
         if step.name in self.force and self.forced_from is None:
@@ -352,11 +360,10 @@ class Planner:
             return Decision("run", why)
         if not self.plan.config.orchestration.cache:
             return Decision("run", "caching disabled (orchestration.cache: false)")
-        if not self.records.exists(key):
-            return Decision("run", "no cache entry for these inputs/config")
-        if self.cached_result(step, key) is None:
-            return Decision("run", "cached output missing or modified")
-        return Decision("cached", f"cache hit {key[:12]}")
+        result, why = self._lookup(step, key)
+        if result is None:
+            return Decision("run", why)
+        return Decision("cached", f"cache hit {key[:12]}", result)
 
 
 def dry_run(
@@ -377,7 +384,7 @@ def dry_run(
             return None
         decision = planner.decide(step, key)
         rows.append((step.name, decision.status, decision.reason))
-        result = planner.cached_result(step, key) if decision.status == "cached" else None
+        result = decision.result
         if result is None and step.feeds_downstream and not upstream:
             upstream.append(step.name)
         return result

@@ -6,7 +6,7 @@ Layout (default ``./.posttrain``, `orchestration.store`)::
     data/<key>/               prepared train/eval datasets (datasets save_to_disk + stats.json)
     stages/<stage>-<key>/     model + tokenizer + stage.json, written atomically by the stage
     evals/<stage>-<key>/      report.json + examples.jsonl
-    results/                  Prefect result storage: one record per cache key
+    results/<key>             one JSON cache record per key (posttrain.pipeline.records)
     prefect/                  PREFECT_HOME of the embedded (ephemeral) Prefect API
 
 Each output directory is named after its step's cache key (:mod:`posttrain.pipeline.keys`).
