@@ -10,6 +10,7 @@ and one nested run per step; a step served from cache still appears, tagged `cac
 # No `from __future__ import annotations` here: Prefect builds the flow's parameter model from the
 # real annotation objects, and a string "PipelineConfig" cannot be resolved when a deployment runs.
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -142,7 +143,7 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
                 model, base_model_path=adapter_root(model) if is_adapter_dir(model) else None
             )
         create_markdown_artifact(
-            key=f"{cfg.name.lower().replace('.', '-')}-summary",
+            key=artifact_key(cfg.name),
             markdown=summary_markdown(runner.summary),
             description=f"posttrain {cfg.name}: evaluation per stage",
         )
@@ -158,6 +159,15 @@ def run_config(
     overrides make better deployment parameters than a whole config."""
     cfg = load_config(config, overrides or ())
     return posttrain_pipeline(cfg, force=force)
+
+
+def artifact_key(name: str) -> str:
+    """A Prefect artifact key for a config name: Prefect takes only lowercase letters, digits and dashes.
+
+    >>> artifact_key("My_Run.v2")
+    'my-run-v2-summary'
+    """
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") + "-summary"
 
 
 def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:

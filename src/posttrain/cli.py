@@ -16,6 +16,7 @@ from pathlib import Path
 from posttrain.core.config import DataConfig, EvalConfig
 from posttrain.core.errors import PosttrainError
 from posttrain.core.prompts import format_sft_target
+from posttrain.core.redact import redact_text
 from posttrain.flows.server import prestart_for_config, use_embedded_prefect
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.resolve import list_models, pull_builtin, resolve_model_path
@@ -363,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except EXPECTED_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -6,6 +6,11 @@ evaluation, tracking, orchestration). Every section forbids unknown keys, and ea
 ``kl_coef`` fails in a second instead of after hours of training. Hardware (bf16, 4-bit, vLLM) is
 deliberately *not* checked here: a GPU config must validate on a laptop; the stage checks the
 hardware when it starts.
+
+Secrets never leave a config through JSON: every section's JSON form (``model_dump(mode="json")``,
+which is what MLflow params, ``config.yaml``, ``stage.json``, config hashes and Prefect's stored
+flow-run parameters are built from) passes through :func:`posttrain.core.redact.redact`; the Python
+objects keep the real values for the code that needs them.
 """
 
 from __future__ import annotations
@@ -15,10 +20,20 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from posttrain.core.errors import ConfigError
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT
+from posttrain.core.redact import redact
 from posttrain.core.trainer_options import TRAINER_DEFAULTS, validate_trainer_options
 
 __all__ = [
@@ -41,6 +56,11 @@ __all__ = [
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_serializer(mode="wrap", when_used="json")
+    def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """The JSON form, which everything that leaves the process is built from, without secrets."""
+        return redact(handler(self))
 
 
 class _StageWithTrainer(StrictModel):

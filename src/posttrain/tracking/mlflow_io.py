@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import PipelineConfig, TrackingConfig
+from posttrain.core.redact import redact
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
 
     Lists of scalars stay one JSON value (``["q_proj", "v_proj"]``) so a diff shows one key; values
     are truncated to MLflow's 6000-character limit, which would otherwise reject the whole batch.
+    Secrets are redacted (:func:`posttrain.core.redact.redact`).
     """
-    if hasattr(value, "model_dump"):
-        value = value.model_dump(mode="json")
+    value = redact(value.model_dump(mode="json") if hasattr(value, "model_dump") else value)
     out: dict[str, str] = {}
     if isinstance(value, Mapping) and value:
         for key, item in value.items():

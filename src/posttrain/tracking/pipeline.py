@@ -12,6 +12,7 @@ from typing import Any
 
 from posttrain.core.config import PipelineConfig, dump_config
 from posttrain.core.hashing import package_versions, stable_hash
+from posttrain.core.redact import redact_text
 from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
 from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
@@ -296,7 +297,9 @@ def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> T
     except Exception:
         tracker.finish("FAILED")
         raise
-    logger.info("MLflow run %s in experiment %r at %s", tracker.run_id, experiment_name(cfg), uri)
+    logger.info(
+        "MLflow run %s in experiment %r at %s", tracker.run_id, experiment_name(cfg), redact_text(uri)
+    )
     return tracker
 
 

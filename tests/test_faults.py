@@ -1,0 +1,89 @@
+"""Faults as a user (or an attacker) meets them, in real `posttrain` processes: planted secrets,
+unreachable servers on loopback ports with nothing listening, and what a run leaves behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SECRET = "PLANTEDSECRET0451"
+BIN = Path(sys.executable).parent
+
+
+def posttrain(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """`posttrain ARGS` as a fresh process: its own embedded Prefect inside the store, no user servers."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    base.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_WAIT_POLICY="PASSIVE", **env)
+    return subprocess.run(
+        [str(BIN / "posttrain"), *args], cwd=cwd, env=base, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def closed_port() -> int:
+    """A loopback port with nothing listening (bound, released, not reused at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def files_containing(root: Path, needle: bytes, skip: set[Path] = frozenset()) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p not in skip and needle in p.read_bytes()]
+
+
+@pytest.fixture(scope="module")
+def secret_run(tmp_path_factory):
+    """A whole run whose config holds a secret in a custom reward's params and a URI password."""
+    tmp = tmp_path_factory.mktemp("secret")
+    (tmp / "secret_reward_mod.py").write_text(
+        "def make_reward(api_key, **_):\n"
+        "    def api_reward(completions, **kwargs):\n"
+        "        return [float(i % 2) for i in range(len(completions))]\n"
+        "    return api_reward\n"
+    )
+    cfg = tmp / "my_cfg.yaml"  # an underscore in the name: Prefect's artifact keys refuse it raw
+    cfg.write_text(
+        "model: {name: tiny-random, precision: fp32}\n"
+        "data:\n  source: synthetic\n  synthetic: {num_examples: 32}\n  eval_size: 4\n"
+        f"  max_prompt_tokens: 1024\n  hub_id: 'https://bob:{SECRET}@hub.example/x'\n"
+        "grpo:\n  stages:\n    - name: s\n      rewards:\n"
+        f"        - {{name: 'secret_reward_mod:make_reward', params: {{api_key: {SECRET}}}}}\n"
+        "        - {name: xml_count}\n"
+        "      trainer: {max_steps: 1, num_generations: 2, per_device_train_batch_size: 2, max_completion_length: 8}\n"
+        "eval: {limit: 2, max_new_tokens: 4, batch_size: 2}\n"
+        "tracking: {log_model: false}\n"
+    )
+    done = posttrain(
+        ["run", str(cfg), "--allow-custom-code", "--set", f"model.cache_dir={tmp / 'models'}"],
+        cwd=tmp,
+        PYTHONPATH=str(tmp),
+    )
+    return tmp, cfg, done
+
+
+def test_a_run_with_secrets_in_its_config_writes_them_nowhere(secret_run):
+    tmp, cfg, done = secret_run
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert SECRET not in done.stdout and SECRET not in done.stderr
+    assert (tmp / "mlflow.db").is_file() and list((tmp / ".posttrain" / "prefect").rglob("*.db"))
+    # MLflow's database and artifacts, the store (outputs, records, Prefect's database with the
+    # flow-run parameters): nothing but the config itself holds the secret.
+    assert files_containing(tmp, SECRET.encode(), skip={cfg}) == []
+    db = sqlite3.connect(tmp / "mlflow.db")
+    params = dict(
+        db.execute("select key, value from params where key like '%api_key%' or key like '%hub_id%'")
+    )
+    assert set(params.values()) <= {"***", "https://bob:***@hub.example/x"} and len(params) >= 2
+
+
+def test_a_finished_run_leaves_no_mlflow_run_running(secret_run):
+    tmp, _, _ = secret_run
+    db = sqlite3.connect(tmp / "mlflow.db")
+    statuses = {status for (status,) in db.execute("select status from runs")}
+    assert statuses == {"FINISHED"}
