@@ -67,7 +67,7 @@ class _Runner:
 
     def __call__(self, step: Step, key: str | None, inputs: StepInputs) -> Any:
         assert key is not None, "the flow always knows its inputs"
-        decision = self.planner.decide(step, key)
+        decision = self.planner.decide(step, key, inputs)
         cached = decision.status == "cached"
         if cached:
             # The verified result from the store's JSON record: Prefect's result store (which
@@ -82,7 +82,15 @@ class _Runner:
                 step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key
             ) as run:
                 result = step_task(**call, report_to=run.report_to, return_state=True).result()
-                self.records.write(key, step=step.name, kind=step.kind, result=result)
+                identity = step.identity(self.cfg, inputs)
+                self.records.write(
+                    key,
+                    step=step.name,
+                    kind=step.kind,
+                    result=result,
+                    lineage=identity.lineage,
+                    code=identity.code.files,
+                )
                 _log_result(run, result)
         status = "cached" if cached else "ran"
         self.summary.outcomes.append(

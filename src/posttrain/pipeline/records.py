@@ -109,8 +109,22 @@ class StoreRecords:
             raise RecordError(f"record {key} is a {record.get('kind')!r} result, not {kind!r}")
         return decode_result(str(record.get("kind")), record.get("result"))
 
-    def write(self, key: str, *, step: str, kind: str, result: Any, **extra: Any) -> Path:
-        """Write the record atomically (a reader sees the old record or the new one, never half)."""
+    def write(
+        self,
+        key: str,
+        *,
+        step: str,
+        kind: str,
+        result: Any,
+        lineage: str | None = None,
+        code: Mapping[str, str] | None = None,
+    ) -> Path:
+        """Write the record atomically (a reader sees the old record or the new one, never half).
+
+        With ``lineage`` (the key without the code, :class:`~posttrain.pipeline.keys.StepIdentity`)
+        the record also becomes that lineage's latest, so a later key of the same lineage can tell
+        what changed in ``code``.
+        """
         path = self.path(key)
         record = {
             "posttrain_record": RECORD_VERSION,
@@ -118,13 +132,35 @@ class StoreRecords:
             "step": step,
             "kind": kind,
             "result": encode_result(kind, result),
-            **{k: _plain(v) for k, v in extra.items()},
+            "lineage": lineage,
+            "code": _plain(dict(code or {})),
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-        tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        _write_json(path, record)
+        if lineage is not None:
+            _write_json(self._lineage_path(lineage), {"posttrain_record": RECORD_VERSION, "key": key})
         return path
+
+    def _lineage_path(self, lineage: str) -> Path:
+        return self.path(lineage).parent / "lineage" / lineage
+
+    def code_of_lineage(self, lineage: str) -> dict[str, str] | None:
+        """The ``code`` of the latest record written for ``lineage``; None if there is none (or unreadable)."""
+        try:
+            pointer = json.loads(self._lineage_path(lineage).read_text(encoding="utf-8"))
+            record = self.raw(str(pointer["key"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        code = record.get("code")
+        if not isinstance(code, dict) or not all(isinstance(v, str) for v in code.values()):
+            return None
+        return {str(k): v for k, v in code.items()}
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def _plain(value: Any) -> Any:
