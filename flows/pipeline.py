@@ -32,6 +32,8 @@ from posttrain.tracking import Tracker, start_pipeline_run
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["PipelineSummary", "StepOutcome", "artifact_key", "posttrain_pipeline", "preview", "run_config"]
+
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -137,7 +139,9 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
     check_rewards(cfg, cfg.name)  # parameters may come from anyone who can trigger a deployment
     plan = build_plan(cfg)
     store = Store.at(cfg.orchestration.store)
-    with store.lock(), start_pipeline_run(cfg) as tracker:
+    store.check_writable()
+    # Reentrant: `posttrain run` takes the lock before Prefect's server starts, then runs this flow.
+    with store.lock(reentrant=True), start_pipeline_run(cfg) as tracker:
         store.clean_interrupted_writes()
         runner = _Runner(plan, store, tracker, force or ())
         final = plan.walk(base_model(cfg), runner)
@@ -179,8 +183,9 @@ def artifact_key(name: str) -> str:
 
 
 def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:
-    """``--dry-run``: (step, cached/run, why) for each step of the plan the flow would run."""
-    store = Store.at(cfg.orchestration.store)
+    """``--dry-run``: (step, cached/run, why) for each step of the plan the flow would run (the same
+    as :func:`posttrain.pipeline.plan.preview`, which the CLI uses without importing Prefect)."""
+    store = Store.at(cfg.orchestration.store, create=False)
     return dry_run(build_plan(cfg), StoreRecords(store), base_model(cfg), force)
 
 

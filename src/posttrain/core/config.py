@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from posttrain.core.errors import ConfigError
-from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT
+from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, FEW_SHOT_EXAMPLES
 from posttrain.core.redact import redact
 from posttrain.core.trainer_options import TRAINER_DEFAULTS, validate_trainer_options
 
@@ -153,7 +153,8 @@ class DataConfig(StrictModel):
     """Held-out validation slice taken from the training records."""
     seed: int = 0
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    few_shot: int = Field(0, ge=0)
+    few_shot: int = Field(0, ge=0, le=len(FEW_SHOT_EXAMPLES))
+    """Built-in worked examples prepended to every prompt (there are as many as FEW_SHOT_EXAMPLES)."""
     max_prompt_tokens: int = Field(512, ge=8)
     decontamination_ngram: int | None = Field(8, ge=3)
     on_bad_record: Literal["error", "skip"] = "error"
@@ -395,7 +396,7 @@ def read_config_mapping(path: str | Path, overrides: Sequence[str] = ()) -> dict
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
@@ -406,6 +407,23 @@ def read_config_mapping(path: str | Path, overrides: Sequence[str] = ()) -> dict
     for override in overrides:
         apply_override(raw, override)
     return raw
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key repeated in one mapping (YAML would keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key]})", key_node.start_mark
+                )
+            if isinstance(key, str | int | float | bool):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def dump_config(cfg: PipelineConfig) -> str:

@@ -26,6 +26,7 @@ from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import fingerprint_tree
 from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete_stage
 from posttrain.pipeline import keys, steps
+from posttrain.pipeline.records import StoreRecords
 from posttrain.pipeline.steps import DataResult, EvalResult, ModelRef
 from posttrain.pipeline.store import Store
 
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "TRAIN_KINDS",
+    "preview",
     "CacheRecords",
     "DataStep",
     "Decision",
@@ -421,3 +423,12 @@ def dry_run(
 
     plan.walk(base, visit)
     return rows
+
+
+def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:
+    """``--dry-run``: (step, cached/run, why) for each step of the plan a run would execute.
+
+    Reads the store's JSON records and nothing else: no store is created, no server started.
+    """
+    store = Store.at(cfg.orchestration.store, create=False)
+    return dry_run(build_plan(cfg), StoreRecords(store), steps.base_model(cfg), force)

@@ -125,7 +125,9 @@ def eval_step(
     loaded = (
         model.path
         if cfg.eval.backend == "vllm"
-        else load_stage_model(model.path, cfg.model.precision, cfg.model.cache_dir)
+        else load_stage_model(
+            model.path, cfg.model.precision, cfg.model.cache_dir, revision=cfg.model.revision
+        )
     )
     report = evaluate(
         loaded,

@@ -19,6 +19,8 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +30,21 @@ from posttrain.core.errors import PosttrainError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Store", "StoreLockedError"]
+__all__ = ["Store", "StoreError", "StoreLockedError"]
 
 
-class StoreLockedError(PosttrainError, RuntimeError):
+class StoreError(PosttrainError, RuntimeError):
+    """A store that cannot be created or written (permissions, a file in the way, a full disk)."""
+
+
+class StoreLockedError(StoreError):
     """Another pipeline run holds this store."""
+
+
+# Stores whose lock this process holds, with the holding thread: the CLI takes the lock before
+# Prefect's server starts, and the flow it then runs in the same thread re-enters it.
+_HELD: dict[Path, int] = {}
+_HELD_GUARD = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -40,10 +52,24 @@ class Store:
     root: Path
 
     @classmethod
-    def at(cls, path: str | Path) -> Store:
+    def at(cls, path: str | Path, *, create: bool = True) -> Store:
+        """The store at ``path``, created unless ``create`` is False (a dry run writes nothing)."""
         root = Path(path).expanduser().resolve()
-        root.mkdir(parents=True, exist_ok=True)
+        if create:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot create the store {root}: {exc.strerror or exc}") from None
         return cls(root)
+
+    def check_writable(self) -> None:
+        """Fail now, in one line, if nothing can be written here (instead of after training)."""
+        probe = self.root / f".write-test-{secrets.token_hex(4)}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise StoreError(f"cannot write to the store {self.root}: {exc.strerror or exc}") from None
 
     def data_dir(self, key: str) -> Path:
         return self.root / "data" / key[:12]
@@ -80,14 +106,33 @@ class Store:
         return touched
 
     @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
+    def lock(self, *, reentrant: bool = False) -> Iterator[None]:
         """Hold the store's lock for a pipeline run; a second concurrent run fails at once.
 
         flock is released by the kernel when the process dies, so a SIGKILLed run never leaves a
-        stale lock behind.
+        stale lock behind. With ``reentrant``, a thread that already holds this store's lock (the
+        CLI, around the flow it runs) passes through; anyone else is refused as usual.
         """
+        if reentrant and _HELD.get(self.root) == threading.get_ident():
+            yield
+            return
+        with self._flock():
+            with _HELD_GUARD:
+                _HELD[self.root] = threading.get_ident()
+            try:
+                yield
+            finally:
+                with _HELD_GUARD:
+                    _HELD.pop(self.root, None)
+
+    @contextlib.contextmanager
+    def _flock(self) -> Iterator[None]:
         path = self.root / "lock"
-        with path.open("a+") as fh:
+        try:
+            handle = path.open("a+")
+        except OSError as exc:
+            raise StoreError(f"cannot lock the store {self.root}: {exc.strerror or exc}") from None
+        with handle as fh:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:

@@ -15,7 +15,7 @@ from posttrain.core.config import PipelineConfig, parse_config, read_config_mapp
 from posttrain.core.errors import ConfigError
 from posttrain.rewards.registry import check_reward
 
-__all__ = ["check_rewards", "load_config", "validate_config"]
+__all__ = ["check_paths", "check_rewards", "load_config", "validate_config"]
 
 
 def check_rewards(cfg: PipelineConfig, source: str = "<config>") -> None:
@@ -36,10 +36,24 @@ def check_rewards(cfg: PipelineConfig, source: str = "<config>") -> None:
                 raise ConfigError(f"{source}: {where}.rewards.{j}: {exc}") from None
 
 
+def check_paths(cfg: PipelineConfig, source: str = "<config>") -> None:
+    """Local data and evaluation files exist (relative paths are read from the working directory),
+    so a missing file is a config error now rather than a failed step after the server started."""
+    wanted = []
+    if cfg.data.source == "local" and cfg.data.path:
+        wanted.append(("data.path", cfg.data.path))
+    if cfg.eval.data == "local" and cfg.eval.path:
+        wanted.append(("eval.path", cfg.eval.path))
+    for key, path in wanted:
+        if not Path(path).expanduser().exists():
+            raise ConfigError(f"{source}: {key}: no such file or folder: {path} (from {Path.cwd()})")
+
+
 def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
-    """A config mapping checked against the schema and the reward registry."""
+    """A config mapping checked against the schema, the reward registry and the file system."""
     cfg = parse_config(raw, source)
     check_rewards(cfg, source)
+    check_paths(cfg, source)
     return cfg
 
 

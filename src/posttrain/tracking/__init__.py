@@ -41,6 +41,7 @@ from posttrain.tracking.mlflow_io import (
     experiment_name,
     flatten_params,
     resolve_tracking_uri,
+    tracking_problem,
 )
 from posttrain.tracking.pipeline import Tracker, model_requirements, open_tracking_store, start_pipeline_run
 from posttrain.tracking.stage import StageRun
@@ -63,4 +64,5 @@ __all__ = [
     "plot_comparison",
     "resolve_tracking_uri",
     "start_pipeline_run",
+    "tracking_problem",
 ]

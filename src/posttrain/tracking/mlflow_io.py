@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import PipelineConfig, TrackingConfig
-from posttrain.core.redact import redact
+from posttrain.core.net import unreachable
+from posttrain.core.redact import redact, redact_text
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,21 @@ def resolve_tracking_uri(tracking: TrackingConfig) -> str:
     uri = tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
     db = sqlite_path(uri)
     return f"sqlite:///{db.resolve()}" if db is not None and not db.is_absolute() else uri
+
+
+def tracking_problem(tracking: TrackingConfig) -> str | None:
+    """Why the tracking store cannot be used, found in seconds (MLflow itself retries for minutes).
+
+    An http(s) server must answer; a SQLite database's folder must exist. None when all is well.
+    """
+    uri = resolve_tracking_uri(tracking)
+    if uri.startswith(("http://", "https://")):
+        problem = unreachable(uri.rstrip("/") + "/health")
+        return f"MLflow tracking server unreachable: {problem}" if problem else None
+    db = sqlite_path(uri)
+    if db is not None and not db.parent.is_dir():
+        return f"{redact_text(uri)}: folder {db.parent} does not exist"
+    return None
 
 
 def experiment_name(cfg: PipelineConfig) -> str:

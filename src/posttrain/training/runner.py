@@ -127,6 +127,7 @@ def load_policy(model_cfg: ModelConfig, model_path: str):
         for_training=True,
         quantization=model_cfg.quantization,
         attn_implementation=model_cfg.attn_implementation,
+        revision=model_cfg.revision,
     )
     peft_config = build_peft_config(model_cfg.lora) if model_cfg.lora is not None else None
     return model, tokenizer, peft_config
