@@ -174,6 +174,9 @@ class RewardSpec(StrictModel):
     """A registered reward (see `posttrain rewards list`) or `package.module:function`."""
     weight: float = 1.0
     params: dict[str, Any] = Field(default_factory=dict)
+    on_error: Literal["fail", "zero", "skip"] = "fail"
+    """When the reward raises on an example: stop the stage naming it (fail), score it 0.0 (zero),
+    or leave it unscored like a None (skip). See posttrain.rewards.guard."""
 
 
 class SFTStageConfig(_StageWithTrainer):
@@ -205,6 +208,9 @@ class MonitorConfig(StrictModel):
     kl_threshold: float = Field(1.0, gt=0)
     min_entropy: float = Field(0.05, ge=0)
     flat_reward_tolerance: float = Field(0.01, ge=0)
+    max_invalid_rewards: float = Field(0.5, ge=0, le=1)
+    """Fraction of one reward's scores in a logged step that may be NaN/None (any is an alert);
+    above it the stage fails: a reward that mostly cannot score gives GRPO nothing to learn from."""
 
 
 class StageDataFilter(StrictModel):
