@@ -392,6 +392,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert "Traceback" not in err and out == ""
     assert fragment.format(cfg=cfg, tmp=tmp) in lines[0]
     assert not (tmp / "store").exists() and not (tmp / "mlflow.db").exists()
+    assert not (tmp / ".posttrain-store").exists()
     assert not (tmp / "mlruns").exists() and not (tmp / ".posttrain").exists()
     assert elapsed < 10  # unreachable servers included: a few seconds, not MLflow's minutes of retries
 
