@@ -141,7 +141,7 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
     store = Store.at(cfg.orchestration.store)
     store.check_writable()
     # Reentrant: `posttrain run` takes the lock before Prefect's server starts, then runs this flow.
-    with store.lock(reentrant=True), start_pipeline_run(cfg) as tracker:
+    with store.lock(reentrant=True), start_pipeline_run(cfg, store=str(store.root)) as tracker:
         store.clean_interrupted_writes()
         runner = _Runner(plan, store, tracker, force or ())
         final = plan.walk(base_model(cfg), runner)

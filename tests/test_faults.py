@@ -107,3 +107,37 @@ def test_an_unreachable_server_is_one_line_before_the_store_is_touched(server, t
     assert done.stderr.count("\n") == 1 and f"{server}={url}" in done.stderr and "unreachable" in done.stderr
     assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()
     assert elapsed < 120  # process start and config validation included; the probe itself is seconds
+
+
+def test_runs_a_killed_run_left_running_are_closed_by_the_next_run_on_its_store(tmp_path, monkeypatch):
+    """A SIGKILL leaves MLflow runs RUNNING forever; the next run holding the store's lock marks
+    them KILLED. Another store's runs in the same tracking database are not touched (in-process)."""
+    import mlflow
+
+    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.pipeline import load_config
+    from posttrain.tracking.mlflow_io import STORE_TAG
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(
+        "model: {name: tiny-random, precision: fp32}\n"
+        "data: {source: synthetic, synthetic: {num_examples: 16}, eval_size: 2, max_prompt_tokens: 1024}\n"
+        "eval: {limit: 1, max_new_tokens: 2, batch_size: 1}\n"
+        f"tracking: {{tracking_uri: '{uri}', log_model: false}}\n"
+        f"orchestration: {{store: {tmp_path / 'store'}}}\n"
+    )
+    cfg = load_config(cfg_file, [f"model.cache_dir={tmp_path / 'models'}"])
+    client = mlflow.MlflowClient(uri)
+    experiment = client.create_experiment("tiny", artifact_location=(tmp_path / "mlruns").as_uri())
+    mine = client.create_run(experiment, tags={STORE_TAG: str((tmp_path / "store").resolve())})
+    child = client.create_run(experiment, tags={"mlflow.parentRunId": mine.info.run_id})
+    other = client.create_run(experiment, tags={STORE_TAG: str(tmp_path / "other-store")})  # alive elsewhere
+
+    summary = posttrain_pipeline(cfg)
+
+    def status(run):
+        return client.get_run(run.info.run_id).info.status
+
+    assert (status(mine), status(child), status(other)) == ("KILLED", "KILLED", "RUNNING")
+    assert client.get_run(summary["run_id"]).info.status == "FINISHED"

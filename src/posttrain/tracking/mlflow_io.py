@@ -26,6 +26,8 @@ CACHE_KEY_TAG = "posttrain.cache_key"
 ROLE_TAG = "posttrain.role"
 STEP_TAG = "posttrain.stage"
 """The plan step a nested run records (``Step.name``)."""
+STORE_TAG = "posttrain.store"
+"""The store a pipeline run writes: its runs left RUNNING by a kill are closed by the next run there."""
 STEP_KIND_TAG = "posttrain.step_kind"
 """Its kind (``Step.kind``: data, sft, dpo, grpo, eval): what comparisons and plots select runs by."""
 # mlflow 3.17 limits (mlflow.utils.validation): longer values are rejected, not truncated.

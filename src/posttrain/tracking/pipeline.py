@@ -19,6 +19,7 @@ from posttrain.tracking.mlflow_io import (
     ROLE_TAG,
     STEP_KIND_TAG,
     STEP_TAG,
+    STORE_TAG,
     TRACKED_PACKAGES,
     callback_env_guard,
     copy_metric_history,
@@ -262,11 +263,15 @@ def model_requirements(peft: bool = False) -> list[str]:
     return [f"{n}=={v.split('+')[0]}" for n, v in package_versions(names, include_missing=False).items()]
 
 
-def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> Tracker:
+def start_pipeline_run(
+    cfg: PipelineConfig, *, run_name: str | None = None, store: str | None = None
+) -> Tracker:
     """Create the experiment (if needed) and the parent run; a disabled Tracker when tracking is off.
 
-    The parent gets tags (config hash and name, git commit, package versions), ``config.yaml``
-    and the flattened resolved config as params. Use as a context manager or call ``finish()``.
+    The parent gets tags (config hash and name, git commit, package versions, the ``store`` it
+    writes), ``config.yaml`` and the flattened resolved config as params. Use as a context manager
+    or call ``finish()``. Call it holding the store's lock: runs of this store that are still
+    ``RUNNING`` then belong to a run that was killed, and are marked ``KILLED`` first.
     """
     if not cfg.tracking.enabled:
         return Tracker()
@@ -278,7 +283,10 @@ def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> T
     mlflow.set_tracking_uri(uri)
     client = mlflow_client(uri)
     experiment_id = _get_or_create_experiment(client, experiment_name(cfg), uri)
+    if store is not None:
+        close_abandoned_runs(client, store)
     tags = {
+        **({STORE_TAG: store} if store is not None else {}),
         ROLE_TAG: "pipeline",
         "posttrain.config_name": cfg.name,
         "posttrain.config_hash": stable_hash(cfg),
@@ -301,6 +309,31 @@ def start_pipeline_run(cfg: PipelineConfig, *, run_name: str | None = None) -> T
         "MLflow run %s in experiment %r at %s", tracker.run_id, experiment_name(cfg), redact_text(uri)
     )
     return tracker
+
+
+def close_abandoned_runs(client: Any, store: str) -> list[str]:
+    """Mark ``KILLED`` the pipeline runs of ``store`` left ``RUNNING`` by a killed process, and their
+    stage runs; returns their ids. Only safe under the store's lock (no live run of it exists then);
+    runs of other stores sharing the tracking database are left alone."""
+    if "'" in store:  # cannot be quoted in a filter string; leave such runs as they are
+        return []
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    if not experiments:
+        return []
+    query = f"tags.`{STORE_TAG}` = '{store}' and attributes.status = 'RUNNING'"
+    closed = []
+    for parent in client.search_runs(experiments, query, max_results=1000):
+        children = client.search_runs(
+            experiments,
+            f"tags.mlflow.parentRunId = '{parent.info.run_id}' and attributes.status = 'RUNNING'",
+            max_results=1000,
+        )
+        for run in [*children, parent]:
+            client.set_terminated(run.info.run_id, "KILLED")
+            closed.append(run.info.run_id)
+    if closed:
+        logger.warning("marked %d MLflow run(s) of an interrupted run of %s KILLED", len(closed), store)
+    return closed
 
 
 def open_tracking_store(cfg: PipelineConfig) -> None:
