@@ -10,6 +10,7 @@ and one nested run per step; a step served from cache still appears, tagged `cac
 # No `from __future__ import annotations` here: Prefect builds the flow's parameter model from the
 # real annotation objects, and a string "PipelineConfig" cannot be resolved when a deployment runs.
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,16 +21,19 @@ from prefect.artifacts import create_markdown_artifact
 from posttrain.core.config import PipelineConfig
 from posttrain.evaluation.report import EvalReport
 from posttrain.flows.prefect_ui import emit_health_alerts, posttrain_logs_to_prefect
-from posttrain.flows.records import PrefectRecords
 from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_stage_json
 from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import EvalStep, Plan, Planner, Step, StepInputs, TrainStep, build_plan, dry_run
+from posttrain.pipeline.records import StoreRecords
 from posttrain.pipeline.steps import DataResult, EvalResult, base_model, load_data
 from posttrain.pipeline.store import Store
+from posttrain.pipeline.validation import check_rewards
 from posttrain.tasks.steps import step_task
 from posttrain.tracking import MODEL_ID_TAG, StageRun, Tracker, flatten_params, start_pipeline_run
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["PipelineSummary", "StepOutcome", "artifact_key", "posttrain_pipeline", "preview", "run_config"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,8 @@ class _Runner:
 
     def __init__(self, plan: Plan, store: Store, tracker: Tracker, force: Sequence[str]):
         self.cfg, self.store, self.tracker = plan.config, store, tracker
-        self.planner = Planner(plan, PrefectRecords(store), force)
+        self.records = StoreRecords(store)
+        self.planner = Planner(plan, self.records, force)
         self.summary = PipelineSummary(plan.config.name, tracker.run_id)
         self.final_stage = plan.training_steps[-1].name if plan.training_steps else None
         self.models: dict[str, str] = {}
@@ -68,24 +73,34 @@ class _Runner:
 
     def __call__(self, step: Step, key: str | None, inputs: StepInputs) -> Any:
         assert key is not None, "the flow always knows its inputs"
-        decision = self.planner.decide(step, key)
+        decision = self.planner.decide(step, key, inputs)
         cached = decision.status == "cached"
-        task = step_task.with_options(result_storage=self.store.results_dir, refresh_cache=not cached)
-        call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
-        call["output_dir"] = str(step.output_dir(self.store, key))
         evaluated = self.models.get(step.stage) if isinstance(step, EvalStep) else None
         if cached:
-            result = task(**call, return_state=True).result()
+            # The verified result from the store's JSON record: Prefect's result store (which
+            # unpickles what a record names) is never read; see posttrain.pipeline.records.
+            result = decision.result
             run = self.tracker.record_cached_stage(step.name, kind=step.kind, cache_key=key)
             run.set_tags({"cache_key": key})
             if isinstance(step, TrainStep):
                 self._stage_model(step, run, key, result, cached=True)
         else:
+            call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
+            call["output_dir"] = str(step.output_dir(self.store, key))
             with self.tracker.stage(
                 step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key
             ) as run:
-                state = task(**call, report_to=run.report_to, return_state=True)
+                state = step_task(**call, report_to=run.report_to, return_state=True)
                 result = state.result()
+                identity = step.identity(self.cfg, inputs)
+                self.records.write(
+                    key,
+                    step=step.name,
+                    kind=step.kind,
+                    result=result,
+                    lineage=identity.lineage,
+                    code=identity.code.files,
+                )
                 _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
                 if isinstance(step, TrainStep):
                     self._stage_model(step, run, key, result, cached=False)
@@ -160,15 +175,22 @@ def _log_result(run: Any, result: Any, *, model_id: str | None = None, dataset_n
 def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -> dict[str, Any]:
     """Run (or reuse) every step of one pipeline config's plan; returns the per-step summary."""
     cfg = config
+    check_rewards(cfg, cfg.name)  # parameters may come from anyone who can trigger a deployment
     plan = build_plan(cfg)
     store = Store.at(cfg.orchestration.store)
-    with posttrain_logs_to_prefect(), store.lock(), start_pipeline_run(cfg, steps=plan.names) as tracker:
+    store.check_writable()
+    # Reentrant: `posttrain run` takes the lock before Prefect's server starts, then runs this flow.
+    with (
+        posttrain_logs_to_prefect(),
+        store.lock(reentrant=True),
+        start_pipeline_run(cfg, steps=plan.names, store=str(store.root)) as tracker,
+    ):
         store.clean_interrupted_writes()
         runner = _Runner(plan, store, tracker, force or ())
         plan.walk(base_model(cfg), runner)
         tracker.plot_accuracy_by_stage()
         create_markdown_artifact(
-            key=f"{cfg.name.lower().replace('.', '-')}-summary",
+            key=artifact_key(cfg.name),
             markdown=summary_markdown(runner.summary),
             description=f"posttrain {cfg.name}: evaluation per stage",
         )
@@ -186,10 +208,20 @@ def run_config(
     return posttrain_pipeline(cfg, force=force)
 
 
+def artifact_key(name: str) -> str:
+    """A Prefect artifact key for a config name: Prefect takes only lowercase letters, digits and dashes.
+
+    >>> artifact_key("My_Run.v2")
+    'my-run-v2-summary'
+    """
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") + "-summary"
+
+
 def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:
-    """``--dry-run``: (step, cached/run, why) for each step of the plan the flow would run."""
-    store = Store.at(cfg.orchestration.store)
-    return dry_run(build_plan(cfg), PrefectRecords(store), base_model(cfg), force)
+    """``--dry-run``: (step, cached/run, why) for each step of the plan the flow would run (the same
+    as :func:`posttrain.pipeline.plan.preview`, which the CLI uses without importing Prefect)."""
+    store = Store.at(cfg.orchestration.store, create=False)
+    return dry_run(build_plan(cfg), StoreRecords(store), base_model(cfg), force)
 
 
 def summary_markdown(summary: PipelineSummary) -> str:

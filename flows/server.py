@@ -14,18 +14,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
-from pathlib import Path
 
-from pydantic import ValidationError
-
-from posttrain.core.config import ConfigError, OrchestrationConfig, read_config_mapping
+from posttrain.core.net import unreachable
 from posttrain.flows.prefect_compat import kill_embedded_server, start_embedded_server
 from posttrain.pipeline.store import Store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EarlyPrefectServer", "prestart_embedded_prefect", "prestart_for_config", "use_embedded_prefect"]
+__all__ = [
+    "EarlyPrefectServer",
+    "prefect_api_problem",
+    "prestart_embedded_prefect",
+    "quiet_run_failures_on_console",
+    "use_embedded_prefect",
+]
 
 
 def use_embedded_prefect(store: Store) -> bool:
@@ -86,15 +88,22 @@ def prestart_embedded_prefect(store: Store) -> EarlyPrefectServer | None:
     return EarlyPrefectServer()
 
 
-def prestart_for_config(path: str | Path, overrides: Sequence[str] = ()) -> EarlyPrefectServer | None:
-    """:func:`prestart_embedded_prefect` for the store a config names, read before full validation.
-
-    Only the ``orchestration`` section is validated here (no TRL import); a config that is broken
-    there starts nothing and is reported by the full validation that follows.
-    """
-    try:
-        raw = read_config_mapping(path, overrides)
-        orchestration = OrchestrationConfig.model_validate(raw.get("orchestration") or {})
-    except (ConfigError, ValidationError):
+def prefect_api_problem() -> str | None:
+    """Why the Prefect server ``PREFECT_API_URL`` names cannot be used (None: it answers, or none is
+    configured and the embedded one will be used), found in seconds instead of after retries."""
+    url = os.environ.get("PREFECT_API_URL")
+    if not url:
         return None
-    return prestart_embedded_prefect(Store.at(orchestration.store))
+    problem = unreachable(url.rstrip("/") + "/health")
+    return f"Prefect server unreachable: {problem}" if problem else None
+
+
+def quiet_run_failures_on_console() -> None:
+    """Keep Prefect's flow- and task-run loggers off the console (their records still reach the API).
+
+    A failing step makes Prefect log the same traceback twice (task run, then flow run) before the
+    exception reaches the CLI, which reports an expected error as one line and an unexpected one with
+    its traceback anyway. Call after ``prefect`` is imported (its logging setup adds the handlers).
+    """
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logging.getLogger(name).propagate = False

@@ -1,11 +1,11 @@
 """One thin Prefect task that runs any step of the plan (``posttrain.pipeline.plan``).
 
-Each run is cached under the explicit key the plan computed for the step: the key names everything
-the output depends on, so results are reused across flow runs, unlike Prefect's default policy
-(which includes the run id), and a changed file behind an unchanged path is seen, unlike the
-INPUTS policy. Result storage is set per run by the flow (the store's ``results/``). The task
-receives the config and the step's name, not live objects, and rebuilds the plan itself, so a
-worker process runs exactly what the flow planned.
+Caching is posttrain's, not Prefect's: the flow decides from the store's JSON cache records
+(:mod:`posttrain.pipeline.records`) whether a step runs, calls this task only for steps that run,
+and writes the record of the result itself. Prefect persists nothing (its result records may be
+pickles, and a record names its own serializer, so reading one from a shared store could run
+code). The task receives the config and the step's name, not live objects, and rebuilds the plan
+itself, so a worker process runs exactly what the flow planned.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from posttrain.core.config import PipelineConfig
 from posttrain.pipeline.plan import StepInputs, build_plan
@@ -20,13 +21,7 @@ from posttrain.pipeline.plan import StepInputs, build_plan
 __all__ = ["step_task"]
 
 
-def _explicit_key(context: Any, parameters: dict[str, Any]) -> str:
-    return parameters["key"]
-
-
-@task(
-    name="posttrain-step", task_run_name="{step}", cache_key_fn=_explicit_key, persist_result=True, retries=0
-)
+@task(name="posttrain-step", task_run_name="{step}", cache_policy=NO_CACHE, persist_result=False, retries=0)
 def step_task(
     cfg: PipelineConfig, step: str, inputs: StepInputs, output_dir: str, key: str, report_to: Any = "none"
 ) -> Any:

@@ -54,7 +54,7 @@ def test_every_shipped_config_validates(path):
         ),  # renamed option
         (
             minimal(grpo={"stages": [grpo_stage(num_generations=1)]}),
-            "at least 2 generations",
+            "must be >= 2 (GRPO compares completions",
         ),  # TRL's own check
         (
             minimal(grpo={"stages": [grpo_stage(num_generations=3, per_device_train_batch_size=4)]}),

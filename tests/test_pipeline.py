@@ -349,3 +349,45 @@ def test_health_alerts_become_prefect_events_naming_the_stage():
         "task-run": "prefect.task-run.t-1",
         "mlflow-run": "mlflow.run.abc",
     }
+
+
+def test_dry_run_says_which_code_changed(first_run, workdir, monkeypatch):
+    from posttrain.flows.pipeline import preview as dry_run
+    from posttrain.pipeline import keys
+    from posttrain.pipeline.code import CodeFingerprint
+
+    real = keys.code_fingerprint
+
+    def reward_fixed(kind, rewards=()):  # as if rewards/format.py had been edited since the last run
+        fp = real(kind, rewards)
+        return (
+            CodeFingerprint({**fp.files, "posttrain/rewards/format.py": "edited"}) if kind == "grpo" else fp
+        )
+
+    monkeypatch.setattr(keys, "code_fingerprint", reward_fixed)
+    rows = {step: (status, why) for step, status, why in dry_run(smoke(workdir))}
+    before = STEPS[: STEPS.index("grpo-format")]
+    assert {s: rows[s][0] for s in before} == dict.fromkeys(before, "cached")
+    assert rows["grpo-format"] == ("run", "code changed: posttrain/rewards/format.py")
+    assert rows["grpo-correctness"] == ("run", "after grpo-format reruns")
+
+
+@pytest.mark.parametrize(("step", "file"), [("eval-baseline", "examples.jsonl"), ("data", "stats.json")])
+def test_a_modified_data_or_eval_output_is_recomputed(first_run, workdir, step_calls, step, file):
+    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline import preview as dry_run
+
+    output = Path(
+        next(o["output"] for o in posttrain_pipeline(smoke(workdir))["outcomes"] if o["step"] == step)
+    )
+    step_calls.clear()
+    target = output / file
+    target.write_text(
+        target.read_text().replace("1", "7", 1)
+    )  # still well-formed, no longer what was written
+    assert (
+        dict((s, why) for s, _, why in dry_run(smoke(workdir)))[step] == "cached output missing or modified"
+    )
+    got = statuses(posttrain_pipeline(smoke(workdir)))
+    assert got[step] == "ran"
+    assert step_calls[0] == ("prepare_step" if step == "data" else "eval_step")

@@ -17,7 +17,13 @@ from posttrain.rewards.check import (
     ranks_as_intended,
     score_examples,
 )
-from posttrain.rewards.registry import build_reward, is_factory, reward_names, trl_reward_names
+from posttrain.rewards.registry import (
+    CUSTOM_CODE_ENV,
+    build_reward,
+    is_factory,
+    reward_names,
+    trl_reward_names,
+)
 from posttrain.rewards.scaling import AdaptiveScaler
 from posttrain.rewards.shaping import LengthReward, RepetitionPenalty
 
@@ -48,6 +54,12 @@ TRL_NAMES = [
     "reasoning_accuracy_reward",
     "think_format_reward",
 ]
+
+
+@pytest.fixture(autouse=True)
+def custom_code_allowed(monkeypatch):
+    """The registry's rules for custom names, with the opt-in given (its refusal: test_custom_code.py)."""
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
 
 
 def test_reward_names_sorted_and_complete():

@@ -112,3 +112,56 @@ def test_a_config_error_in_run_kills_the_early_server(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "unknown SFTConfig option 'kl_coef'" in done.stderr
     assert _processes_with_prefect_home(store / "prefect") == []
+
+
+def test_a_foreign_folder_is_refused_and_left_untouched(tmp_path):
+    from posttrain.pipeline.store import StoreError
+
+    home = tmp_path / "home"
+    (home / "stages" / "thesis.tmp-1").mkdir(parents=True)  # looks like a leftover, is not ours
+    (home / "stages" / "draft.old-2").mkdir()
+    (home / "notes.txt").write_text("mine")
+    with pytest.raises(
+        StoreError, match=r"is not a posttrain store \(no .posttrain-store marker\) and holds notes.txt"
+    ):
+        Store.at(home)
+    with pytest.raises(StoreError, match="refusing to clean"):
+        Store(home.resolve()).clean_interrupted_writes()
+    assert sorted(p.name for p in (home / "stages").iterdir()) == ["draft.old-2", "thesis.tmp-1"]
+    assert not (home / ".posttrain-store").exists()
+
+
+def test_new_empty_and_pre_marker_stores_are_marked(tmp_path):
+    from posttrain.pipeline.store import MARKER
+
+    assert Store.at(tmp_path / "new").is_marked
+    (tmp_path / "empty").mkdir()
+    assert Store.at(tmp_path / "empty").is_marked
+    old = tmp_path / "old"
+    for part in ("data", "stages", "evals", "results", "prefect"):
+        (old / part).mkdir(parents=True)
+    (old / "lock").write_text("")
+    assert Store.at(old).is_marked and (old / MARKER).is_file()
+    assert not Store.at(tmp_path / "dry", create=False).is_marked and not (tmp_path / "dry").exists()
+
+
+def test_run_takes_the_lock_before_prefects_server_starts(tmp_path, capsys):
+    """A second run on a locked store stops before booting a server whose home is in that store."""
+    from posttrain.cli import main
+
+    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    store = Store.at(tmp_path / "store")
+    sets = [
+        "--set",
+        f"orchestration.store={store.root}",
+        "--set",
+        f"tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
+    ]
+    with store.lock():
+        assert main(["run", str(smoke), *sets]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and f"orchestration.store: {store.root} is in use by another posttrain run" in err
+    )
+    assert not (store.root / "prefect").exists() and not (tmp_path / "m.db").exists()

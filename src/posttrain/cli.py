@@ -7,22 +7,28 @@ line on stderr and exit code 2, so scripts and schedulers see a clean failure, n
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from posttrain.core.config import DataConfig, EvalConfig
 from posttrain.core.errors import PosttrainError
 from posttrain.core.prompts import format_sft_target
-from posttrain.flows.server import prestart_for_config, use_embedded_prefect
+from posttrain.core.redact import redact_text
+from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.resolve import list_models, pull_builtin, resolve_model_path
 from posttrain.pipeline import load_config
-from posttrain.pipeline.store import Store
+from posttrain.pipeline.store import Store, StoreError
 from posttrain.rewards.check import judge, score_examples
-from posttrain.rewards.registry import build_reward, reward_names
+from posttrain.rewards.registry import CUSTOM_CODE_ENV, allow_custom_code, build_reward, reward_names
 
 # Modules that import torch, datasets, Prefect or MLflow (seconds each) are imported inside the
 # commands that use them, so `posttrain --help`, `validate` and `rewards list` stay quick.
@@ -35,6 +41,15 @@ class CLIError(Exception):
 
 
 EXPECTED_ERRORS = (CLIError, PosttrainError, FileNotFoundError)
+# Operating-system failures a user fixes outside posttrain (a full disk, a read-only mount, missing
+# permissions): one line naming the file, not a traceback.
+EXPECTED_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# Library warnings a user can do nothing about (they concern how a library calls another, or
+# schema inference on posttrain's own tables): a run's log shows posttrain's progress instead.
+QUIET_WARNINGS = (
+    ("ignore", r"Hint: Inferred schema contains integer column", UserWarning, ""),
+    ("ignore", r".*", FutureWarning, r"transformers(\.|$)"),
+)
 
 
 # --------------------------------------------------------------------------- formatting
@@ -131,33 +146,79 @@ def cmd_rewards_check(args: argparse.Namespace) -> int:
     return status
 
 
+def _check_servers(cfg, source: str) -> None:
+    """The tracking store and a configured Prefect server answer, checked in seconds (MLflow and
+    Prefect clients retry for minutes), before the store is locked or anything starts."""
+    from posttrain.tracking import resolve_tracking_uri, tracking_problem
+
+    if cfg.tracking.enabled and (problem := tracking_problem(cfg.tracking)):
+        key = (
+            "tracking.tracking_uri"
+            if cfg.tracking.tracking_uri
+            else f"MLFLOW_TRACKING_URI={resolve_tracking_uri(cfg.tracking)}"
+        )
+        raise CLIError(f"{source}: {key}: {problem}")
+    if problem := prefect_api_problem():
+        raise CLIError(
+            f"{source}: PREFECT_API_URL={os.environ['PREFECT_API_URL']}: {problem} "
+            "(start it, or unset PREFECT_API_URL to use the embedded server)"
+        )
+
+
+def _open_store(cfg, source: str) -> Store:
+    try:
+        store = Store.at(cfg.orchestration.store)
+        store.check_writable()
+    except StoreError as exc:
+        raise CLIError(f"{source}: orchestration.store: {exc}") from None
+    return store
+
+
+@contextlib.contextmanager
+def _locked(store: Store, source: str):
+    try:
+        lock = store.lock()
+        lock.__enter__()
+    except StoreError as exc:
+        raise CLIError(f"{source}: orchestration.store: {exc}") from None
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
+
+
 def _pipeline_config(args: argparse.Namespace):
+    """The validated config, with everything about it that can be known before anything starts:
+    ``--force`` names steps of its plan, and its servers answer."""
+    from posttrain.pipeline.plan import build_plan
+
     cfg = load_config(args.config, args.set)
-    use_embedded_prefect(Store.at(cfg.orchestration.store))
+    build_plan(cfg).check_force(getattr(args, "force", ()))
     return cfg
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    server = None if args.dry_run else prestart_for_config(args.config, args.set)
-    try:
-        cfg = _pipeline_config(args)
-    except BaseException:
-        if server is not None:
-            server.cancel()
-        raise
+    cfg = _pipeline_config(args)
     if args.dry_run:
-        from posttrain.flows.pipeline import preview
+        from posttrain.pipeline.plan import preview
 
-        rows = preview(cfg, args.force)
+        rows = preview(cfg, args.force)  # reads records only: creates no store, starts no server
         print(format_table(rows, ("step", "plan", "why")))
         return 0
-    from posttrain.flows.pipeline import posttrain_pipeline
-    from posttrain.tracking import open_tracking_store
+    _check_servers(cfg, args.config)
+    store = _open_store(cfg, args.config)
+    with _locked(store, args.config):
+        # The lock is held before Prefect's embedded server (whose home is in the store) starts.
+        server = prestart_embedded_prefect(store)
+        from posttrain.flows.pipeline import posttrain_pipeline
+        from posttrain.flows.server import quiet_run_failures_on_console
+        from posttrain.tracking import open_tracking_store
 
-    if server is not None:
+        quiet_run_failures_on_console()
         open_tracking_store(cfg)  # overlaps the server's boot
-        server.wait()
-    summary = posttrain_pipeline(cfg, force=args.force)
+        if server is not None:
+            server.wait()
+        summary = posttrain_pipeline(cfg, force=args.force)
     rows = [
         (o["step"], o["status"], f"{o['metrics'].get('accuracy_strict', '')}", o["output"])
         for o in summary["outcomes"]
@@ -178,9 +239,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     if not args.model or not args.data:
         raise CLIError("eval needs --model and --data (or --diff A B)")
-    cfg = EvalConfig(
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, backend=args.backend, limit=args.limit
-    )
+    try:
+        cfg = EvalConfig(
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            backend=args.backend,
+            limit=args.limit,
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        flag = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else "eval"
+        raise CLIError(f"{flag}: {err['msg']} (got {err.get('input')!r})") from None
     report = run_eval(args.model, args.data, args.limit, args.output, cfg, precision=args.precision)
     print(format_summary_table(report))
     if args.output:
@@ -228,11 +297,13 @@ def _promote(comparison, args: argparse.Namespace) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _pipeline_config(args)
+    use_embedded_prefect(Store.at(cfg.orchestration.store, create=False))
     if not os.environ.get("PREFECT_API_URL"):
         raise CLIError(
             "schedules need a Prefect server: run `prefect server start`, then "
             "`export PREFECT_API_URL=http://127.0.0.1:4200/api` and serve again"
         )
+    _check_servers(cfg, args.config)
     from posttrain.flows.pipeline import posttrain_pipeline
 
     name = args.name or cfg.name
@@ -274,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
             default=[],
             metavar="KEY=VALUE",
             help="override a config value, e.g. grpo.stages.1.trainer.learning_rate=1e-5",
+        )
+        p.add_argument(
+            "--allow-custom-code",
+            action="store_true",
+            help=f"import custom 'package.module:function' rewards the config names (runs their code; "
+            f"same as {CUSTOM_CODE_ENV}=1)",
         )
 
     p = sub.add_parser("validate", help="load and validate pipeline configs")
@@ -394,14 +471,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Prefect's own INFO lines still reach its UI (run logs); only the terminal leaves them out.
     for handler in logging.getLogger().handlers:
         handler.addFilter(_quiet_prefect(level))
+    previous_opt_in = os.environ.get(CUSTOM_CODE_ENV)
+    if getattr(args, "allow_custom_code", False):
+        allow_custom_code()  # in the environment: Prefect's task threads and child processes see it too
+    for action, message, category, module in QUIET_WARNINGS:
+        warnings.filterwarnings(action, message=message, category=category, module=module)
     try:
         return args.func(args)
     except EXPECTED_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact_text(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        if exc.errno not in EXPECTED_OS_ERRORS:
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous_opt_in is None:
+            os.environ.pop(CUSTOM_CODE_ENV, None)
+        else:
+            os.environ[CUSTOM_CODE_ENV] = previous_opt_in
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ evaluation, tracking, orchestration). Every section forbids unknown keys, and ea
 ``kl_coef`` fails in a second instead of after hours of training. Hardware (bf16, 4-bit, vLLM) is
 deliberately *not* checked here: a GPU config must validate on a laptop; the stage checks the
 hardware when it starts.
+
+Secrets never leave a config through JSON: every section's JSON form (``model_dump(mode="json")``,
+which is what MLflow params, ``config.yaml``, ``stage.json``, config hashes and Prefect's stored
+flow-run parameters are built from) passes through :func:`posttrain.core.redact.redact`; the Python
+objects keep the real values for the code that needs them.
 """
 
 from __future__ import annotations
@@ -15,7 +20,16 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from posttrain.core.errors import ConfigError
 from posttrain.core.peft_options import (
@@ -24,7 +38,8 @@ from posttrain.core.peft_options import (
     build_lora_config,
     validate_lora_options,
 )
-from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT
+from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, FEW_SHOT_EXAMPLES
+from posttrain.core.redact import redact
 from posttrain.core.trainer_options import TRAINER_DEFAULTS, validate_trainer_options
 
 __all__ = [
@@ -47,6 +62,11 @@ __all__ = [
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_serializer(mode="wrap", when_used="json")
+    def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """The JSON form, which everything that leaves the process is built from, without secrets."""
+        return redact(handler(self))
 
 
 class _StageWithTrainer(StrictModel):
@@ -171,7 +191,8 @@ class DataConfig(StrictModel):
     """Held-out validation slice taken from the training records."""
     seed: int = 0
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    few_shot: int = Field(0, ge=0)
+    few_shot: int = Field(0, ge=0, le=len(FEW_SHOT_EXAMPLES))
+    """Built-in worked examples prepended to every prompt (there are as many as FEW_SHOT_EXAMPLES)."""
     max_prompt_tokens: int = Field(512, ge=8)
     decontamination_ngram: int | None = Field(8, ge=3)
     on_bad_record: Literal["error", "skip"] = "error"
@@ -191,6 +212,9 @@ class RewardSpec(StrictModel):
     """A registered reward (see `posttrain rewards list`) or `package.module:function`."""
     weight: float = 1.0
     params: dict[str, Any] = Field(default_factory=dict)
+    on_error: Literal["fail", "zero", "skip"] = "fail"
+    """When the reward raises on an example: stop the stage naming it (fail), score it 0.0 (zero),
+    or leave it unscored like a None (skip). See posttrain.rewards.guard."""
 
 
 class SFTStageConfig(_StageWithTrainer):
@@ -222,6 +246,9 @@ class MonitorConfig(StrictModel):
     kl_threshold: float = Field(1.0, gt=0)
     min_entropy: float = Field(0.05, ge=0)
     flat_reward_tolerance: float = Field(0.01, ge=0)
+    max_invalid_rewards: float = Field(0.5, ge=0, le=1)
+    """Fraction of one reward's scores in a logged step that may be NaN/None (any is an alert);
+    above it the stage fails: a reward that mostly cannot score gives GRPO nothing to learn from."""
 
 
 class StageDataFilter(StrictModel):
@@ -418,7 +445,7 @@ def read_config_mapping(path: str | Path, overrides: Sequence[str] = ()) -> dict
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
@@ -429,6 +456,23 @@ def read_config_mapping(path: str | Path, overrides: Sequence[str] = ()) -> dict
     for override in overrides:
         apply_override(raw, override)
     return raw
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key repeated in one mapping (YAML would keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key]})", key_node.start_mark
+                )
+            if isinstance(key, str | int | float | bool):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def dump_config(cfg: PipelineConfig) -> str:

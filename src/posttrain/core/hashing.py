@@ -15,7 +15,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["VERSIONED_PACKAGES", "jsonable", "package_versions", "sha256_file", "stable_hash"]
+__all__ = [
+    "VERSIONED_PACKAGES",
+    "fingerprint_tree",
+    "jsonable",
+    "package_versions",
+    "sha256_file",
+    "stable_hash",
+]
 
 VERSIONED_PACKAGES = ("posttrain", "torch", "transformers", "trl", "peft", "accelerate", "datasets")
 
@@ -38,6 +45,25 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def fingerprint_tree(path: str | Path) -> str:
+    """Content hash of every file under ``path`` (relative name, size, sha256; 16 hex characters).
+
+    Skips hidden files and the ``cache-*.arrow`` files ``datasets`` adds next to a dataset loaded
+    from disk when it is filtered or mapped: they are derived, not content.
+    """
+    root = Path(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = file.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts) or (
+            rel.name.startswith("cache-") and rel.suffix == ".arrow"
+        ):
+            continue
+        digest.update(f"{rel.as_posix()}\0{file.stat().st_size}\0".encode())
+        digest.update(sha256_file(file).encode())
+    return digest.hexdigest()[:16]
 
 
 def jsonable(value: Any) -> Any:

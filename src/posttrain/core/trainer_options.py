@@ -24,7 +24,24 @@ _MANAGED_TRAINER_KEYS = {
     "use_cpu": "posttrain picks the device from the hardware",
     "report_to": "tracking is configured in the `tracking:` section",
     "reward_weights": "give each reward a `weight` in the stage's `rewards:` list",
+    "resume_from_checkpoint": "posttrain decides where a stage starts (its input model); "
+    "rerun `posttrain run` to reuse finished stages, or --force STEP to retrain one",
+    "push_to_hub": "posttrain never publishes: upload a stage directory from the store or the MLflow model",
+    "hub_token": "credentials never go in a config: set HF_TOKEN in the environment",
 }
+# Values TRL accepts (or crashes on later, e.g. num_generations: 0 divides by zero) that cannot train.
+_POSITIVE = ("learning_rate",)
+_AT_LEAST_ONE = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_length",
+    "max_completion_length",
+    "max_prompt_length",
+    "logging_steps",
+    "steps_per_generation",
+    "generation_batch_size",
+)
+_NON_NEGATIVE = ("beta", "weight_decay", "warmup_steps", "warmup_ratio", "max_grad_norm")
 # Options people carry over from other libraries or older TRL versions.
 _RENAMED_TRAINER_KEYS = {
     "kl_coef": "the KL coefficient is `beta` in TRL 1.16 (default 0.0)",
@@ -104,9 +121,39 @@ def validate_trainer_options(kind: str, options: dict[str, Any]) -> dict[str, An
         except ValidationError as exc:
             raise ValueError(f"option '{key}': {exc.errors()[0]['msg']} (got {value!r})") from None
     merged = {**TRAINER_DEFAULTS[kind], **coerced}
+    _check_ranges(kind, merged, set(coerced))
     with tempfile.TemporaryDirectory() as tmp:
         try:
             cls(output_dir=tmp, use_cpu=True, bf16=False, fp16=False, report_to="none", **merged)
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:  # TRL raises ValueError/TypeError, and worse (ZeroDivisionError) on nonsense
             raise ValueError(f"{cls.__name__} rejects these options: {exc}") from None
     return coerced
+
+
+def _check_ranges(kind: str, options: dict[str, Any], given: set[str]) -> None:
+    """Values no stage can train with, named by option (``given`` = the keys the YAML set)."""
+
+    def bad(key: str, need: str) -> ValueError:
+        where = "" if key in given else " (posttrain's default; set it in trainer:)"
+        return ValueError(f"option '{key}' must be {need}, got {options[key]!r}{where}")
+
+    for key in _POSITIVE:
+        if isinstance(options.get(key), int | float) and not options[key] > 0:
+            raise bad(key, "> 0")
+    for key in _AT_LEAST_ONE:
+        if isinstance(options.get(key), int | float) and options[key] < 1:
+            raise bad(key, ">= 1")
+    for key in _NON_NEGATIVE:
+        if isinstance(options.get(key), int | float) and options[key] < 0:
+            raise bad(key, ">= 0")
+    max_steps = options.get("max_steps", -1)
+    if isinstance(max_steps, int) and max_steps != -1 and max_steps < 1:
+        raise bad("max_steps", ">= 1 (or -1 to train num_train_epochs epochs)")
+    epochs = options.get("num_train_epochs")
+    if max_steps == -1 and isinstance(epochs, int | float) and not epochs > 0:
+        raise bad("num_train_epochs", "> 0 when max_steps is -1")
+    if kind == "grpo" and isinstance(options.get("num_generations"), int) and options["num_generations"] < 2:
+        raise bad("num_generations", ">= 2 (GRPO compares completions of one prompt)")
+    temperature = options.get("temperature")
+    if isinstance(temperature, int | float) and not temperature > 0:
+        raise bad("temperature", "> 0")

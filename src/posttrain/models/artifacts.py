@@ -42,6 +42,7 @@ from typing import Any
 
 from posttrain.core.errors import StageError
 from posttrain.core.hashing import jsonable, package_versions, sha256_file
+from posttrain.core.redact import redact
 from posttrain.models.datasets_compat import dataset_fingerprint
 from posttrain.models.resolve import resolve_model_path
 
@@ -161,7 +162,8 @@ def write_stage_json(
     duration_s: float,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write ``stage.json``: everything needed to tell what produced this policy and to reload it."""
+    """Write ``stage.json``: everything needed to tell what produced this policy and to reload it
+    (secrets in the config or trainer options redacted)."""
     info = {
         "schema": SCHEMA_VERSION,
         "stage": stage,
@@ -183,7 +185,7 @@ def write_stage_json(
         "versions": package_versions(),
         **(dict(extra) if extra else {}),
     }
-    info = jsonable(info)
+    info = jsonable(redact(info))
     (directory / STAGE_FILE).write_text(json.dumps(info, indent=2, sort_keys=False))
     return info
 

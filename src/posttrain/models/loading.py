@@ -112,8 +112,12 @@ def load_stage_model(
     for_training: bool = False,
     quantization: str = "none",
     attn_implementation: str | None = None,
+    revision: str | None = None,
 ):
     """Load any stage input or output as ``(model, tokenizer)``, following adapter chains.
+
+    ``revision`` (``model.revision``) applies to a hub id, tokenizer and weights alike; local
+    directories (stage outputs) ignore it.
 
     Standalone models go straight to :func:`load_model_and_tokenizer`. An adapter directory
     loads its base in fp32 (recursively), applies the adapter, merges it and only then casts to the
@@ -132,6 +136,7 @@ def load_stage_model(
             for_training=for_training,
             quantization=quantization,
             attn_implementation=attn_implementation,
+            revision=revision,
         )
     base = (read_stage_json(path).get("adapter") or {}).get("base")
     if not base:
@@ -143,6 +148,7 @@ def load_stage_model(
         for_training=True,
         quantization=quantization,
         attn_implementation=attn_implementation,
+        revision=revision,
     )
     model = PeftModel.from_pretrained(model, path).merge_and_unload()
     tokenizer = load_tokenizer(path, padding_side="right" if for_training else "left")

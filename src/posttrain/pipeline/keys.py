@@ -2,9 +2,14 @@
 
 A key is a sha256 over the step's name, the hash of its resolved config section (posttrain's
 code-side trainer defaults included), the fingerprints of its inputs (upstream model content, data
-content) and the posttrain version. Prefect's default cache policy includes the flow-run id (never
-reused across runs) and its INPUTS policy hashes a path string, not the files behind it, so the key
-is built here and handed to Prefect as the task's explicit cache key.
+content), the posttrain version and the fingerprint of the code the step runs
+(:mod:`posttrain.pipeline.code`). Prefect's default cache policy includes the flow-run id (never
+reused across runs) and its INPUTS policy hashes a path string, not the files behind it, so keys are
+built here.
+
+A :class:`StepIdentity` also has a *lineage*: the key without the code. Records remember the code
+of the key they were written under, so when a key is missing but its lineage has a record, the
+planner can say the code changed, and which files.
 """
 
 from __future__ import annotations
@@ -12,16 +17,28 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import posttrain
 from posttrain.core.config import DPOStageConfig, GRPOStageConfig, PipelineConfig, SFTStageConfig
 from posttrain.core.hashing import sha256_file, stable_hash
+from posttrain.pipeline.code import CodeFingerprint, code_fingerprint
 
-__all__ = ["cache_key", "data_key", "eval_key", "stage_section", "train_key"]
+__all__ = [
+    "StepIdentity",
+    "cache_key",
+    "data_identity",
+    "data_key",
+    "eval_identity",
+    "eval_key",
+    "stage_section",
+    "train_identity",
+    "train_key",
+]
 
 
-def cache_key(stage: str, config_hash: str, inputs: Mapping[str, str]) -> str:
+def cache_key(stage: str, config_hash: str, inputs: Mapping[str, str], code: str = "") -> str:
     """sha256 over everything a step's output depends on (24 hex characters)."""
     blob = json.dumps(
         {
@@ -29,10 +46,30 @@ def cache_key(stage: str, config_hash: str, inputs: Mapping[str, str]) -> str:
             "config": config_hash,
             "inputs": dict(sorted(inputs.items())),
             "posttrain": posttrain.__version__,
+            **({"code": code} if code else {}),
         },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class StepIdentity:
+    """Everything a step's key is made of."""
+
+    step: str
+    config_hash: str
+    inputs: Mapping[str, str]
+    code: CodeFingerprint
+
+    @property
+    def key(self) -> str:
+        return cache_key(self.step, self.config_hash, self.inputs, self.code.digest)
+
+    @property
+    def lineage(self) -> str:
+        """The key without the code: the same step, config and inputs under any code."""
+        return cache_key(self.step, self.config_hash, self.inputs)
 
 
 def _source_fingerprint(cfg: PipelineConfig) -> str:
@@ -49,11 +86,18 @@ def _source_fingerprint(cfg: PipelineConfig) -> str:
     return digest.hexdigest()[:16]
 
 
-def data_key(cfg: PipelineConfig, model_fingerprint: str) -> str:
+def data_identity(cfg: PipelineConfig, model_fingerprint: str) -> StepIdentity:
     # The tokenizer decides which prompts are too long, so the model's identity is an input.
-    return cache_key(
-        "data", stable_hash(cfg.data), {"source": _source_fingerprint(cfg), "tokenizer": model_fingerprint}
+    return StepIdentity(
+        "data",
+        stable_hash(cfg.data),
+        {"source": _source_fingerprint(cfg), "tokenizer": model_fingerprint},
+        code_fingerprint("data"),
     )
+
+
+def data_key(cfg: PipelineConfig, model_fingerprint: str) -> str:
+    return data_identity(cfg, model_fingerprint).key
 
 
 def stage_section(cfg: PipelineConfig, stage: str) -> SFTStageConfig | DPOStageConfig | GRPOStageConfig:
@@ -65,7 +109,9 @@ def stage_section(cfg: PipelineConfig, stage: str) -> SFTStageConfig | DPOStageC
     raise KeyError(stage)
 
 
-def train_key(cfg: PipelineConfig, stage: str, model_fingerprint: str, data_fingerprint: str) -> str:
+def train_identity(
+    cfg: PipelineConfig, stage: str, model_fingerprint: str, data_fingerprint: str
+) -> StepIdentity:
     section = stage_section(cfg, stage)
     # trainer_options() includes posttrain's code-side defaults, which the section hash does not.
     config_hash = stable_hash(
@@ -76,10 +122,29 @@ def train_key(cfg: PipelineConfig, stage: str, model_fingerprint: str, data_fing
             "seed": cfg.seed,
         }
     )
-    return cache_key(stage, config_hash, {"model": model_fingerprint, "data": data_fingerprint})
+    rewards = [spec.name for spec in getattr(section, "rewards", ())]
+    return StepIdentity(
+        stage,
+        config_hash,
+        {"model": model_fingerprint, "data": data_fingerprint},
+        code_fingerprint(section.trl_kind, rewards),
+    )
+
+
+def train_key(cfg: PipelineConfig, stage: str, model_fingerprint: str, data_fingerprint: str) -> str:
+    return train_identity(cfg, stage, model_fingerprint, data_fingerprint).key
+
+
+def eval_identity(
+    cfg: PipelineConfig, step: str, model_fingerprint: str, data_fingerprint: str
+) -> StepIdentity:
+    """Identity of the evaluation step ``step`` (``eval-<stage>``) of a model on the eval split."""
+    config_hash = stable_hash({"eval": stable_hash(cfg.eval), "precision": cfg.model.precision})
+    return StepIdentity(
+        step, config_hash, {"model": model_fingerprint, "data": data_fingerprint}, code_fingerprint("eval")
+    )
 
 
 def eval_key(cfg: PipelineConfig, step: str, model_fingerprint: str, data_fingerprint: str) -> str:
     """Key of the evaluation step ``step`` (``eval-<stage>``) of a model on the eval split."""
-    config_hash = stable_hash({"eval": stable_hash(cfg.eval), "precision": cfg.model.precision})
-    return cache_key(step, config_hash, {"model": model_fingerprint, "data": data_fingerprint})
+    return eval_identity(cfg, step, model_fingerprint, data_fingerprint).key

@@ -23,8 +23,10 @@ from typing import Any, ClassVar, Protocol
 
 from posttrain.core.config import PipelineConfig
 from posttrain.core.errors import ConfigError
+from posttrain.core.hashing import fingerprint_tree
 from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete_stage
 from posttrain.pipeline import keys, steps
+from posttrain.pipeline.records import StoreRecords
 from posttrain.pipeline.steps import DataResult, EvalResult, ModelRef
 from posttrain.pipeline.store import Store
 
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "TRAIN_KINDS",
+    "preview",
     "CacheRecords",
     "DataStep",
     "Decision",
@@ -67,8 +70,12 @@ class Step:
         """The config section this step depends on (logged as the stage run's params)."""
         raise NotImplementedError
 
-    def key(self, cfg: PipelineConfig, inputs: StepInputs) -> str:
+    def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
+        """What the step's cache key is made of (config, inputs, code)."""
         raise NotImplementedError
+
+    def key(self, cfg: PipelineConfig, inputs: StepInputs) -> str:
+        return self.identity(cfg, inputs).key
 
     def output_dir(self, store: Store, key: str) -> Path:
         raise NotImplementedError
@@ -101,8 +108,8 @@ class DataStep(Step):
     def section(self, cfg: PipelineConfig) -> Any:
         return cfg.data
 
-    def key(self, cfg: PipelineConfig, inputs: StepInputs) -> str:
-        return keys.data_key(cfg, inputs.model.fingerprint)
+    def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
+        return keys.data_identity(cfg, inputs.model.fingerprint)
 
     def output_dir(self, store: Store, key: str) -> Path:
         return store.data_dir(key)
@@ -111,7 +118,7 @@ class DataStep(Step):
         return steps.prepare_step(cfg, inputs.model, output_dir)
 
     def output_is_valid(self, result: Any) -> bool:
-        return isinstance(result, DataResult) and Path(result.data_dir, "stats.json").exists()
+        return isinstance(result, DataResult) and _intact(result.data_dir, result.output_fingerprint)
 
     def advance(self, inputs: StepInputs, result: DataResult) -> StepInputs:
         return StepInputs(inputs.model, result)
@@ -135,9 +142,9 @@ class TrainStep(Step):
     def section(self, cfg: PipelineConfig) -> Any:
         return keys.stage_section(cfg, self.name)
 
-    def key(self, cfg: PipelineConfig, inputs: StepInputs) -> str:
+    def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
         assert inputs.data is not None, "a training step runs after the data step"
-        return keys.train_key(cfg, self.name, inputs.model.fingerprint, inputs.data.train_fingerprint)
+        return keys.train_identity(cfg, self.name, inputs.model.fingerprint, inputs.data.train_fingerprint)
 
     def output_dir(self, store: Store, key: str) -> Path:
         return store.stage_dir(self.name, key)
@@ -212,9 +219,9 @@ class EvalStep(Step):
     def section(self, cfg: PipelineConfig) -> Any:
         return cfg.eval
 
-    def key(self, cfg: PipelineConfig, inputs: StepInputs) -> str:
+    def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
         assert inputs.data is not None, "an evaluation runs after the data step"
-        return keys.eval_key(cfg, self.name, inputs.model.fingerprint, inputs.data.eval_fingerprint)
+        return keys.eval_identity(cfg, self.name, inputs.model.fingerprint, inputs.data.eval_fingerprint)
 
     def output_dir(self, store: Store, key: str) -> Path:
         return store.eval_dir(self.stage, key)
@@ -224,7 +231,7 @@ class EvalStep(Step):
         return steps.eval_step(cfg, self.stage, inputs.model, inputs.data, output_dir)
 
     def output_is_valid(self, result: Any) -> bool:
-        return isinstance(result, EvalResult) and Path(result.report_dir, "report.json").exists()
+        return isinstance(result, EvalResult) and _intact(result.report_dir, result.output_fingerprint)
 
     @staticmethod
     def output_of(result: EvalResult) -> str:
@@ -233,6 +240,11 @@ class EvalStep(Step):
     @staticmethod
     def metrics_of(result: EvalResult) -> dict[str, Any]:
         return dict(result.summary)
+
+
+def _intact(directory: str, fingerprint: str) -> bool:
+    """An output folder still holds what was recorded (a record without a fingerprint never does)."""
+    return bool(fingerprint) and Path(directory).is_dir() and fingerprint_tree(directory) == fingerprint
 
 
 Visitor = Callable[[Step, "str | None", StepInputs], Any]
@@ -306,11 +318,15 @@ def build_plan(cfg: PipelineConfig) -> Plan:
 
 
 class CacheRecords(Protocol):
-    """Where cached step results are kept (Prefect's result store, in ``flows/``)."""
+    """Where cached step results are kept (JSON records in the store: :mod:`posttrain.pipeline.records`)."""
 
     def exists(self, key: str) -> bool: ...
 
-    def read(self, key: str) -> Any: ...
+    def read(self, key: str, kind: str | None = None) -> Any: ...
+
+    def code_of_lineage(self, lineage: str) -> dict[str, str] | None:
+        """The code fingerprint files of the latest record of this lineage (None: no such record)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -318,6 +334,8 @@ class Decision:
     status: str
     """`cached` or `run`."""
     reason: str
+    result: Any = field(default=None, compare=False, repr=False)
+    """The verified cached result when `cached`."""
 
 
 class Planner:
@@ -335,16 +353,38 @@ class Planner:
 
     def cached_result(self, step: Step, key: str) -> Any | None:
         """The cached result under ``key`` if its output is intact, else None."""
+        return self._lookup(step, key)[0]
+
+    def _lookup(self, step: Step, key: str, inputs: StepInputs | None = None) -> tuple[Any | None, str]:
+        """(result, "") for a usable cache entry, else (None, why not)."""
         if not self.records.exists(key):
-            return None
+            return None, self._why_missing(step, inputs)
         try:
-            result = self.records.read(key)
+            result = self.records.read(key, step.kind)
         except Exception as exc:  # an unreadable record is a cache miss, never a crash
             logger.warning("cache record %s is unreadable (%s); recomputing", key, exc)
-            return None
-        return result if step.output_is_valid(result) else None
+            return None, "cache record unreadable"
+        if not step.output_is_valid(result):
+            return None, "cached output missing or modified"
+        return result, ""
 
-    def decide(self, step: Step, key: str) -> Decision:
+    def _why_missing(self, step: Step, inputs: StepInputs | None) -> str:
+        """No record under the key: say so, or that only the code changed since the last one."""
+        missing = "no cache entry for these inputs/config"
+        lookup = getattr(self.records, "code_of_lineage", None)
+        if inputs is None or lookup is None:
+            return missing
+        identity = step.identity(self.plan.config, inputs)
+        before = lookup(identity.lineage)
+        if before is None:
+            return missing
+        changed = identity.code.changed(before)
+        if not changed:
+            return missing
+        more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
+        return f"code changed: {', '.join(changed[:3])}{more}"
+
+    def decide(self, step: Step, key: str, inputs: StepInputs | None = None) -> Decision:
         if step.name in self.force and self.forced_from is None:
             self.forced_from = step.name
         if self.forced_from is not None:
@@ -352,11 +392,10 @@ class Planner:
             return Decision("run", why)
         if not self.plan.config.orchestration.cache:
             return Decision("run", "caching disabled (orchestration.cache: false)")
-        if not self.records.exists(key):
-            return Decision("run", "no cache entry for these inputs/config")
-        if self.cached_result(step, key) is None:
-            return Decision("run", "cached output missing or modified")
-        return Decision("cached", f"cache hit {key[:12]}")
+        result, why = self._lookup(step, key, inputs)
+        if result is None:
+            return Decision("run", why)
+        return Decision("cached", f"cache hit {key[:12]}", result)
 
 
 def dry_run(
@@ -375,12 +414,21 @@ def dry_run(
         if key is None:
             rows.append((step.name, "run", f"after {upstream[0]} reruns"))
             return None
-        decision = planner.decide(step, key)
+        decision = planner.decide(step, key, inputs)
         rows.append((step.name, decision.status, decision.reason))
-        result = planner.cached_result(step, key) if decision.status == "cached" else None
+        result = decision.result
         if result is None and step.feeds_downstream and not upstream:
             upstream.append(step.name)
         return result
 
     plan.walk(base, visit)
     return rows
+
+
+def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:
+    """``--dry-run``: (step, cached/run, why) for each step of the plan a run would execute.
+
+    Reads the store's JSON records and nothing else: no store is created, no server started.
+    """
+    store = Store.at(cfg.orchestration.store, create=False)
+    return dry_run(build_plan(cfg), StoreRecords(store), steps.base_model(cfg), force)

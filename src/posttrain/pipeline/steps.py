@@ -15,6 +15,7 @@ from typing import Any
 
 from posttrain.core.atomic import staging_dir
 from posttrain.core.config import GRPOStageConfig, PipelineConfig
+from posttrain.core.hashing import fingerprint_tree
 from posttrain.core.prompts import select_few_shot
 from posttrain.data.eval_sets import load_eval_records
 from posttrain.data.prepare import PreparedData, prepare_data
@@ -43,6 +44,8 @@ class DataResult:
     train_fingerprint: str
     eval_fingerprint: str
     stats: dict[str, Any] = field(default_factory=dict)
+    output_fingerprint: str = ""
+    """Content hash of ``data_dir`` when written (:func:`~posttrain.core.hashing.fingerprint_tree`)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class EvalResult:
     summary: dict[str, float]
     timings: dict[str, float]
     model_fingerprint: str
+    output_fingerprint: str = ""
+    """Content hash of ``report_dir`` when written (:func:`~posttrain.core.hashing.fingerprint_tree`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,12 +79,14 @@ def prepare_step(cfg: PipelineConfig, model: ModelRef, output_dir: str | Path) -
     prepared = prepare_data(cfg.data, tokenizer=tokenizer, eval_questions=eval_questions)
     with staging_dir(output_dir) as tmp:
         prepared.save(tmp)
+        output_fp = fingerprint_tree(tmp)
     stats = {k: v for k, v in prepared.stats.items() if not isinstance(v, dict)}
     return DataResult(
         data_dir=str(Path(output_dir).resolve()),
         train_fingerprint=str(prepared.stats["train_fingerprint"]),
         eval_fingerprint=str(prepared.stats["eval_fingerprint"]),
         stats=stats,
+        output_fingerprint=output_fp,
     )
 
 
@@ -118,7 +125,9 @@ def eval_step(
     loaded = (
         model.path
         if cfg.eval.backend == "vllm"
-        else load_stage_model(model.path, cfg.model.precision, cfg.model.cache_dir)
+        else load_stage_model(
+            model.path, cfg.model.precision, cfg.model.cache_dir, revision=cfg.model.revision
+        )
     )
     report = evaluate(
         loaded,
@@ -132,12 +141,14 @@ def eval_step(
     )
     with staging_dir(output_dir) as tmp:
         report.save(tmp)
+        output_fp = fingerprint_tree(tmp)
     return EvalResult(
         stage=stage,
         report_dir=str(Path(output_dir).resolve()),
         summary=dict(report.summary),
         timings=dict(report.timings),
         model_fingerprint=model.fingerprint,
+        output_fingerprint=output_fp,
     )
 
 

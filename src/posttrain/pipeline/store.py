@@ -2,14 +2,20 @@
 
 Layout (default ``./.posttrain``, `orchestration.store`)::
 
+    .posttrain-store          marker: this folder is a posttrain store (posttrain cleans only these)
     lock                      held by the running pipeline (one writer per store)
     data/<key>/               prepared train/eval datasets (datasets save_to_disk + stats.json)
     stages/<stage>-<key>/     model + tokenizer + stage.json, written atomically by the stage
     evals/<stage>-<key>/      report.json + examples.jsonl
-    results/                  Prefect result storage: one record per cache key
+    results/<key>             one JSON cache record per key (posttrain.pipeline.records)
     prefect/                  PREFECT_HOME of the embedded (ephemeral) Prefect API
 
 Each output directory is named after its step's cache key (:mod:`posttrain.pipeline.keys`).
+
+``orchestration.store`` may point anywhere, and a run tidies what a killed run left (it deletes
+``*.tmp-*`` folders and renames ``*.old-*`` ones), so posttrain only ever writes to a folder that
+is marked as its store: a new or empty folder is marked when first used, a store from before the
+marker existed (nothing but posttrain's own entries) is adopted, and any other folder is refused.
 """
 
 from __future__ import annotations
@@ -17,8 +23,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
+import secrets
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +38,25 @@ from posttrain.core.errors import PosttrainError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Store", "StoreLockedError"]
+__all__ = ["MARKER", "Store", "StoreError", "StoreLockedError"]
 
 
-class StoreLockedError(PosttrainError, RuntimeError):
+class StoreError(PosttrainError, RuntimeError):
+    """A store that cannot be created or written (permissions, a file in the way, a full disk)."""
+
+
+class StoreLockedError(StoreError):
     """Another pipeline run holds this store."""
+
+
+MARKER = ".posttrain-store"
+# What a posttrain store holds: a folder with anything else in it is someone else's.
+_OWN_ENTRIES = {MARKER, "lock", "data", "stages", "evals", "results", "prefect"}
+
+# Stores whose lock this process holds, with the holding thread: the CLI takes the lock before
+# Prefect's server starts, and the flow it then runs in the same thread re-enters it.
+_HELD: dict[Path, int] = {}
+_HELD_GUARD = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -40,10 +64,50 @@ class Store:
     root: Path
 
     @classmethod
-    def at(cls, path: str | Path) -> Store:
+    def at(cls, path: str | Path, *, create: bool = True) -> Store:
+        """The store at ``path``, created unless ``create`` is False (a dry run writes nothing)."""
         root = Path(path).expanduser().resolve()
-        root.mkdir(parents=True, exist_ok=True)
-        return cls(root)
+        store = cls(root)
+        if create:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot create the store {root}: {exc.strerror or exc}") from None
+            store._mark()
+        return store
+
+    @property
+    def is_marked(self) -> bool:
+        return (self.root / MARKER).is_file()
+
+    def _mark(self) -> None:
+        """Mark the folder as a store, or refuse a folder that holds anything but a store's entries."""
+        if self.is_marked:
+            return
+        if not self.root.is_dir():
+            raise StoreError(f"{self.root} is not a folder")
+        foreign = sorted(p.name for p in self.root.iterdir() if p.name not in _OWN_ENTRIES)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" (+{len(foreign) - 3} more)" if len(foreign) > 3 else "")
+            raise StoreError(
+                f"{self.root} is not a posttrain store (no {MARKER} marker) and holds {shown}: "
+                "point orchestration.store at a new or empty folder"
+            )
+        try:
+            (self.root / MARKER).write_text(
+                json.dumps({"posttrain_store": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n"
+            )
+        except OSError as exc:
+            raise StoreError(f"cannot write to the store {self.root}: {exc.strerror or exc}") from None
+
+    def check_writable(self) -> None:
+        """Fail now, in one line, if nothing can be written here (instead of after training)."""
+        probe = self.root / f".write-test-{secrets.token_hex(4)}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise StoreError(f"cannot write to the store {self.root}: {exc.strerror or exc}") from None
 
     def data_dir(self, key: str) -> Path:
         return self.root / "data" / key[:12]
@@ -69,6 +133,8 @@ class Store:
         directory is the unfinished output of a run that died and an ``.old-`` one a complete
         previous output. Returns what was deleted or restored.
         """
+        if not self.is_marked:
+            raise StoreError(f"refusing to clean {self.root}: not a posttrain store (no {MARKER} marker)")
         touched = [p for area in ("data", "stages", "evals") for p in tidy_interrupted(self.root / area)]
         if touched:
             logger.warning(
@@ -80,14 +146,33 @@ class Store:
         return touched
 
     @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
+    def lock(self, *, reentrant: bool = False) -> Iterator[None]:
         """Hold the store's lock for a pipeline run; a second concurrent run fails at once.
 
         flock is released by the kernel when the process dies, so a SIGKILLed run never leaves a
-        stale lock behind.
+        stale lock behind. With ``reentrant``, a thread that already holds this store's lock (the
+        CLI, around the flow it runs) passes through; anyone else is refused as usual.
         """
+        if reentrant and _HELD.get(self.root) == threading.get_ident():
+            yield
+            return
+        with self._flock():
+            with _HELD_GUARD:
+                _HELD[self.root] = threading.get_ident()
+            try:
+                yield
+            finally:
+                with _HELD_GUARD:
+                    _HELD.pop(self.root, None)
+
+    @contextlib.contextmanager
+    def _flock(self) -> Iterator[None]:
         path = self.root / "lock"
-        with path.open("a+") as fh:
+        try:
+            handle = path.open("a+")
+        except OSError as exc:
+            raise StoreError(f"cannot lock the store {self.root}: {exc.strerror or exc}") from None
+        with handle as fh:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:

@@ -13,28 +13,47 @@ from typing import Any
 
 from posttrain.core.config import PipelineConfig, parse_config, read_config_mapping
 from posttrain.core.errors import ConfigError
-from posttrain.rewards.registry import build_reward
+from posttrain.rewards.registry import check_reward
 
-__all__ = ["check_rewards", "load_config", "validate_config"]
+__all__ = ["check_paths", "check_rewards", "load_config", "validate_config"]
 
 
 def check_rewards(cfg: PipelineConfig, source: str = "<config>") -> None:
-    """Every reward of every GRPO stage and of DPO resolves with its params; else one-line ConfigError."""
+    """Every reward of every GRPO stage and of DPO resolves with its params; else one-line ConfigError.
+
+    Nothing the config names is called (:func:`~posttrain.rewards.registry.check_reward`): a custom
+    ``module:function`` is refused unless custom code is allowed from outside the config, and even
+    then only its signature is read.
+    """
     groups: list[tuple[str, Any]] = [(f"grpo.stages.{i}", s.rewards) for i, s in enumerate(cfg.grpo.stages)]
     if cfg.dpo is not None:
         groups.append(("dpo", cfg.dpo.rewards))
     for where, specs in groups:
         for j, spec in enumerate(specs):
             try:
-                build_reward(spec.name, dict(spec.params))
+                check_reward(spec.name, dict(spec.params))
             except ValueError as exc:
                 raise ConfigError(f"{source}: {where}.rewards.{j}: {exc}") from None
 
 
+def check_paths(cfg: PipelineConfig, source: str = "<config>") -> None:
+    """Local data and evaluation files exist (relative paths are read from the working directory),
+    so a missing file is a config error now rather than a failed step after the server started."""
+    wanted = []
+    if cfg.data.source == "local" and cfg.data.path:
+        wanted.append(("data.path", cfg.data.path))
+    if cfg.eval.data == "local" and cfg.eval.path:
+        wanted.append(("eval.path", cfg.eval.path))
+    for key, path in wanted:
+        if not Path(path).expanduser().exists():
+            raise ConfigError(f"{source}: {key}: no such file or folder: {path} (from {Path.cwd()})")
+
+
 def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
-    """A config mapping checked against the schema and the reward registry."""
+    """A config mapping checked against the schema, the reward registry and the file system."""
     cfg = parse_config(raw, source)
     check_rewards(cfg, source)
+    check_paths(cfg, source)
     return cfg
 
 

@@ -15,7 +15,10 @@ handled here: TRL applies them through ``GRPOConfig.reward_weights``.
   (``rewards/accuracy_reward/mean``). TRL's accuracy rewards compare against a ``solution`` column;
   posttrain hands them its gold ``answer`` (the normalized final number) as ``solution``;
 * ``"package.module:function"`` imports a custom reward; with params it is treated as a factory
-  (called with them, must return a callable), without params it is the reward itself;
+  (called with them, must return a callable), without params it is the reward itself. A custom
+  name is code chosen by whoever wrote the config, so it is imported only with an opt-in from
+  outside the config: ``POSTTRAIN_ALLOW_CUSTOM_CODE=1`` in the environment (the CLI's
+  ``--allow-custom-code`` sets it); without it the name is refused before anything is imported;
 * any reward can be standardized by :func:`~posttrain.rewards.scaling.make_adaptive_scaler` with the
   reserved param ``adaptive``: ``true`` for default settings or a mapping of scaler settings
   (``momentum``, ``eps``, ``clip``, ``suffix``); ``false``/absent means no scaling.
@@ -24,6 +27,10 @@ handled here: TRL applies them through ``GRPOConfig.reward_weights``.
 'length_reward'
 >>> build_reward("correctness", {"adaptive": {"momentum": 0.9}}).__name__
 'correctness_reward_scaled'
+
+:func:`check_reward` is what config validation uses: it checks the same rules without calling
+anything it does not own (a custom function is imported only with the opt-in, and then only its
+signature is read: a reward must accept ``completions`` and ``**kwargs``, a factory its params).
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ import difflib
 import importlib
 import inspect
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from posttrain.core.errors import ConfigError
 from posttrain.rewards.accuracy import correctness_reward, int_answer_reward
 from posttrain.rewards.format import soft_format_reward, strict_format_reward, xml_count_reward
 from posttrain.rewards.scaling import make_adaptive_scaler, reward_name
@@ -44,10 +53,16 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ADAPTIVE_PARAM",
+    "CUSTOM_CODE_ENV",
     "FACTORIES",
     "PLAIN_REWARDS",
+    "CustomCodeRefused",
     "TrlReward",
+    "allow_custom_code",
     "build_reward",
+    "check_reward",
+    "custom_code_allowed",
+    "is_custom",
     "is_factory",
     "reward_names",
     "trl_reward_names",
@@ -66,6 +81,45 @@ FACTORIES: dict[str, Callable[..., Callable[..., list[float | None]]]] = {
     "repetition": make_repetition_penalty,
 }
 ADAPTIVE_PARAM = "adaptive"
+CUSTOM_CODE_ENV = "POSTTRAIN_ALLOW_CUSTOM_CODE"
+# Keywords TRL passes every reward besides the dataset columns (FACTS.md, TRL 1.16), and the columns
+# of posttrain's prepared data: a reward's required parameters must be among them.
+_REWARD_KEYWORDS = {
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+    "id",
+    "question",
+    "solution",
+    "answer",
+    "ops",
+}
+
+
+class CustomCodeRefused(ConfigError):
+    """A config names code (``module:function``) and the opt-in is absent."""
+
+
+def custom_code_allowed() -> bool:
+    """Whether custom ``module:function`` rewards may be imported: ``$POSTTRAIN_ALLOW_CUSTOM_CODE``.
+
+    The opt-in lives outside the config on purpose: a config (or a deployment's parameters) must
+    never be able to grant itself the right to run code.
+    """
+    return os.environ.get(CUSTOM_CODE_ENV, "").strip().lower() in {"1", "true", "yes"}
+
+
+def allow_custom_code() -> None:
+    """Opt in for this process and the processes it starts (what ``--allow-custom-code`` does)."""
+    os.environ[CUSTOM_CODE_ENV] = "1"
+
+
+def is_custom(name: str) -> bool:
+    """Whether ``name`` is a custom ``package.module:function`` reward (code named by the config)."""
+    return isinstance(name, str) and ":" in name
 
 
 TRL_REWARDS_MODULE = "trl.rewards"
@@ -177,6 +231,11 @@ def _import_custom(name: str) -> Any:
     module_name, _, attr_path = name.partition(":")
     if not module_name or not attr_path:
         raise ValueError(f"custom reward {name!r} must look like 'package.module:function'")
+    if not custom_code_allowed():
+        raise CustomCodeRefused(
+            f"custom reward {name!r} would import and run code named by the config; "
+            f"allow it with --allow-custom-code (or {CUSTOM_CODE_ENV}=1) if you trust this config"
+        )
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
@@ -203,6 +262,118 @@ def _build_custom(name: str, params: dict[str, Any]) -> Callable[..., Any]:
     return reward
 
 
+def _reward_signature_problem(fn: Callable[..., Any]) -> str | None:
+    """Why ``fn`` cannot be called as TRL calls a reward, or None if it can (nothing is called)."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return "its signature cannot be read"
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return "it does not take **kwargs (TRL passes every dataset column as a keyword)"
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if "completions" not in names:
+        return "it has no `completions` parameter"
+    required = [
+        p.name
+        for p in parameters
+        if p.default is p.empty
+        and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        and (p.kind is p.POSITIONAL_ONLY or p.name not in _REWARD_KEYWORDS)
+    ]
+    if required:
+        return f"it requires {', '.join(map(repr, required))}, which TRL never passes"
+    return None
+
+
+def _check_custom(name: str, params: dict[str, Any]) -> None:
+    """A custom reward's signature, read without calling it (imported only with the opt-in)."""
+    obj = _import_custom(name)
+    if not callable(obj):
+        raise ValueError(f"custom reward {name!r} is not callable (it is a {type(obj).__name__})")
+    if params:
+        accepted, var_kwargs = _accepted_params(obj)
+        unknown = sorted(set(params) - set(accepted))
+        if unknown and not var_kwargs:
+            raise ValueError(
+                f"custom reward factory {name!r} got unknown param(s) {', '.join(map(repr, unknown))}; "
+                f"accepted params: {', '.join(accepted) or '(none)'}"
+            )
+        try:
+            inspect.signature(obj).bind(**params)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"custom reward factory {name!r}: params {sorted(params)} do not fit: {exc}"
+            ) from None
+        return
+    problem = _reward_signature_problem(obj)
+    if problem:
+        raise ValueError(
+            f"custom reward {name!r} is not a reward function f(completions, **kwargs): {problem} "
+            "(give `params` to use it as a factory)"
+        )
+
+
+def check_reward(name: str, params: Mapping[str, Any] | None = None) -> None:
+    """Raise ``ValueError`` if :func:`build_reward` would refuse ``name`` with ``params``.
+
+    Used by config validation, so it never calls code it does not own: built-in factories and the
+    adaptive scaler (posttrain's own pure functions) are called to check their params' values; a
+    custom ``module:function`` is refused without the opt-in (see :func:`custom_code_allowed`)
+    before anything is imported, and with it only its signature is read.
+
+    >>> check_reward("os:system", {"command": "touch /tmp/x"})
+    Traceback (most recent call last):
+    ...
+    posttrain.rewards.registry.CustomCodeRefused: custom reward 'os:system' would import and run code named by the config; allow it with --allow-custom-code (or POSTTRAIN_ALLOW_CUSTOM_CODE=1) if you trust this config
+    """
+    name, params, scaler = _split_params(name, params)
+    if is_custom(name):
+        _check_custom(name, params)
+        reward: Callable[..., Any] = _unscored
+    else:
+        reward = _builtin(name, params)
+    if scaler is not None:
+        _build_scaler(name, reward, scaler)
+
+
+def _unscored(completions: Any, **kwargs: Any) -> list[float]:
+    """Stand-in for a custom reward while its scaler settings are checked (never scored)."""
+    return [0.0 for _ in completions]
+
+
+def _split_params(
+    name: Any, params: Mapping[str, Any] | None
+) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"reward name must be a non-empty string, got {name!r}")
+    name = name.strip()
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"reward {name!r}: params must be a mapping, got {type(params).__name__}")
+    params = dict(params)
+    scaler = _scaler_settings(name, params.pop(ADAPTIVE_PARAM, None))
+    return name, params, scaler
+
+
+def _builtin(name: str, params: dict[str, Any]) -> Callable[..., list[float | None]]:
+    if name in PLAIN_REWARDS:
+        if params:
+            got = ", ".join(map(repr, params))
+            raise ValueError(f"reward {name!r} takes no params (only {ADAPTIVE_PARAM!r}), got {got}")
+        return PLAIN_REWARDS[name]
+    if name in FACTORIES:
+        return _call_with_params(f"reward {name!r}", FACTORIES[name], params)
+    if name in trl_reward_names():
+        return _build_trl(name, params)
+    close = difflib.get_close_matches(name, reward_names(), n=3)
+    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+    raise ValueError(
+        f"unknown reward {name!r}{hint}; valid rewards: {', '.join(reward_names())} "
+        "(or a custom 'package.module:function')"
+    )
+
+
 def build_reward(name: str, params: Mapping[str, Any] | None = None) -> Callable[..., list[float | None]]:
     """Reward function for a registry name or ``package.module:function``, configured by ``params``.
 
@@ -218,35 +389,8 @@ get_cosine_scaled_reward, get_repetition_penalty_reward, get_soft_overlong_punis
 length, reasoning_accuracy_reward, reasoning_steps, repetition, soft_format, strict_format, \
 think_format_reward, xml_count (or a custom 'package.module:function')
     """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"reward name must be a non-empty string, got {name!r}")
-    name = name.strip()
-    if params is None:
-        params = {}
-    if not isinstance(params, Mapping):
-        raise ValueError(f"reward {name!r}: params must be a mapping, got {type(params).__name__}")
-    params = dict(params)
-    scaler = _scaler_settings(name, params.pop(ADAPTIVE_PARAM, None))
-
-    if ":" in name:
-        reward = _build_custom(name, params)
-    elif name in PLAIN_REWARDS:
-        if params:
-            got = ", ".join(map(repr, params))
-            raise ValueError(f"reward {name!r} takes no params (only {ADAPTIVE_PARAM!r}), got {got}")
-        reward = PLAIN_REWARDS[name]
-    elif name in FACTORIES:
-        reward = _call_with_params(f"reward {name!r}", FACTORIES[name], params)
-    elif name in trl_reward_names():
-        reward = _build_trl(name, params)
-    else:
-        close = difflib.get_close_matches(name, reward_names(), n=3)
-        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
-        raise ValueError(
-            f"unknown reward {name!r}{hint}; valid rewards: {', '.join(reward_names())} "
-            "(or a custom 'package.module:function')"
-        )
-
+    name, params, scaler = _split_params(name, params)
+    reward = _build_custom(name, params) if is_custom(name) else _builtin(name, params)
     if scaler is not None:
         reward = _build_scaler(name, reward, scaler)
     logger.debug("built reward %r as %s", name, reward_name(reward))

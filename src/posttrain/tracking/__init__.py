@@ -41,6 +41,7 @@ from posttrain.tracking.mlflow_io import (
     experiment_name,
     flatten_params,
     resolve_tracking_uri,
+    tracking_problem,
 )
 from posttrain.tracking.models import (
     CHAMPION_ALIAS,
@@ -79,4 +80,5 @@ __all__ = [
     "plot_comparison",
     "resolve_tracking_uri",
     "start_pipeline_run",
+    "tracking_problem",
 ]

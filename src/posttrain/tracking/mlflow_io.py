@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import PipelineConfig, TrackingConfig
+from posttrain.core.net import unreachable
+from posttrain.core.redact import redact, redact_text
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,8 @@ CACHE_KEY_TAG = "posttrain.cache_key"
 ROLE_TAG = "posttrain.role"
 STEP_TAG = "posttrain.stage"
 """The plan step a nested run records (``Step.name``)."""
+STORE_TAG = "posttrain.store"
+"""The store a pipeline run writes: its runs left RUNNING by a kill are closed by the next run there."""
 STEP_KIND_TAG = "posttrain.step_kind"
 """Its kind (``Step.kind``: data, sft, dpo, grpo, eval): what comparisons and plots select runs by."""
 STEPS_TAG = "posttrain.steps"
@@ -53,6 +57,21 @@ def resolve_tracking_uri(tracking: TrackingConfig) -> str:
     return f"sqlite:///{db.resolve()}" if db is not None and not db.is_absolute() else uri
 
 
+def tracking_problem(tracking: TrackingConfig) -> str | None:
+    """Why the tracking store cannot be used, found in seconds (MLflow itself retries for minutes).
+
+    An http(s) server must answer; a SQLite database's folder must exist. None when all is well.
+    """
+    uri = resolve_tracking_uri(tracking)
+    if uri.startswith(("http://", "https://")):
+        problem = unreachable(uri.rstrip("/") + "/health")
+        return f"MLflow tracking server unreachable: {problem}" if problem else None
+    db = sqlite_path(uri)
+    if db is not None and not db.parent.is_dir():
+        return f"{redact_text(uri)}: folder {db.parent} does not exist"
+    return None
+
+
 def experiment_name(cfg: PipelineConfig) -> str:
     """``tracking.experiment``, else ``$MLFLOW_EXPERIMENT_NAME``, else the config's name (runs of one
     config compare side by side)."""
@@ -64,9 +83,9 @@ def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
 
     Lists of scalars stay one JSON value (``["q_proj", "v_proj"]``) so a diff shows one key; values
     are truncated to MLflow's 6000-character limit, which would otherwise reject the whole batch.
+    Secrets are redacted (:func:`posttrain.core.redact.redact`).
     """
-    if hasattr(value, "model_dump"):
-        value = value.model_dump(mode="json")
+    value = redact(value.model_dump(mode="json") if hasattr(value, "model_dump") else value)
     out: dict[str, str] = {}
     if isinstance(value, Mapping) and value:
         for key, item in value.items():

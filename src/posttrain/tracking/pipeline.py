@@ -13,6 +13,7 @@ from typing import Any
 from posttrain.core.config import PipelineConfig, dump_config
 from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import package_versions, stable_hash
+from posttrain.core.redact import redact_text
 from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
 from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
@@ -20,6 +21,7 @@ from posttrain.tracking.mlflow_io import (
     STEP_KIND_TAG,
     STEP_TAG,
     STEPS_TAG,
+    STORE_TAG,
     TRACKED_PACKAGES,
     callback_env_guard,
     copy_metric_history,
@@ -351,16 +353,22 @@ def model_requirements(peft: bool = False) -> list[str]:
 
 
 def start_pipeline_run(
-    cfg: PipelineConfig, *, run_name: str | None = None, steps: Sequence[str] = ()
+    cfg: PipelineConfig,
+    *,
+    run_name: str | None = None,
+    steps: Sequence[str] = (),
+    store: str | None = None,
 ) -> Tracker:
     """Create the experiment (if needed) and the parent run; a disabled Tracker when tracking is off.
 
     The parent gets tags (config hash and name, git commit, package versions, the plan's ``steps``
-    in order), ``config.yaml`` and the flattened resolved config as params. MLflow's own variables
-    are honoured: the experiment is ``tracking.experiment``, else ``$MLFLOW_EXPERIMENT_NAME`` /
-    ``$MLFLOW_EXPERIMENT_ID``, else the config's name; and under an outer run (``$MLFLOW_RUN_ID``,
-    or this thread's active run) the pipeline run is nested in it, in its experiment, and the
-    outer run is left running. Use as a context manager or call ``finish()``.
+    in order, the ``store`` it writes), ``config.yaml`` and the flattened resolved config as params.
+    MLflow's own variables are honoured: the experiment is ``tracking.experiment``, else
+    ``$MLFLOW_EXPERIMENT_NAME`` / ``$MLFLOW_EXPERIMENT_ID``, else the config's name; and under an
+    outer run (``$MLFLOW_RUN_ID``, or this thread's active run) the pipeline run is nested in it, in
+    its experiment, and the outer run is left running. Use as a context manager or call ``finish()``.
+    Call it holding the store's lock: runs of this store that are still ``RUNNING`` then belong to a
+    run that was killed, and are marked ``KILLED`` first.
     """
     if not cfg.tracking.enabled:
         return Tracker()
@@ -378,7 +386,10 @@ def start_pipeline_run(
         experiment_id = _experiment_by_id(client, os.environ["MLFLOW_EXPERIMENT_ID"])
     else:
         experiment_id = _get_or_create_experiment(client, experiment_name(cfg), uri)
+    if store is not None:
+        close_abandoned_runs(client, store)
     tags = {
+        **({STORE_TAG: store} if store is not None else {}),
         ROLE_TAG: "pipeline",
         "posttrain.config_name": cfg.name,
         "posttrain.config_hash": stable_hash(cfg),
@@ -411,8 +422,35 @@ def start_pipeline_run(
     except Exception:
         tracker.finish("FAILED")
         raise
-    logger.info("MLflow run %s in experiment %r at %s", tracker.run_id, experiment_name(cfg), uri)
+    logger.info(
+        "MLflow run %s in experiment %r at %s", tracker.run_id, experiment_name(cfg), redact_text(uri)
+    )
     return tracker
+
+
+def close_abandoned_runs(client: Any, store: str) -> list[str]:
+    """Mark ``KILLED`` the pipeline runs of ``store`` left ``RUNNING`` by a killed process, and their
+    stage runs; returns their ids. Only safe under the store's lock (no live run of it exists then);
+    runs of other stores sharing the tracking database are left alone."""
+    if "'" in store:  # cannot be quoted in a filter string; leave such runs as they are
+        return []
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    if not experiments:
+        return []
+    query = f"tags.`{STORE_TAG}` = '{store}' and attributes.status = 'RUNNING'"
+    closed = []
+    for parent in client.search_runs(experiments, query, max_results=1000):
+        children = client.search_runs(
+            experiments,
+            f"tags.mlflow.parentRunId = '{parent.info.run_id}' and attributes.status = 'RUNNING'",
+            max_results=1000,
+        )
+        for run in [*children, parent]:
+            client.set_terminated(run.info.run_id, "KILLED")
+            closed.append(run.info.run_id)
+    if closed:
+        logger.warning("marked %d MLflow run(s) of an interrupted run of %s KILLED", len(closed), store)
+    return closed
 
 
 def open_tracking_store(cfg: PipelineConfig) -> None:

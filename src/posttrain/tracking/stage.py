@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.hashing import jsonable
+from posttrain.core.redact import redact, redact_text
 from posttrain.tracking.compare import cell_text, reward_curves_figure, reward_series
 from posttrain.tracking.mlflow_io import (
     MAX_TAG_LENGTH,
@@ -108,13 +109,16 @@ class StageRun:
         if self.enabled:
             from mlflow.entities import RunTag  # heavy: deferred until needed
 
-            batch = [RunTag(safe_key(k), truncate(str(v), MAX_TAG_LENGTH)) for k, v in tags.items()]
+            batch = [
+                RunTag(safe_key(k), truncate(redact_text(str(v)), MAX_TAG_LENGTH))
+                for k, v in redact(tags).items()
+            ]
             self._client.log_batch(self.run_id, tags=batch)
 
     def log_stage_json(self, data: Mapping[str, Any]) -> None:
         """``stage.json`` as an artifact: what produced the stage output, readable without the store."""
         if self.enabled:
-            self._client.log_dict(self.run_id, jsonable(dict(data)), "stage.json")
+            self._client.log_dict(self.run_id, jsonable(redact(dict(data))), "stage.json")
 
     def log_dataset(
         self,

@@ -15,7 +15,16 @@ kl_blowup     ``kl`` > ``kl_threshold``                raise ``beta`` or lower t
 entropy       ``entropy`` < ``min_entropy``            raise temperature; lower the learning rate
 flat_reward   fitted ``reward`` change over            check the rewards pay anything; add
               ``window`` reward steps <= tolerance     partial credit; SFT first; raise the lr
+invalid_      a reward scored NaN/None                 fix the reward (``posttrain rewards
+reward        (``rewards/<fn>/invalid_frac`` > 0)      check``); ``on_error`` per reward
+non_finite    ``loss``, ``grad_norm`` or ``reward``    lower the learning rate; check the
+              is NaN or infinite                       rewards and the precision
 ============  =======================================  ==========================================
+
+NaN in a metric is never silently skipped: ``non_finite`` fires on it. ``invalid_reward`` counts
+the scores a reward could not give (:mod:`posttrain.rewards.guard` logs the fraction per reward);
+above ``monitor.max_invalid_rewards`` the :class:`HealthCallback` fails the stage with a
+:class:`~posttrain.core.errors.StageError`, whatever ``on_alert`` says.
 
 Each kind alerts once when its condition starts and re-arms once it clears, so a long bad stretch
 produces one alert, not one per step. :class:`HealthMonitor` is pure logic over metric dicts (tested
@@ -33,6 +42,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from posttrain.core.errors import StageError
+
 logger = logging.getLogger(__name__)
 
 # A group whose rewards differ by less than this has no usable advantage (matches fp noise, not signal).
@@ -45,7 +56,12 @@ REMEDIES = {
     "entropy": "raise temperature or lower the learning rate; the policy is collapsing onto one output",
     "flat_reward": "check that the reward functions can pay (posttrain rewards check); add partial-credit "
     "rewards; run SFT first; or raise the learning rate",
+    "invalid_reward": "fix the reward so it scores every completion, or give it on_error: zero|skip; "
+    "NaN/None scores are left out of the sum and teach nothing",
+    "non_finite": "lower the learning rate, check the rewards for huge values, or train in fp32",
 }
+_INVALID_SUFFIX = "/invalid_frac"
+_FINITE_KEYS = ("loss", "grad_norm", "reward")
 
 
 @dataclass(frozen=True)
@@ -106,10 +122,40 @@ class HealthMonitor:
         return raised
 
     def _checks(self, logs: Mapping[str, Any]):
+        yield "non_finite", self._check_finite(logs)
+        yield "invalid_reward", self._check_invalid(logs)
         yield "no_signal", self._check_no_signal(logs)
         yield "kl_blowup", self._check_kl(logs)
         yield "entropy", self._check_entropy(logs)
         yield "flat_reward", self._check_flat(logs)
+
+    def _check_finite(self, logs: Mapping[str, Any]):
+        seen = {k: logs[k] for k in _FINITE_KEYS if isinstance(logs.get(k), int | float)}
+        if not seen:
+            return None
+        bad = {k: v for k, v in seen.items() if not math.isfinite(v)}
+        if not bad:
+            return False
+        return 1.0, "non-finite " + ", ".join(f"{k}={v}" for k, v in bad.items()) + ": training has diverged"
+
+    def invalid_fractions(self, logs: Mapping[str, Any]) -> dict[str, float]:
+        """Reward name → fraction of its scores that were NaN/None in this log (guarded rewards only)."""
+        return {
+            key[len("rewards/") : -len(_INVALID_SUFFIX)]: float(value)
+            for key, value in logs.items()
+            if key.startswith("rewards/") and key.endswith(_INVALID_SUFFIX) and isinstance(value, int | float)
+        }
+
+    def _check_invalid(self, logs: Mapping[str, Any]):
+        fractions = self.invalid_fractions(logs)
+        if not fractions:
+            return None
+        bad = {name: frac for name, frac in fractions.items() if frac > 0}
+        if not bad:
+            return False
+        worst = max(bad, key=bad.__getitem__)
+        listed = ", ".join(f"{name} {frac:.0%}" for name, frac in sorted(bad.items()))
+        return bad[worst], f"rewards returned NaN/None for part of the completions: {listed}"
 
     def _check_no_signal(self, logs: Mapping[str, Any]):
         frac = _number(logs, "frac_reward_zero_std")
@@ -180,6 +226,8 @@ class HealthCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs:
             return control
+        limit = getattr(self.monitor.cfg, "max_invalid_rewards", 1.0)
+        over = {n: f for n, f in self.monitor.invalid_fractions(logs).items() if f > limit}
         for alert in self.monitor.observe(state.global_step, logs):
             logger.warning(
                 "[%s] step %d health alert %s: %s. Remedy: %s",
@@ -192,6 +240,13 @@ class HealthCallback(TrainerCallback):
             if self.on_alert == "stop":
                 logger.warning("[%s] stopping training (monitor.on_alert: stop)", self.stage)
                 control.should_training_stop = True
+        if over:
+            listed = ", ".join(f"{name} {frac:.0%}" for name, frac in sorted(over.items()))
+            raise StageError(
+                f"[{self.stage}] step {state.global_step}: rewards could not score most completions "
+                f"({listed} NaN/None > monitor.max_invalid_rewards {limit:g}); "
+                f"{REMEDIES['invalid_reward']}"
+            )
         return control
 
     @property

@@ -38,6 +38,7 @@ from posttrain.models.artifacts import (
 from posttrain.models.hardware import check_hardware, cuda_available, resolve_precision
 from posttrain.models.loading import build_peft_config, load_stage_model
 from posttrain.models.resolve import resolve_model_path
+from posttrain.rewards.guard import GuardedReward
 from posttrain.rewards.registry import build_reward
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ def load_policy(model_cfg: ModelConfig, model_path: str):
         for_training=True,
         quantization=model_cfg.quantization,
         attn_implementation=model_cfg.attn_implementation,
+        revision=model_cfg.revision,
     )
     peft_config = build_peft_config(model_cfg.lora) if model_cfg.lora is not None else None
     return model, tokenizer, peft_config
@@ -158,8 +160,18 @@ def summarize_history(log_history: list[Mapping[str, Any]]) -> dict[str, float |
 
 
 def build_reward_funcs(specs) -> tuple[list[Any], list[float]]:
-    """Reward callables and their weights from a stage's ``rewards:`` list (names must be distinct)."""
-    funcs = [build_reward(spec.name, dict(spec.params)) for spec in specs]
+    """Reward callables and their weights from a stage's ``rewards:`` list (names must be distinct).
+
+    Each is wrapped in a :class:`~posttrain.rewards.guard.GuardedReward` with the spec's
+    ``on_error``: a reward that raises, returns the wrong shape, NaN or None is named, handled and
+    counted instead of crashing TRL or vanishing into a zero.
+    """
+    funcs = [
+        GuardedReward(
+            build_reward(spec.name, dict(spec.params)), getattr(spec, "on_error", "fail"), spec.name
+        )
+        for spec in specs
+    ]
     names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -1,0 +1,50 @@
+"""Is a server there? One quick HTTP request, so a run fails in seconds instead of retrying for minutes.
+
+MLflow's client retries a refused connection with backoff for minutes, and Prefect's client
+likewise; a run that only finds out inside its first logging call has already taken the store's
+lock and started work. :func:`unreachable` asks once, with a short timeout, before any of that.
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+
+from posttrain.core.redact import redact_text
+
+__all__ = ["PREFLIGHT_TIMEOUT_S", "unreachable"]
+
+PREFLIGHT_TIMEOUT_S = 4.0
+"""Per request; the CLI makes at most two (MLflow, Prefect), so it fails within ten seconds."""
+
+
+def unreachable(url: str, timeout: float = PREFLIGHT_TIMEOUT_S) -> str | None:
+    """Why ``url`` cannot be reached (refused, timed out, unknown host), or None if it answered.
+
+    Any HTTP answer counts as reachable (an auth error or a 404 is the server talking); only
+    transport failures are reported.
+
+    >>> unreachable("http://127.0.0.1:9/health", timeout=1.0)
+    'http://127.0.0.1:9/health: connection refused'
+    """
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):  # noqa: S310 - http(s) only (callers check)
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, ConnectionRefusedError):
+            why = "connection refused"
+        elif isinstance(reason, socket.timeout | TimeoutError):
+            why = f"no answer within {timeout:g} s"
+        elif isinstance(reason, socket.gaierror):
+            why = "unknown host"
+        else:
+            why = str(reason)
+        return f"{redact_text(url)}: {why}"
+    except TimeoutError:
+        return f"{redact_text(url)}: no answer within {timeout:g} s"
+    except (OSError, ValueError) as exc:
+        return f"{redact_text(url)}: {exc}"

@@ -1,0 +1,75 @@
+"""Secrets out of everything posttrain writes or logs: MLflow params, tags and artifacts, ``stage.json``,
+console lines and Prefect's flow-run parameters.
+
+Two rules, applied to nested mappings and lists:
+
+* a value under a secret-looking key (``password``, ``secret``, ``api_key``, ``hub_token``,
+  ``access_token``, ``credentials``, ...) becomes :data:`REDACTED`, whatever it is;
+* in any string, the password of a URI (``scheme://user:password@host``), secret-looking query
+  parameters (``?token=...``) and Hugging Face tokens (``hf_...``) are replaced by :data:`REDACTED`.
+
+Tokenizer settings are not secrets: ``pad_token``, ``eos_token``, ``max_new_tokens`` and the like
+are kept.
+
+>>> redact({"trainer": {"hub_token": "hf_abc", "pad_token": "<pad>", "max_new_tokens": 8}})
+{'trainer': {'hub_token': '***', 'pad_token': '<pad>', 'max_new_tokens': 8}}
+>>> redact_text("http://alice:s3cret@mlflow.local:5000/?token=abc&x=1")
+'http://alice:***@mlflow.local:5000/?token=***&x=1'
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["REDACTED", "is_secret_key", "redact", "redact_text"]
+
+REDACTED = "***"
+_SECRET_WORDS = r"password|passwd|passphrase|pwd|secret|credentials?|api[_-]?key|apikey|access[_-]?key|private[_-]?key|auth"
+_SECRET_KEY = re.compile(rf"(^|[_\-.])({_SECRET_WORDS})($|[_\-.])", re.IGNORECASE)
+_TOKEN_KEY = re.compile(r"(^|[_\-.])token$", re.IGNORECASE)
+# `<word>_token` keys that name a vocabulary entry, not a credential.
+_TOKENIZER_WORDS = {"pad", "eos", "bos", "unk", "sep", "cls", "mask", "start", "end", "stop", "special"}
+_URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@]*:)(?P<secret>[^\s/@]+)(?P<tail>@)")
+_QUERY_SECRET = re.compile(
+    rf"(?P<head>[?&;](?:[^\s=&;#]*[_\-.])?(?:{_SECRET_WORDS}|token|access_token|sig|signature)=)(?P<secret>[^\s&;#]+)",
+    re.IGNORECASE,
+)
+_HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
+
+
+def is_secret_key(key: Any) -> bool:
+    """Whether a mapping key names a credential.
+
+    >>> [k for k in ("hub_token", "token", "api_key", "password", "pad_token", "max_tokens") if is_secret_key(k)]
+    ['hub_token', 'token', 'api_key', 'password']
+    """
+    if not isinstance(key, str):
+        return False
+    if _SECRET_KEY.search(key):
+        return True
+    if _TOKEN_KEY.search(key):
+        prefix = re.split(r"[_\-.]", key.lower()[: -len("token")].rstrip("_-."))[-1]
+        return prefix not in _TOKENIZER_WORDS
+    return False
+
+
+def redact_text(text: str) -> str:
+    """``text`` with URI passwords, secret query parameters and Hugging Face tokens replaced."""
+    if not isinstance(text, str):
+        return text
+    text = _URI_PASSWORD.sub(rf"\g<head>{REDACTED}\g<tail>", text)
+    text = _QUERY_SECRET.sub(rf"\g<head>{REDACTED}", text)
+    return _HF_TOKEN.sub(REDACTED, text)
+
+
+def redact(value: Any) -> Any:
+    """A copy of ``value`` (mappings, lists, tuples, strings) with secrets replaced (module docstring)."""
+    if isinstance(value, Mapping):
+        return {k: (REDACTED if is_secret_key(k) and v is not None else redact(v)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(redact(v) for v in value)
+    if isinstance(value, str):
+        return redact_text(value)
+    return value

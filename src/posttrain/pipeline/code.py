@@ -1,0 +1,165 @@
+"""Code fingerprints: the source each kind of step depends on, so a code change reruns what it affects.
+
+A step's cache key (:mod:`posttrain.pipeline.keys`) includes :func:`code_fingerprint` of its kind:
+
+* the source of every posttrain module the kind's entry modules import, followed transitively
+  (imports inside functions included: read with :mod:`ast`, nothing is imported), so a fix to a
+  reward reruns GRPO and DPO (which score with rewards) but not SFT, the data or evaluations;
+* the source of the step function itself in :mod:`posttrain.pipeline.steps` (not the whole module,
+  which imports every kind);
+* the versions of the libraries the kind runs on (a TRL upgrade reruns training, not data);
+* for GRPO and DPO, the source file of each custom ``module:function`` reward (only with the
+  custom-code opt-in: without it the stage is refused anyway, and nothing is imported here).
+
+The fingerprint keeps the hash of each file, so the planner can say which files changed
+(``--dry-run``: ``code changed: posttrain/rewards/format.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import posttrain
+from posttrain.core.hashing import package_versions, sha256_file
+from posttrain.rewards.registry import custom_code_allowed, is_custom
+
+__all__ = ["ENTRY_MODULES", "NOT_CALLED", "CodeFingerprint", "code_fingerprint", "module_closure"]
+
+ENTRY_MODULES: dict[str, tuple[str, ...]] = {
+    "data": ("posttrain.data.prepare", "posttrain.data.eval_sets", "posttrain.models.loading"),
+    "eval": ("posttrain.evaluation.evaluator", "posttrain.data.eval_sets", "posttrain.models.loading"),
+    "sft": ("posttrain.training.sft",),
+    "dpo": ("posttrain.training.dpo",),
+    "grpo": ("posttrain.training.grpo",),
+}
+"""The modules each step kind runs, besides its function in ``pipeline/steps.py``."""
+STEP_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "data": ("prepare_step", "_external_eval_records"),
+    "eval": ("eval_step", "eval_records", "_external_eval_records", "load_data"),
+    "sft": ("sft_step", "load_data"),
+    "dpo": ("dpo_step", "load_data"),
+    "grpo": ("grpo_step", "load_data"),
+}
+NOT_CALLED: dict[str, tuple[str, ...]] = {"sft": ("posttrain.rewards",)}
+"""Packages a kind's closure leaves out although a shared module imports them: ``training/runner.py``
+imports the reward registry for ``build_reward_funcs``, which only GRPO and DPO call (a test checks
+that SFT's own module never names rewards)."""
+LIBRARIES: dict[str, tuple[str, ...]] = {
+    "data": ("datasets", "transformers", "tokenizers"),
+    "eval": ("torch", "transformers", "peft", "datasets"),
+    "sft": ("torch", "transformers", "trl", "peft", "accelerate", "datasets"),
+    "dpo": ("torch", "transformers", "trl", "peft", "accelerate", "datasets"),
+    "grpo": ("torch", "transformers", "trl", "peft", "accelerate", "datasets"),
+}
+
+
+@dataclass(frozen=True)
+class CodeFingerprint:
+    """What a step's code is: one hash per source file or library, and their combined digest."""
+
+    files: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def digest(self) -> str:
+        blob = "\n".join(f"{k}={v}" for k, v in sorted(self.files.items()))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def changed(self, before: Mapping[str, str]) -> list[str]:
+        """Names whose hash differs from ``before`` (added and removed ones included), sorted."""
+        names = set(self.files) | set(before)
+        return sorted(n for n in names if self.files.get(n) != before.get(n))
+
+
+def _package_root() -> Path:
+    return Path(posttrain.__file__).resolve().parent
+
+
+def _module_file(name: str, root: Path) -> Path | None:
+    """The source file of posttrain module ``name`` (package or module), without importing it."""
+    parts = name.split(".")[1:]
+    base = root.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported_modules(file: Path, root: Path) -> set[str]:
+    """posttrain modules named by any import in ``file`` (module level or inside functions)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"), str(file))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "posttrain")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "posttrain":
+            found.add(node.module)
+            # `from posttrain.pipeline import keys` imports the submodule keys.
+            found.update(
+                f"{node.module}.{a.name}" for a in node.names if _module_file(f"{node.module}.{a.name}", root)
+            )
+    return found
+
+
+def module_closure(
+    entries: Sequence[str], root: Path | None = None, exclude: Sequence[str] = ()
+) -> dict[str, Path]:
+    """Every posttrain module ``entries`` import, transitively, by name → source file (modules
+    under the packages in ``exclude`` left out)."""
+    root = root or _package_root()
+    seen: dict[str, Path] = {}
+    todo = list(entries)
+    while todo:
+        name = todo.pop()
+        if name in seen or name == "posttrain" or any(name == x or name.startswith(x + ".") for x in exclude):
+            continue
+        file = _module_file(name, root)
+        if file is None:
+            continue
+        seen[name] = file
+        todo.extend(_imported_modules(file, root) - set(seen))
+    return dict(sorted(seen.items()))
+
+
+@cache
+def _kind_files(kind: str, root: Path | None = None) -> tuple[tuple[str, str], ...]:
+    root = root or _package_root()
+    files = {
+        f"{name.replace('.', '/')}.py": sha256_file(path)[:16]
+        for name, path in module_closure(ENTRY_MODULES[kind], root, NOT_CALLED.get(kind, ())).items()
+    }
+    from posttrain.pipeline import steps  # the step functions (module imported by the plan anyway)
+
+    for fn in STEP_FUNCTIONS[kind]:
+        source = inspect.getsource(getattr(steps, fn))
+        files[f"posttrain/pipeline/steps.py:{fn}"] = hashlib.sha256(source.encode()).hexdigest()[:16]
+    files.update({f"lib:{k}": v for k, v in package_versions(LIBRARIES[kind]).items()})
+    return tuple(sorted(files.items()))
+
+
+def _custom_reward_files(reward_names: Sequence[str]) -> dict[str, str]:
+    files = {}
+    for name in sorted({n for n in reward_names if is_custom(n)}):
+        module = name.partition(":")[0]
+        if not custom_code_allowed():
+            files[f"custom:{module}"] = "not-allowed"
+            continue
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        origin = spec.origin if spec is not None else None
+        files[f"custom:{module}"] = (
+            sha256_file(Path(origin))[:16] if origin and Path(origin).is_file() else "?"
+        )
+    return files
+
+
+def code_fingerprint(kind: str, reward_names: Sequence[str] = ()) -> CodeFingerprint:
+    """The code a step of ``kind`` runs (module docstring); ``reward_names`` of GRPO/DPO stages."""
+    return CodeFingerprint({**dict(_kind_files(kind)), **_custom_reward_files(reward_names)})

@@ -1,0 +1,157 @@
+"""Reward faults: a reward that raises is named with the example and its completion; on_error
+zero|skip absorbs it; a wrong shape is refused; NaN/None are counted, alerted and, above a
+threshold, fail the stage."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from posttrain.core.config import DataConfig, GRPOStageConfig, ModelConfig, MonitorConfig, SyntheticConfig
+from posttrain.core.errors import StageError
+from posttrain.rewards.guard import GuardedReward, RewardError, invalid_metric
+from posttrain.rewards.registry import PLAIN_REWARDS
+from posttrain.training.health import HealthCallback, HealthMonitor
+
+COMPLETIONS = [[{"role": "assistant", "content": f"answer number {i} " + "x" * 80}] for i in range(4)]
+
+
+def flaky(completions, **kwargs):
+    """Raises on the completion that mentions 2, like a parser meeting an input it did not expect."""
+    out = []
+    for c in completions:
+        if "number 2" in c[0]["content"]:
+            raise KeyError("missing 'answer' tag")
+        out.append(1.0)
+    return out
+
+
+def call(reward, **extra):
+    return reward(prompts=["p"] * 4, completions=COMPLETIONS, answer=["1"] * 4, **extra)
+
+
+def test_a_raising_reward_names_itself_the_example_and_the_completion():
+    with pytest.raises(RewardError) as info:
+        call(GuardedReward(flaky, "fail", "flaky"))
+    message = str(info.value)
+    assert "reward 'flaky' raised KeyError" in message and "on example 2" in message
+    assert "completion starts 'answer number 2 xxxx" in message and "on_error: zero or skip" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("on_error", "expected"), [("zero", [1.0, 1.0, 0.0, 1.0]), ("skip", [1.0, 1.0, None, 1.0])]
+)
+def test_on_error_zero_or_skip_scores_the_failing_example(on_error, expected):
+    guarded = GuardedReward(flaky, on_error)
+    logged = {}
+    assert call(guarded, log_metric=logged.__setitem__) == expected
+    assert guarded.failures == 1
+    assert logged == {invalid_metric("flaky"): 0.25 if on_error == "skip" else 0.0}
+
+
+@pytest.mark.parametrize(
+    ("returned", "pattern"),
+    [
+        (None, r"returned None instead of one score per completion"),
+        (0.5, r"returned 0.5 instead of one score per completion"),
+        ([1.0, 1.0, 1.0], r"returned 3 scores for 4 completions"),
+        ([1.0, "1", 1.0, 1.0], r"returned '1' for example 1, not a number or None"),
+    ],
+)
+def test_a_wrong_shape_is_refused_naming_the_reward(returned, pattern):
+    def bad(completions, **kwargs):
+        return returned
+
+    with pytest.raises(RewardError, match=rf"reward 'bad' {pattern}"):
+        call(GuardedReward(bad))
+
+
+def test_nan_and_none_are_counted_and_nan_becomes_none():
+    def holes(completions, **kwargs):
+        return [1.0, math.nan, None, 0.0]
+
+    logged = {}
+    guarded = GuardedReward(holes)
+    assert call(guarded, log_metric=logged.__setitem__) == [1.0, None, None, 0.0]
+    assert logged == {"rewards/holes/invalid_frac": 0.5}
+    assert guarded.__name__ == "holes"  # TRL names the reward's metrics after it
+
+
+def test_the_monitor_alerts_on_invalid_rewards_and_non_finite_metrics():
+    monitor = HealthMonitor(MonitorConfig())
+    alerts = monitor.observe(1, {"rewards/holes/invalid_frac": 0.25, "loss": 0.1})
+    assert [a.kind for a in alerts] == ["invalid_reward"] and "holes 25%" in alerts[0].message
+    alerts = monitor.observe(2, {"loss": math.nan, "rewards/holes/invalid_frac": 0.25})
+    assert [a.kind for a in alerts] == ["non_finite"] and "loss=nan" in alerts[0].message
+
+
+def test_the_callback_fails_the_stage_above_the_threshold():
+    class State:
+        global_step = 3
+
+    class Control:
+        should_training_stop = False
+
+    callback = HealthCallback(HealthMonitor(MonitorConfig(max_invalid_rewards=0.5)), "warn", "grpo-s")
+    callback.on_log(
+        None, State(), Control(), logs={"rewards/holes/invalid_frac": 0.5}
+    )  # at the limit: alert only
+    with pytest.raises(
+        StageError, match=r"\[grpo-s\] step 3: rewards could not score most completions \(holes 75%"
+    ):
+        callback.on_log(None, State(), Control(), logs={"rewards/holes/invalid_frac": 0.75})
+
+
+# --------------------------------------------------------------------------- a real GRPO stage
+
+
+@pytest.fixture(scope="module")
+def data(tiny_tokenizer):
+    from posttrain.data.prepare import prepare_data
+
+    cfg = DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=24, max_ops=2), eval_size=4)
+    return prepare_data(cfg, tiny_tokenizer).train
+
+
+def always_raises(completions, **kwargs):
+    raise ValueError("reward service said no")
+
+
+def always_nan(completions, **kwargs):
+    return [math.nan] * len(completions)
+
+
+@pytest.mark.parametrize(
+    ("reward", "on_error", "pattern"),
+    [
+        (
+            always_raises,
+            "fail",
+            r"reward 'always_raises' raised ValueError: reward service said no on example 0",
+        ),
+        (always_raises, "skip", r"rewards could not score most completions \(always_raises 100%"),
+        (always_nan, "fail", r"rewards could not score most completions \(always_nan 100%"),
+    ],
+)
+def test_a_grpo_stage_stops_in_one_line_on_a_broken_reward(
+    reward, on_error, pattern, tiny_model_dir, data, tmp_path, monkeypatch
+):
+    from posttrain.training.grpo import run_grpo_stage
+
+    monkeypatch.setitem(PLAIN_REWARDS, reward.__name__, reward)
+    stage = GRPOStageConfig(
+        name="broken",
+        rewards=[{"name": "xml_count"}, {"name": reward.__name__, "on_error": on_error}],
+        trainer={
+            "max_steps": 2,
+            "per_device_train_batch_size": 2,
+            "num_generations": 2,
+            "max_completion_length": 8,
+        },
+    )
+    model = ModelConfig(name=str(tiny_model_dir), precision="fp32")
+    with pytest.raises(StageError, match=pattern):
+        run_grpo_stage(stage, model, str(tiny_model_dir), data, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []  # nothing half-written left
