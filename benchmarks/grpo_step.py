@@ -10,6 +10,12 @@ Both variants train the same LoRA (r16) on the same prompts with the same reward
   rollouts from a bf16 shadow copy of the policy, LM head projected on completion positions only).
 
 ``--variants`` adds ablations: posttrain's defaults with one of those put back (see ``ABLATIONS``).
+On a CPU without fast bf16 (no AMX or AVX512-BF16) ``auto`` means fp32, and posttrain's default then
+generates with TRL as TRL does; ``bf16`` forces the bf16 path (autocast + bf16 shadow rollouts) and
+``fp32-shadow`` samples fp32 rollouts from an fp32 shadow copy through posttrain's engine.
+
+Each variant reports seconds per step, the share spent generating, and tokens generated per step
+with their rate (tokens / generation seconds), since steps that sample longer completions cost more.
 
 The first step of each run is a warm-up and is not timed. ``OMP_WAIT_POLICY`` defaults to PASSIVE for
 both variants: on a CPU shared with other processes, OpenMP threads that spin-wait make every small op
@@ -35,33 +41,47 @@ from transformers import TrainerCallback  # noqa: E402
 
 
 class StepTimer(TrainerCallback):
-    """Wall time of every optimizer step, and how much of it went to generation."""
+    """Wall and CPU time of every optimizer step, how much of it went to generation, and tokens generated.
+
+    CPU time (this process, all threads) is what a variant costs whatever else the machine runs; on a
+    shared machine wall times of runs minutes apart are not comparable, CPU times mostly are.
+    """
 
     def __init__(self) -> None:
         self.steps: list[float] = []
+        self.cpu: list[float] = []
         self.generation: list[float] = []
-        self._start = 0.0
+        self.generation_cpu: list[float] = []
+        self.tokens: list[int] = []
+        self._start = self._start_cpu = 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
+        self._start, self._start_cpu = time.perf_counter(), time.process_time()
         self.generation.append(0.0)
+        self.generation_cpu.append(0.0)
+        self.tokens.append(0)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append(time.perf_counter() - self._start)
+        self.cpu.append(time.process_time() - self._start_cpu)
 
 
 def time_generation(trainer, timer: StepTimer) -> None:
-    original = trainer._generate_single_turn
+    """Wrap whichever generation entry the trainer uses: its ``rollout_func``, else TRL's own."""
+    name = "rollout_func" if getattr(trainer, "rollout_func", None) is not None else "_generate_single_turn"
+    original = getattr(trainer, name)
 
     def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if timer.generation:
-                timer.generation[-1] += time.perf_counter() - start
+        start, start_cpu = time.perf_counter(), time.process_time()
+        result = original(*args, **kwargs)
+        if timer.generation:
+            timer.generation[-1] += time.perf_counter() - start
+            timer.generation_cpu[-1] += time.process_time() - start_cpu
+            ids = result["completion_ids"] if isinstance(result, dict) else result[0]
+            timer.tokens[-1] += sum(len(row) for row in ids)
+        return result
 
-    trainer._generate_single_turn = timed
+    setattr(trainer, name, timed)
 
 
 def build_data(model_path: str, num_examples: int):
@@ -123,6 +143,8 @@ ABLATIONS = {
     "grad-ckpt": ({"gradient_checkpointing": True}, {}),
     "dropout": ({"disable_dropout": False}, {}),
     "fp32": ({}, {"precision": "fp32"}),
+    "bf16": ({}, {"precision": "bf16"}),  # bf16 autocast + bf16 rollouts even where `auto` means fp32
+    "fp32-shadow": ({}, {"precision": "fp32", "shadow": "fp32"}),  # fp32, rollouts from an fp32 shadow
     "full-head": ({}, {"compact_head": False}),
 }
 
@@ -163,21 +185,30 @@ def run_posttrain(
         fast_generation=other.get("fast_generation", True),
     )
     compact_fused_head_on_cpu(other.get("compact_head", True))
+    if "shadow" in other and trainer.rollout_func is None:
+        from posttrain.generation.rollout import ShadowRollout
+        from posttrain.models.hardware import resolve_dtype
+
+        trainer.rollout_func = ShadowRollout(resolve_dtype(other["shadow"]))
     time_generation(trainer, timer)
     trainer.train()
     return timer, [row["reward"] for row in trainer.state.log_history if "reward" in row]
 
 
-def report(name: str, timer: StepTimer, rewards: list) -> float:
-    timed, generation = timer.steps[1:], timer.generation[1:]
-    mean = statistics.mean(timed)
-    share = sum(generation) / sum(timed)
+def report(name: str, timer: StepTimer, rewards: list) -> tuple[float, float]:
+    """Print one variant's line; return its mean wall and CPU seconds per timed step."""
+    timed, cpu, tokens = timer.steps[1:], timer.cpu[1:], timer.tokens[1:]
+    generation = max(sum(timer.generation[1:]), 1e-9)
+    generation_cpu = max(sum(timer.generation_cpu[1:]), 1e-9)
+    mean, mean_cpu = statistics.mean(timed), statistics.mean(cpu)
     trend = " ".join(f"{r:.3f}" for r in rewards)
     print(
-        f"{name:10s} {mean:7.2f} s/step (steps: {', '.join(f'{t:.1f}' for t in timed)}; "
-        f"generation {share:.0%}; warm-up {timer.steps[0]:.1f} s)  reward per step: {trend}"
+        f"{name:10s} {mean:7.2f} s/step, CPU {mean_cpu:.1f} s/step (steps: {', '.join(f'{t:.1f}' for t in timed)}; "
+        f"generation {generation / sum(timed):.0%}, {sum(tokens) / len(tokens):.0f} tokens/step at "
+        f"{sum(tokens) / generation:.1f} tok/s, {sum(tokens) / generation_cpu:.1f} tok per CPU-s; "
+        f"warm-up {timer.steps[0]:.1f} s)  reward per step: {trend}"
     )
-    return mean
+    return mean, mean_cpu
 
 
 def main() -> None:
@@ -222,9 +253,10 @@ def main() -> None:
                 timer, rewards = run_posttrain(model_path, data, shapes, opts.steps, opts.seed, workdir, name)
         results[name] = report(name, timer, rewards)
     if "trl" in results:
-        for name, seconds in results.items():
+        wall, cpu = results["trl"]
+        for name, (seconds, cpu_seconds) in results.items():
             if name != "trl":
-                print(f"{name} / TRL = {seconds / results['trl']:.2f}x")
+                print(f"{name} / TRL = {seconds / wall:.2f}x (CPU time {cpu_seconds / cpu:.2f}x)")
     print(f"load average now {os.getloadavg()[0]:.2f}")
 
 

@@ -1,4 +1,5 @@
-"""The continuous-batching engine must produce exactly what `model.generate` produces (greedy, fp32)."""
+"""The one generation engine: it must produce exactly what `model.generate` produces (greedy, fp32), and
+DPO's sampler and GRPO's rollout must go through it (same tokens for the same seeds)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from posttrain.generation.engine import encode_prompts, generate_continuous, stop_token_ids
-from posttrain.generation.kv_cache import SlotLayer
+from posttrain.generation.transformers_compat import SlotLayer
 
 QUESTIONS = [
     "What is 2+2?",
@@ -123,8 +124,26 @@ def test_finished_rows_cost_no_decode_steps(lively_model, tiny_tokenizer, prompt
     assert stats.row_steps == sum(len(r) - 1 for r in reference)
 
 
+def test_greedy_matches_generate_on_prompts_of_varied_lengths(lively_model, tiny_tokenizer, prompts):
+    """Only the model's own EOS stops it; every prompt length differs, and the outputs are not one token."""
+    stop = stop_token_ids(lively_model, tiny_tokenizer)
+    expected = _reference(lively_model, tiny_tokenizer, prompts, stop)
+    assert len({len(p) for p in prompts}) >= 5  # rows carry different amounts of left padding
+    assert all(len(set(ids)) >= MAX_NEW // 2 for ids in expected), "the model repeats tokens: test is blind"
+    for batch_size in (len(prompts), 3):
+        completions, _ = generate_continuous(
+            lively_model,
+            prompts,
+            max_new_tokens=MAX_NEW,
+            stop_ids=stop,
+            pad_token_id=tiny_tokenizer.pad_token_id,
+            batch_size=batch_size,
+        )
+        assert [list(c.token_ids) for c in completions] == expected
+
+
 def test_cache_layers_are_slot_layers(lively_model):
-    from posttrain.generation.kv_cache import new_cache
+    from posttrain.generation.transformers_compat import new_cache
 
     cache, mergeable = new_cache(lively_model)
     assert mergeable and all(isinstance(layer, SlotLayer) for layer in cache.layers)
@@ -143,6 +162,18 @@ def test_sampling_is_seeded_per_sequence(lively_model, tiny_tokenizer, prompts, 
         lively_model, prompts, batch_size=7, seeds=[s + 1 for s in seeds], **kwargs
     )
     assert other != wide
+
+
+def test_draw_tokens_samples_the_distribution():
+    from posttrain.generation.engine import draw_tokens
+
+    probs = torch.tensor([[0.0, 0.5, 0.2, 0.0, 0.3]]).repeat(20000, 1)
+    uniforms = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(draw_tokens(probs, uniforms), minlength=5).float() / 20000
+    assert counts[0] == 0 and counts[3] == 0  # zero-probability tokens are never drawn
+    assert torch.allclose(counts, probs[0], atol=0.015)
+    edges = draw_tokens(probs[:2], torch.tensor([0.0, 1.0 - 2**-24]))
+    assert edges.tolist() == [1, 4]  # the extremes land on the first and last tokens with mass
 
 
 @pytest.mark.parametrize(
@@ -166,9 +197,9 @@ def test_models_without_mergeable_caches_fall_back_to_waves(
     """Caches the engine cannot pad (sliding windows...) refill only once the batch is empty, still exactly."""
     from transformers import DynamicCache
 
-    import posttrain.generation.engine as generation
+    import posttrain.generation.engine as engine
 
-    monkeypatch.setattr(generation, "new_cache", lambda model: (DynamicCache(config=model.config), False))
+    monkeypatch.setattr(engine, "new_cache", lambda model: (DynamicCache(config=model.config), False))
     completions, stats = generate_continuous(
         lively_model,
         prompts,
@@ -180,3 +211,90 @@ def test_models_without_mergeable_caches_fall_back_to_waves(
     )
     assert [list(c.token_ids) for c in completions] == reference
     assert stats.prefills == 3  # 3 + 3 + 1 prompts, each wave admitted into an empty batch
+
+
+def test_dpo_sampler_draws_from_the_engine(lively_model, tiny_tokenizer):
+    """`sample_completions` is the engine with one seed per sample: same tokens, any batch size."""
+    from posttrain.generation.sampling import sample_completions, sample_seeds
+
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:3]]
+    kwargs = dict(temperature=1.0, max_new_tokens=10, seed=3)
+    samples = sample_completions(lively_model, tiny_tokenizer, chats, 2, batch_size=4, **kwargs)
+    flat = [ids for ids in encode_prompts(tiny_tokenizer, chats) for _ in range(2)]
+    expected, _ = generate_continuous(
+        lively_model,
+        flat,
+        max_new_tokens=10,
+        stop_ids=stop_token_ids(lively_model, tiny_tokenizer),
+        pad_token_id=tiny_tokenizer.pad_token_id,
+        temperature=1.0,
+        seeds=sample_seeds(3, len(flat)),
+    )
+    assert [ids for group in samples.token_ids for ids in group] == [list(c.token_ids) for c in expected]
+    assert samples.texts[1][0] == tiny_tokenizer.decode(samples.token_ids[1][0], skip_special_tokens=True)
+    assert samples.token_ids[0][0] != samples.token_ids[0][1]  # two samples of one prompt differ
+    narrow = sample_completions(lively_model, tiny_tokenizer, chats, 2, batch_size=1, **kwargs)
+    assert narrow.token_ids == samples.token_ids
+
+
+def _with_extra_eos(model, stops):
+    """A copy of ``model`` whose generation config lists ``stops`` as EOS ids (completions end early)."""
+    import copy
+
+    stopping = copy.deepcopy(model)
+    stopping.generation_config.eos_token_id = sorted(stops)
+    return stopping
+
+
+def _fake_trainer(model, tokenizer, temperature, step=0):
+    """The parts of a GRPOTrainer that TRL's `rollout_func` contract hands over and ShadowRollout reads."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(temperature=temperature, max_completion_length=MAX_NEW, chat_template_kwargs=None)
+    return SimpleNamespace(
+        args=args,
+        processing_class=tokenizer,
+        model=model,
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        state=SimpleNamespace(global_step=step),
+    )
+
+
+def test_grpo_rollout_samples_from_the_engine(lively_model, tiny_tokenizer, stops):
+    """The rollout returns TRL's keys, prompts tokenized by `encode_prompts`, and the engine's samples."""
+    from posttrain.generation.rollout import ROLLOUT_KEYS, ShadowRollout
+
+    policy = _with_extra_eos(lively_model, stops)
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:3] for _ in range(2)]  # 2 generations each
+    torch.manual_seed(11)
+    out = ShadowRollout(torch.float32)(chats, _fake_trainer(policy, tiny_tokenizer, temperature=1.0))
+    assert set(out) == set(ROLLOUT_KEYS) and out["logprobs"] is None
+    assert out["prompt_ids"] == encode_prompts(tiny_tokenizer, chats)
+    torch.manual_seed(11)
+    seeds = torch.randint(0, 2**62, (len(chats),)).tolist()
+    expected, _ = generate_continuous(
+        policy,
+        out["prompt_ids"],
+        max_new_tokens=MAX_NEW,
+        stop_ids=stops,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+        temperature=1.0,
+        seeds=seeds,
+    )
+    assert out["completion_ids"] == [list(c.token_ids) for c in expected]
+
+
+def test_grpo_rollout_cuts_completions_after_eos_as_trl_does(lively_model, tiny_tokenizer, stops, prompts):
+    """Near-zero temperature: `generate`'s greedy tokens, cut after the first EOS (kept), TRL's rule."""
+    from posttrain.generation.rollout import ShadowRollout
+
+    policy = _with_extra_eos(lively_model, stops)
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    out = ShadowRollout(torch.float32)(chats, _fake_trainer(policy, tiny_tokenizer, temperature=1e-6))
+    # TRL's `generate` runs past the extra stop ids (they are not the model's EOS); then TRL cuts.
+    generated = _reference(
+        lively_model, tiny_tokenizer, prompts, stop_token_ids(lively_model, tiny_tokenizer)
+    )
+    trl_cut = [next((ids[: i + 1] for i, t in enumerate(ids) if t in stops), ids) for ids in generated]
+    assert out["completion_ids"] == trl_cut
+    assert any(len(ids) < MAX_NEW for ids in trl_cut) and any(len(ids) == MAX_NEW for ids in trl_cut)

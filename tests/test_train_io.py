@@ -1,9 +1,8 @@
-"""Stage outputs on disk: fingerprints, atomic replacement, sample pruning, the bf16 rollout copy."""
+"""Stage outputs on disk: fingerprints, atomic replacement, sample pruning, adapter loading, the CPU LM head."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,76 +118,6 @@ def test_summarize_history_keeps_last_values_and_first_reward():
         {"train_loss": 0.7},
     ]
     assert summarize_history(history) == {"loss": 0.5, "reward": 0.4, "train_loss": 0.7, "reward_first": 0.1}
-
-
-def test_shadow_policy_matches_the_lora_policy(tiny_model_dir):
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from posttrain.core.config import LoraConfig
-    from posttrain.generation.rollout import ShadowPolicy
-    from posttrain.models.loading import build_peft_config
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    policy = get_peft_model(model, build_peft_config(LoraConfig(r=4, alpha=8)))
-    for name, param in policy.named_parameters():
-        if "lora_B" in name:  # B starts at zero; make the adapter do something
-            param.data.normal_(0, 0.5)
-    policy.eval()
-    ids = torch.randint(3, 300, (2, 12))
-    with torch.no_grad():
-        expected = policy(input_ids=ids).logits
-        exact = ShadowPolicy(policy, torch.float32)
-        exact.sync(policy)
-        assert torch.allclose(exact.model(input_ids=ids).logits, expected, atol=1e-4)
-        fast = ShadowPolicy(policy, torch.bfloat16)
-        fast.sync(policy)
-        assert fast.model.dtype == torch.bfloat16
-        assert torch.allclose(fast.model(input_ids=ids).logits.float(), expected, atol=0.1)
-
-
-def test_draw_tokens_samples_the_distribution():
-    from posttrain.generation.rollout import draw_tokens
-
-    torch.manual_seed(0)
-    probs = torch.tensor([[0.0, 0.5, 0.2, 0.0, 0.3]]).repeat(20000, 1)
-    counts = torch.bincount(draw_tokens(probs), minlength=5).float() / 20000
-    assert counts[0] == 0 and counts[3] == 0  # zero-probability tokens are never drawn
-    assert torch.allclose(counts, probs[0], atol=0.015)
-
-
-def test_plain_sampling_matches_generate_when_greedy(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from posttrain.generation.rollout import generate_completion_ids, is_plain_sampling, sample_plain
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]  # different lengths: left padding must not leak
-    greedy = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=[2])
-    assert not is_plain_sampling(greedy)
-    expected = generate_completion_ids(model, prompts, greedy, pad_token_id=0, eos_token_ids=[2])
-    cold = sample_plain(
-        model, prompts, max_new_tokens=12, temperature=1e-5, pad_token_id=0, eos_token_ids=[2]
-    )
-    assert cold == expected
-    assert is_plain_sampling(GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0))
-    assert not is_plain_sampling(GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=0.9))
-
-
-def test_generate_completion_ids_cuts_after_eos():
-    from posttrain.generation.rollout import generate_completion_ids
-
-    class Fake:
-        def generate(self, input_ids, attention_mask, generation_config):
-            assert attention_mask.tolist() == [[0, 1, 1], [1, 1, 1]]  # left padding
-            tail = torch.tensor([[7, 9, 5, 5], [8, 8, 8, 8]])
-            return torch.cat([input_ids, tail], dim=1)
-
-    out = generate_completion_ids(
-        Fake(), [[1, 2], [1, 2, 3]], SimpleNamespace(), pad_token_id=0, eos_token_ids=[9]
-    )
-    assert out == [[7, 9], [8, 8, 8, 8]]
 
 
 def test_modeling_loader_understands_adapter_stage_dirs(tiny_model_dir, tmp_path):

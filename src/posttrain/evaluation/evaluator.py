@@ -29,6 +29,7 @@ from posttrain.generation.engine import (
     GenerationStats,
     encode_prompts,
     generate_continuous,
+    pad_token_id,
     stop_token_ids,
 )
 
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_REFILL_AT", "evaluate", "run_eval"]
 
 DEFAULT_REFILL_AT = 0.5
-"""Admit waiting prompts once the batch is down to half its rows (see generation.py; measured)."""
+"""Admit waiting prompts once the batch is down to half its rows (see generation/engine.py; measured)."""
 
 
 def _records(dataset: Any, limit: int | None) -> list[dict[str, Any]]:
@@ -131,7 +132,6 @@ def _generate_hf(
 ) -> tuple[list[list[Completion]], GenerationStats]:
     requests = [p for p in prompts for _ in range(samples)]
     seeds = [sample_seed(cfg.seed, r["id"], j) for r in records for j in range(samples)]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     was_training = model.training
     model.eval()  # dropout off; the caller's mode is restored after
     try:
@@ -140,7 +140,7 @@ def _generate_hf(
             requests,
             max_new_tokens=cfg.max_new_tokens,
             stop_ids=stop_token_ids(model, tokenizer),
-            pad_token_id=pad,
+            pad_token_id=pad_token_id(tokenizer),
             batch_size=cfg.batch_size,
             temperature=cfg.temperature,
             seeds=seeds,

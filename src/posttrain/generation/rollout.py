@@ -1,67 +1,65 @@
-"""GRPO rollouts from a bf16 copy of the policy: the CPU speed-up that matters most.
+"""GRPO rollouts from a copy of the policy, through the same engine evaluation and DPO sampling use.
 
 Generation is about two thirds of a GRPO step on a CPU. TRL generates with the training model,
 whose weights stay fp32 (master weights); with ``bf16=True`` accelerate wraps its forward in
 autocast, which re-casts every weight matrix to bf16 on *every decoded token*. For a 135M model
 that is ~0.5 GB of memory traffic per token, and it eats most of what the CPU's bf16 matmul units
 (AMX) gain. Instead, :class:`ShadowPolicy` keeps a bf16 copy of the policy with LoRA merged in,
-refreshes it once per generation round (one cast per step, not per token) and generates from it.
+refreshes it once per optimizer step (one cast per step, not per token), and :class:`ShadowRollout`
+samples from it with :func:`posttrain.generation.engine.generate_continuous`: finished rows leave
+the batch, and a draw costs one uniform per row (inverse CDF) instead of ``generate``'s
+``torch.multinomial`` and per-token bookkeeping.
 
 Samples are therefore drawn from the bf16-rounded policy while the loss uses the autocast fp32
 policy; the difference is the same rounding autocast already applies to every matmul, and GRPO's
 old log-probabilities are recomputed from the training model, so the objective is unchanged.
 
-With TRL's default sampling settings (temperature only) the rollout is a short KV-cache loop
-(:func:`sample_plain`) instead of ``generate``: same distribution, but inverse-CDF draws instead of
-``torch.multinomial`` (8 ms per step on a 49k vocabulary here) and none of ``generate``'s per-token
-bookkeeping; measured ~25% faster for 8 x 64 tokens of SmolLM2. Other settings use ``generate``.
+How it plugs into TRL: :class:`ShadowRollout` is a ``rollout_func``, TRL 1.16's public (experimental)
+``GRPOTrainer`` argument, called as ``rollout_func(prompts, trainer)`` with the process's prompts (each
+already repeated ``num_generations`` times by TRL's sampler) and returning ``prompt_ids``,
+``completion_ids`` (one list per prompt) and ``logprobs`` (None: TRL then recomputes what it needs, as
+for its own ``generate`` path). Everything after it is TRL's own code in both cases: decoding,
+completion masks (ones over each returned completion, right-padded), the truncation flags (a
+completion whose last token is not EOS), rewards and metrics. The engine stops each row at its first
+stop id and keeps it, which is exactly TRL's "cut after the first EOS". This replaced an override of
+TRL's private ``GRPOTrainer._generate_single_turn``: the rollout does the same work either way (the
+prompts' chat template is rendered here instead of in TRL), so the public hook costs nothing.
+
+It only covers what it reproduces: temperature-only sampling (TRL's GRPO default) on text prompts.
+Any other setting (top-p, top-k, min-p, repetition penalty, ``generation_kwargs``, vLLM, TRL's
+continuous batching, tools, images) leaves ``rollout_func`` unset, so TRL generates as it ships
+(:func:`shadow_rollout_blockers` says why).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from trl import GRPOTrainer
+
+from posttrain.generation.engine import encode_prompts, generate_continuous, pad_token_id, stop_token_ids
+from posttrain.generation.transformers_compat import no_init_weights
+from posttrain.models.peft_compat import effective_state_dict
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FastGRPOTrainer", "ShadowPolicy", "effective_state_dict"]
+__all__ = ["ShadowPolicy", "ShadowRollout", "shadow_rollout_blockers"]
 
-
-def effective_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """The policy's weights as a plain model's state dict, LoRA deltas added to their base weights."""
-    from peft import PeftModel
-    from peft.tuners.lora import LoraLayer
-
-    if not isinstance(model, PeftModel):
-        return dict(model.state_dict())
-    base = model.get_base_model()
-    state: dict[str, torch.Tensor] = {}
-    for key, value in base.state_dict().items():
-        if "lora_" in key:
-            continue
-        state[key.replace(".base_layer.", ".")] = value
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not module.merged:
-            deltas = [module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A]
-            if deltas:
-                state[f"{name}.weight"] = module.get_base_layer().weight + sum(deltas)
-    return state
+ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+"""What TRL 1.16 requires a ``rollout_func`` to return (``GRPOTrainer._generate`` checks them)."""
 
 
 class ShadowPolicy:
     """A frozen copy of the policy in ``dtype`` that generation can use without autocast."""
 
     def __init__(self, model: Any, dtype: torch.dtype = torch.bfloat16) -> None:
-        from peft import PeftModel
+        from peft import PeftModel  # heavy: deferred until a shadow is built
         from transformers import AutoModelForCausalLM
 
         base = model.get_base_model() if isinstance(model, PeftModel) else model
-        with _no_init_weights():  # every weight is overwritten by sync(); random init would cost ~1 s
+        with no_init_weights():  # every weight is overwritten by sync(); random init would cost ~1 s
             self.model = AutoModelForCausalLM.from_config(base.config, dtype=dtype).eval()
         self.model.generation_config = base.generation_config
         self.model.requires_grad_(False)
@@ -80,175 +78,82 @@ class ShadowPolicy:
                 buffer.copy_(state[name])
 
 
-def _no_init_weights():
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # moved in another transformers version: fall back to (slower) random init
-        return contextlib.nullcontext()
-    return no_init_weights()
+def shadow_rollout_blockers(args: Any, columns: Iterable[str] = (), tools: Sequence[Any] = ()) -> list[str]:
+    """Why TRL must generate itself under these GRPO ``args``; empty when :class:`ShadowRollout` matches it.
+
+    ``columns`` are the training data's columns (images need TRL's multimodal path).
+
+    >>> from types import SimpleNamespace
+    >>> plain = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)
+    >>> shadow_rollout_blockers(SimpleNamespace(**plain))
+    []
+    >>> shadow_rollout_blockers(SimpleNamespace(**{**plain, "top_p": 0.9}), columns=["prompt", "image"])
+    ['top_p=0.9', 'image inputs']
+    """
+    checks = [
+        (args.temperature <= 0, f"temperature={args.temperature}"),
+        (args.top_p not in (None, 1.0), f"top_p={args.top_p}"),
+        (args.top_k not in (None, 0), f"top_k={args.top_k}"),
+        (args.min_p is not None, f"min_p={args.min_p}"),
+        (args.repetition_penalty not in (None, 1.0), f"repetition_penalty={args.repetition_penalty}"),
+        (getattr(args, "cache_implementation", None) is not None, "cache_implementation"),
+        (bool(getattr(args, "generation_kwargs", None)), "generation_kwargs"),
+        (bool(getattr(args, "use_vllm", False)), "use_vllm"),
+        (
+            bool(getattr(args, "use_transformers_continuous_batching", False)),
+            "use_transformers_continuous_batching",
+        ),
+        (bool(tools), "tools"),
+        (bool({"image", "images"} & set(columns)), "image inputs"),
+    ]
+    return [reason for blocked, reason in checks if blocked]
 
 
-class FastGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer that samples rollouts from a :class:`ShadowPolicy` on a CPU with bf16 autocast.
+class ShadowRollout:
+    """TRL's ``rollout_func``: one completion per prompt, sampled from a :class:`ShadowPolicy` by the engine.
 
-    Only the plain transformers generation path is replaced; vLLM, continuous batching, tools and
-    multimodal prompts fall through to TRL unchanged.
+    The shadow is built on the first call and re-synced from the policy whenever the trainer's
+    ``global_step`` has moved, i.e. once per optimizer step however many generation rounds it has.
+    Per-row seeds are drawn from torch's global generator, which TRL seeds from ``args.seed``, so a
+    run is reproducible and no two rows share a random stream.
     """
 
-    def __init__(self, *args: Any, shadow_dtype: torch.dtype = torch.bfloat16, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._shadow: ShadowPolicy | None = None
-        self._shadow_dtype = shadow_dtype
-        self._shadow_step = -1
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype
+        self.shadow: ShadowPolicy | None = None
+        self.synced_step: int | None = None
 
-    def _use_shadow(self, images: Any, multimodal_fields: Any) -> bool:
-        return not (
-            self.use_vllm
-            or self.use_transformers_continuous_batching
-            or images
-            or multimodal_fields
-            or self.tools
-            or self.accelerator.device.type != "cpu"
-        )
+    def refresh(self, policy: Any, step: int) -> ShadowPolicy:
+        """The shadow, (re)built or re-synced from ``policy`` if ``step`` differs from the last sync."""
+        if self.shadow is None:
+            self.shadow = ShadowPolicy(policy, self.dtype)
+        if self.synced_step != step:
+            self.shadow.sync(policy)
+            self.synced_step = step
+        return self.shadow
 
-    def _generate_single_turn(
-        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
-    ):
-        if not self._use_shadow(images, multimodal_fields):
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
-        if self._shadow is None:
-            self._shadow = ShadowPolicy(self.accelerator.unwrap_model(self.model), self._shadow_dtype)
-            # As TRL does for its own generation: the model's saved defaults must not fill in sampling
-            # settings TRL left at their global defaults (transformers#42762).
-            self._shadow.model.generation_config = copy.deepcopy(self.generation_config)
-        if self._shadow_step != self.state.global_step:
-            self._shadow.sync(self.accelerator.unwrap_model(self.model))
-            self._shadow_step = self.state.global_step
-        return generate_completion_ids(
-            self._shadow.model,
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        args, tokenizer = trainer.args, trainer.processing_class
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        shadow = self.refresh(policy, trainer.state.global_step)
+        if isinstance(prompts[0], str):  # already templated text: tokenized as TRL does
+            prompt_ids = [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
+        else:
+            prompt_ids = encode_prompts(tokenizer, prompts, **(args.chat_template_kwargs or {}))
+        seeds = torch.randint(0, 2**62, (len(prompt_ids),)).tolist()
+        completions, stats = generate_continuous(
+            shadow.model,
             prompt_ids,
-            self.generation_config,
-            self._tokenizer.pad_token_id,
-            self.eos_token_ids,
-        ), None
-
-
-def _left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(prompt_ids):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[row, width - len(ids) :] = 1
-    return input_ids, attention_mask
-
-
-def _cut_after_eos(rows: list[list[int]], eos_token_ids: list[int]) -> list[list[int]]:
-    eos = set(eos_token_ids)
-    completions = []
-    for row in rows:
-        cut = next((i for i, token in enumerate(row) if token in eos), None)
-        completions.append(row[: cut + 1] if cut is not None else row)
-    return completions
-
-
-def is_plain_sampling(config: Any) -> bool:
-    """True when ``config`` asks for nothing but temperature sampling (TRL's defaults)."""
-    return (
-        bool(getattr(config, "do_sample", False))
-        and (getattr(config, "temperature", None) or 0) > 0
-        and getattr(config, "top_p", None) in (None, 1.0)
-        and getattr(config, "top_k", None) in (None, 0)
-        and getattr(config, "min_p", None) is None
-        and getattr(config, "repetition_penalty", None) in (None, 1.0)
-        and getattr(config, "cache_implementation", None) is None
-    )
-
-
-def draw_tokens(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs`` by inverse CDF: the first index whose cumulative mass exceeds a uniform."""
-    cdf = probs.cumsum(-1)
-    uniform = torch.rand(probs.shape[0], 1) * cdf[:, -1:]  # scaled: the float sum is not exactly 1
-    return torch.searchsorted(cdf, uniform, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
-
-
-@torch.no_grad()
-def sample_plain(
-    model: Any,
-    prompt_ids: list[list[int]],
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    pad_token_id: int,
-    eos_token_ids: list[int],
-) -> list[list[int]]:
-    """Temperature sampling with a KV cache: ``generate``'s result for plain settings, with less overhead.
-
-    Tokens are drawn by inverse CDF (``searchsorted`` of a uniform in the cumulative probabilities), the
-    same distribution as ``generate``'s ``torch.multinomial``, which costs ~8 ms per step on a 49k
-    vocabulary on this CPU against ~0.3 ms. Rows stop at their first EOS; the loop stops when all have.
-    """
-    from transformers import DynamicCache
-
-    input_ids, mask = _left_pad(prompt_ids, pad_token_id)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    eos = torch.tensor(eos_token_ids)
-    finished = torch.zeros(len(prompt_ids), dtype=torch.bool)
-    generated: list[torch.Tensor] = []
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    for _ in range(max_new_tokens):
-        tokens = draw_tokens(torch.softmax(out.logits[:, -1].float() / temperature, dim=-1))
-        tokens = tokens.masked_fill(finished, pad_token_id)
-        generated.append(tokens)
-        finished |= torch.isin(tokens, eos)
-        if bool(finished.all()):
-            break
-        mask = torch.cat([mask, mask.new_ones((len(prompt_ids), 1))], dim=1)
-        positions = positions[:, -1:] + 1
-        out = model(
-            input_ids=tokens[:, None],
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
+            max_new_tokens=args.max_completion_length,
+            stop_ids=stop_token_ids(policy, tokenizer),
+            pad_token_id=pad_token_id(tokenizer),
+            batch_size=len(prompt_ids),
+            temperature=args.temperature,
+            seeds=seeds,
         )
-    return _cut_after_eos(torch.stack(generated, dim=1).tolist(), eos_token_ids)
-
-
-@torch.no_grad()
-def generate_completion_ids(
-    model: Any,
-    prompt_ids: list[list[int]],
-    generation_config: Any,
-    pad_token_id: int,
-    eos_token_ids: list[int],
-) -> list[list[int]]:
-    """Completions for left-padded prompts, each cut after its first EOS (kept), as TRL does.
-
-    Plain temperature sampling goes through :func:`sample_plain`; anything else (top-p, top-k,
-    penalties, greedy) through ``generate``.
-    """
-    if is_plain_sampling(generation_config):
-        return sample_plain(
-            model,
-            prompt_ids,
-            max_new_tokens=generation_config.max_new_tokens,
-            temperature=generation_config.temperature,
-            pad_token_id=pad_token_id,
-            eos_token_ids=eos_token_ids,
-        )
-    input_ids, attention_mask = _left_pad(prompt_ids, pad_token_id)
-    output = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
-    )
-    return _cut_after_eos(output[:, input_ids.shape[1] :].tolist(), eos_token_ids)
+        logger.debug("shadow rollout: %s", stats.as_dict())
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [list(c.token_ids) for c in completions],
+            "logprobs": None,
+        }

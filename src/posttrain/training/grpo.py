@@ -83,11 +83,17 @@ def make_grpo_trainer(
     fast_generation: bool = True,
     callbacks: Sequence[Any] = (),
 ):
-    """The configured trainer and its health callback, ready to ``train()`` (shared with the benchmark)."""
-    from trl import GRPOConfig, GRPOTrainer
+    """The configured trainer and its health callback, ready to ``train()`` (shared with the benchmark).
 
-    from posttrain.generation.rollout import FastGRPOTrainer
-    from posttrain.training.trl_compat import compact_fused_head_on_cpu
+    With ``fast_generation`` on a CPU in bf16, rollouts come from a bf16 shadow copy of the policy
+    through posttrain's generation engine (TRL's public ``rollout_func``); settings the engine does
+    not reproduce leave TRL's own generation in place (see posttrain.generation.rollout).
+    """
+    from trl import GRPOConfig
+
+    from posttrain.generation.rollout import ShadowRollout, shadow_rollout_blockers
+    from posttrain.models.hardware import resolve_dtype
+    from posttrain.training.trl_compat import compact_fused_head_on_cpu, new_grpo_trainer
 
     compact_fused_head_on_cpu()
     stage = f"grpo-{stage_cfg.name}"
@@ -96,9 +102,15 @@ def make_grpo_trainer(
     model, tokenizer, peft_config = load_policy(model_cfg, model_path)
     args = GRPOConfig(**trainer_arguments(ctx, grpo_options(stage_cfg)), reward_weights=weights)
     monitor = HealthCallback(HealthMonitor(stage_cfg.monitor), stage_cfg.monitor.on_alert, stage)
-    fast = fast_generation and ctx.precision == "bf16" and args.use_cpu
-    trainer_cls = FastGRPOTrainer if fast else GRPOTrainer
-    trainer = trainer_cls(
+    rollout, generation = None, "TRL"
+    if fast_generation and ctx.precision == "bf16" and args.use_cpu:
+        blockers = shadow_rollout_blockers(args, columns=data.column_names)
+        if blockers:
+            generation = f"TRL (shadow rollout off: {', '.join(blockers)})"
+        else:
+            rollout, generation = ShadowRollout(resolve_dtype(ctx.precision)), "bf16-shadow"
+    trainer = new_grpo_trainer(
+        rollout_func=rollout,
         model=model,
         reward_funcs=reward_funcs,
         args=args,
@@ -113,7 +125,7 @@ def make_grpo_trainer(
         len(data),
         [getattr(f, "__name__", "?") for f in reward_funcs],
         weights,
-        "bf16-shadow" if fast else "TRL",
+        generation,
     )
     return trainer, monitor
 

@@ -1,26 +1,40 @@
-"""A CPU-only adjustment to TRL's fused LM head: project only the positions that have a label.
+"""Every place posttrain reaches into TRL beyond its documented API, with the version pin that protects it.
 
-TRL 1.16 computes per-token log-probabilities with a fused, chunked LM head
-(``trl.trainer.utils.add_fused_lm_head``) for SFT, DPO and GRPO. On Triton devices it first drops the
-positions whose label is -100 (prompt and padding); on every other device it projects *all*
-positions onto the vocabulary and zeroes the unlabelled ones afterwards, because on graph-compiled
-accelerators (Neuron) a varying number of positions would recompile the graph. A CPU compiles
-nothing, so those projections are pure waste: with GSM8K prompts (~170 tokens) and 128-token GRPO
-completions, more than half of the vocabulary projection (49k x 576 per position for SmolLM2),
-forward and backward, is spent on prompt tokens whose result is thrown away.
+Pinned to ``TRL_VERSIONS`` (pyproject's pin); ``tests/test_compat.py`` fails when the installed version
+leaves that range or when a hooked name below changes, so lifting the pin means re-checking this file.
 
-:func:`compact_fused_head_on_cpu` switches the CPU onto the Triton devices' path (select labelled
-positions, project, scatter back), which gives the same values. The switch is process-wide and
-touches one private TRL function, so it is guarded by the pinned TRL version and checked by a test.
+1. ``trl.trainer.utils._use_triton`` (private), patched by :func:`compact_fused_head_on_cpu`: make
+   the fused LM head project only the positions that have a label on a CPU. TRL 1.16 computes
+   per-token log-probabilities with a fused, chunked LM head (``trl.trainer.utils.add_fused_lm_head``)
+   for SFT, DPO and GRPO. On Triton devices it first drops the positions whose label is -100 (prompt
+   and padding); on every other device it projects *all* positions onto the vocabulary and zeroes the
+   unlabelled ones afterwards, because on graph-compiled accelerators (Neuron) a varying number of
+   positions would recompile the graph. A CPU compiles nothing, so those projections are pure waste:
+   with GSM8K prompts (~170 tokens) and 128-token GRPO completions, more than half of the vocabulary
+   projection (49k x 576 per position for SmolLM2), forward and backward, is spent on prompt tokens
+   whose result is thrown away. The patch switches the CPU onto the Triton devices' path (select
+   labelled positions, project, scatter back), which gives the same values; it is process-wide and
+   reversible.
+2. ``GRPOTrainer(rollout_func=...)``: public but marked experimental (TRL warns whenever a trainer gets one). GRPO's
+   CPU rollouts (:class:`posttrain.generation.rollout.ShadowRollout`) go through it rather than through
+   an override of the private ``GRPOTrainer._generate_single_turn``; :func:`new_grpo_trainer` passes it
+   and silences the warning. The rollout reads the trainer's public ``args``, ``processing_class``,
+   ``model``, ``accelerator`` and ``state``, and returns ``posttrain.generation.rollout.ROLLOUT_KEYS``;
+   ``tests/test_compat.py`` runs it inside a real trainer.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compact_fused_head_on_cpu"]
+__all__ = ["TRL_VERSIONS", "compact_fused_head_on_cpu", "new_grpo_trainer"]
+
+TRL_VERSIONS = ">=1.16,<1.17"
+"""The TRL versions this module was checked against (pyproject's pin)."""
 
 _MARK = "_posttrain_compact_on_cpu"
 
@@ -53,3 +67,17 @@ def compact_fused_head_on_cpu(enabled: bool = True) -> bool:
     setattr(compact_positions, _MARK, current)
     trl_utils._use_triton = compact_positions
     return True
+
+
+def new_grpo_trainer(rollout_func: Any = None, **kwargs: Any) -> Any:
+    """``trl.GRPOTrainer(**kwargs)``, with ``rollout_func`` when given and without its experimental warning.
+
+    The warning says the hook may change without notice; the pin above and the tests are the answer.
+    """
+    from trl import GRPOTrainer  # heavy: deferred until a trainer is built
+
+    if rollout_func is None:
+        return GRPOTrainer(**kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are using 'rollout_func'", category=UserWarning)
+        return GRPOTrainer(rollout_func=rollout_func, **kwargs)

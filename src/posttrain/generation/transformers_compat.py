@@ -1,14 +1,25 @@
-"""A KV-cache layer for continuous batching: preallocated, writable in place, rows removable and mergeable.
+"""Every place posttrain reaches into transformers' internals: the KV-cache layer and skipped weight init.
 
-transformers' ``DynamicLayer`` appends each step's keys with ``torch.cat``, which copies the whole
-cache on every decode step; with 30 layers, 32 rows and ~400 cached positions that copy costs as
-much as the attention itself on a CPU. This layer keeps keys/values in a buffer with spare columns
-and writes new ones in place; attention reads a view of the filled part. The buffer only grows (by
-``GROW`` columns at a time, amortised), and the engine's rare events (rows finishing, new rows
-joining, dead leading columns) are the only full copies.
+Pinned to ``TRANSFORMERS_VERSIONS`` (pyproject's pin); ``tests/test_compat.py`` fails when the installed
+version leaves that range or when a hooked name below changes shape, so lifting the pin means
+re-checking this file first.
 
-Row layout is the same left padding ``generate`` uses: every row's real tokens end at the last
-filled column and the attention mask hides the columns before its first real token.
+1. :class:`SlotLayer` subclasses ``transformers.cache_utils.DynamicLayer``, whose contract with the
+   attention code is internal: ``lazy_initialization``/``update``/``get_seq_length``/
+   ``batch_select_indices`` and the attributes ``keys``, ``values``, ``is_initialized`` and ``device``
+   (``DYNAMIC_LAYER_CONTRACT``). :func:`new_cache` swaps ``DynamicCache.layers`` for these layers.
+   Why: ``DynamicLayer`` appends each step's keys with ``torch.cat``, which copies the whole cache on
+   every decode step; with 30 layers, 32 rows and ~400 cached positions that copy costs as much as the
+   attention itself on a CPU. ``SlotLayer`` keeps keys/values in a buffer with spare columns and
+   writes new ones in place; attention reads a view of the filled part. The buffer only grows (by
+   ``GROW`` columns at a time, amortised), and the engine's rare events (rows finishing, new rows
+   joining, dead leading columns) are the only full copies. Row layout is the same left padding
+   ``generate`` uses: every row's real tokens end at the last filled column and the attention mask
+   hides the columns before its first real token. ``tests/test_eval_generation.py`` pins the result
+   to ``generate`` token for token.
+2. :func:`no_init_weights` is ``transformers.initialization.no_init_weights``, an internal context
+   manager: the bf16 shadow policy is built from a config and every weight is overwritten right away,
+   so random initialisation (~1 s for SmolLM2) is skipped.
 """
 
 from __future__ import annotations
@@ -21,8 +32,33 @@ from transformers.cache_utils import DynamicLayer
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "DYNAMIC_LAYER_CONTRACT",
+    "GROW",
+    "TRANSFORMERS_VERSIONS",
+    "SlotLayer",
+    "new_cache",
+    "no_init_weights",
+]
+
+TRANSFORMERS_VERSIONS = ">=5.24,<5.25"
+"""The transformers versions this module was checked against (pyproject's pin)."""
+
+DYNAMIC_LAYER_CONTRACT = {
+    "methods": ("lazy_initialization", "update", "get_seq_length", "batch_select_indices"),
+    "attributes": ("keys", "values", "is_initialized", "device"),
+}
+"""What :class:`SlotLayer` overrides or sets on ``DynamicLayer`` (the test checks each still exists)."""
+
 GROW = 64
-"""Spare columns allocated whenever the buffer fills up."""
+"""Spare columns allocated whenever a layer's buffer fills up."""
+
+
+def no_init_weights() -> Any:
+    """transformers' context manager that skips random weight initialisation in ``from_config``."""
+    from transformers.initialization import no_init_weights as skip_init
+
+    return skip_init()
 
 
 class SlotLayer(DynamicLayer):

@@ -1,0 +1,197 @@
+"""Each library's private hooks, checked against the installed version, so lifting a pin fails loudly.
+
+For every compatibility module: its version range equals pyproject's pin, the installed version is
+inside it, and every private name the module touches still exists with the shape it relies on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from posttrain.generation import transformers_compat
+from posttrain.models import datasets_compat, peft_compat
+from posttrain.training import trl_compat
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def pinned(package: str) -> SpecifierSet:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    for dependency in dependencies:
+        requirement = Requirement(dependency)
+        if requirement.name == package:
+            return requirement.specifier
+    raise AssertionError(f"{package} is not a dependency in pyproject.toml")
+
+
+@pytest.mark.parametrize(
+    "package, checked",
+    [
+        ("trl", trl_compat.TRL_VERSIONS),
+        ("transformers", transformers_compat.TRANSFORMERS_VERSIONS),
+        ("peft", peft_compat.PEFT_VERSIONS),
+        ("datasets", datasets_compat.DATASETS_VERSIONS),
+    ],
+)
+def test_compat_module_matches_the_pin_and_the_installed_version(package, checked):
+    assert SpecifierSet(checked) == pinned(package), (
+        f"pyproject pins {package} {pinned(package)} but its compat module was checked for {checked}: "
+        "re-check the hooks the module lists, then update its version range"
+    )
+    assert version(package) in SpecifierSet(checked), f"{package} {version(package)} is outside {checked}"
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def test_trl_private_names_exist():
+    import trl.trainer.utils as trl_utils
+    from trl import GRPOTrainer
+
+    assert list(inspect.signature(trl_utils._use_triton).parameters) == ["device"]
+    assert callable(trl_utils.add_fused_lm_head)
+    assert "rollout_func" in inspect.signature(GRPOTrainer).parameters
+
+
+def test_rollout_func_runs_inside_a_real_grpo_trainer(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """TRL calls the shadow rollout, accepts its output, and sees the same prompts and stop ids it would use."""
+    from posttrain.core.config import DataConfig, GRPOStageConfig, ModelConfig, SyntheticConfig
+    from posttrain.data.prepare import prepare_data
+    from posttrain.generation.engine import encode_prompts, stop_token_ids
+    from posttrain.generation.rollout import ShadowRollout
+    from posttrain.training.grpo import make_grpo_trainer
+    from posttrain.training.runner import StageContext
+
+    data = prepare_data(
+        DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=12), eval_size=4),
+        tiny_tokenizer,
+    ).train
+    stage = GRPOStageConfig(
+        name="compat",
+        rewards=[{"name": "xml_count"}],
+        trainer={
+            "max_steps": 1,
+            "per_device_train_batch_size": 4,
+            "num_generations": 4,
+            "max_completion_length": 8,
+        },
+    )
+    ctx = StageContext(stage="grpo-compat", work_dir=tmp_path, seed=0, report_to="none", precision="bf16")
+    trainer, _ = make_grpo_trainer(
+        stage,
+        ModelConfig(name=str(tiny_model_dir), lora={"r": 4, "alpha": 8}),
+        str(tiny_model_dir),
+        data,
+        ctx,
+    )
+    assert isinstance(trainer.rollout_func, ShadowRollout)
+    calls = []
+    rollout = trainer.rollout_func
+
+    def recorded(prompts, trainer_):
+        out = rollout(prompts, trainer_)
+        calls.append((prompts, out))
+        return out
+
+    trainer.rollout_func = recorded
+    trainer.train()
+    prompts, out = calls[0]
+    assert (
+        trainer._tokenize_prompts(prompts)[0] == out["prompt_ids"] == encode_prompts(tiny_tokenizer, prompts)
+    )
+    assert set(trainer.eos_token_ids) == stop_token_ids(trainer.model, tiny_tokenizer)
+    lengths = [len(ids) for ids in out["completion_ids"]]
+    logged = trainer.state.log_history[0]
+    assert logged["completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths))
+    assert rollout.synced_step == 0 and rollout.shadow.model.dtype == torch.bfloat16
+
+
+def test_compact_fused_head_patch_is_reversible():
+    import trl.trainer.utils as trl_utils
+
+    trl_compat.compact_fused_head_on_cpu(False)  # earlier tests may have built trainers, which switch it on
+    original = trl_utils._use_triton
+    assert original(torch.device("cpu")) is False  # TRL projects every position on a CPU
+    try:
+        assert trl_compat.compact_fused_head_on_cpu(True)
+        assert trl_utils._use_triton(torch.device("cpu")) is True
+    finally:
+        trl_compat.compact_fused_head_on_cpu(False)
+    assert trl_utils._use_triton is original
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def test_dynamic_layer_contract_holds(tiny_model_dir):
+    from transformers import AutoConfig, DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    for method in transformers_compat.DYNAMIC_LAYER_CONTRACT["methods"]:
+        assert callable(getattr(DynamicLayer, method, None)), f"DynamicLayer.{method} is gone"
+    assert list(inspect.signature(DynamicLayer.update).parameters)[:3] == [
+        "self",
+        "key_states",
+        "value_states",
+    ]
+    layer = DynamicLayer()
+    layer.lazy_initialization(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    for attribute in transformers_compat.DYNAMIC_LAYER_CONTRACT["attributes"]:
+        assert hasattr(layer, attribute), f"DynamicLayer no longer sets {attribute}"
+    cache = DynamicCache(config=AutoConfig.from_pretrained(tiny_model_dir))
+    assert cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def test_no_init_weights_is_a_context_manager():
+    with transformers_compat.no_init_weights():
+        pass
+
+
+# --------------------------------------------------------------------------- peft
+
+
+def test_lora_layer_contract_holds(tiny_model_dir):
+    from peft import get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.core.config import LoraConfig
+    from posttrain.models.loading import build_peft_config
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    plain_keys = set(model.state_dict())
+    policy = get_peft_model(model, build_peft_config(LoraConfig(r=4, alpha=8)))
+    layers = [m for m in policy.modules() if isinstance(m, LoraLayer)]
+    assert layers
+    for layer in layers:
+        for name in peft_compat.LORA_LAYER_CONTRACT:
+            assert hasattr(layer, name), f"peft LoraLayer lost {name}"
+        assert layer.merged is False and "default" in layer.lora_A
+        assert layer.get_delta_weight("default").shape == layer.get_base_layer().weight.shape
+    keys = set(policy.get_base_model().state_dict())
+    assert any(".base_layer." in k for k in keys) and any("lora_A" in k for k in keys)
+    assert set(peft_compat.effective_state_dict(policy)) == plain_keys
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def test_dataset_fingerprint_tracks_transforms():
+    from datasets import Dataset
+
+    ds = Dataset.from_list([{"x": 1}, {"x": 2}])
+    fingerprint = datasets_compat.dataset_fingerprint(ds)
+    assert isinstance(fingerprint, str) and fingerprint == ds._fingerprint
+    mapped = ds.map(lambda row: {"x": row["x"] + 1})
+    assert datasets_compat.dataset_fingerprint(mapped) not in (None, fingerprint)
+    datasets_compat.set_dataset_fingerprint(mapped, "recorded")
+    assert datasets_compat.dataset_fingerprint(mapped) == "recorded"
+    assert datasets_compat.dataset_fingerprint([{"x": 1}]) is None  # plain rows: no library fingerprint
