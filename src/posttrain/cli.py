@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from posttrain.core.config import DataConfig, EvalConfig
+from posttrain.core.config import DataConfig, EvalConfig, TrackingConfig
 from posttrain.core.errors import PosttrainError
 from posttrain.core.prompts import format_sft_target
 from posttrain.core.redact import redact_text
@@ -280,7 +280,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def _promote(comparison, args: argparse.Namespace) -> str:
     """``compare --promote``: move the champion alias to the best stage model of the compared runs."""
-    from posttrain.core.config import TrackingConfig
     from posttrain.tracking import models_of_runs, promote_champion, resolve_tracking_uri
     from posttrain.tracking.mlflow_io import mlflow_client
 

@@ -32,6 +32,9 @@ from posttrain.generation.engine import (
     pad_token_id,
     stop_token_ids,
 )
+from posttrain.models.hardware import resolve_dtype
+from posttrain.models.loading import load_model_and_tokenizer, load_tokenizer
+from posttrain.models.resolve import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +65,6 @@ def _load(
     model: Any, tokenizer: Any, precision: str | None, backend: str
 ) -> tuple[Any, Any, str, str | None]:
     """(model or None for vLLM, tokenizer, display name, local path for vLLM)."""
-    from posttrain.models.hardware import resolve_dtype
-    from posttrain.models.loading import load_model_and_tokenizer, load_tokenizer
-    from posttrain.models.resolve import resolve_model_path
-
     if isinstance(model, tuple):
         model, tokenizer = model
     if isinstance(model, (str, Path)):

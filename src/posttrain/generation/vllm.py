@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from posttrain.generation.engine import Completion, GenerationStats
+from posttrain.models.hardware import check_hardware
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +27,6 @@ _DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float
 
 def check_vllm() -> None:
     """Raise :class:`posttrain.core.errors.HardwareError` unless vLLM can run here."""
-    from posttrain.models.hardware import check_hardware
-
     check_hardware(use_vllm=True)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from posttrain.core.config import DPOStageConfig, ModelConfig
 from posttrain.core.errors import StageError
+from posttrain.core.parsing import answers_match, parse_strict
 from posttrain.generation.sampling import Samples, sample_completions
 from posttrain.models.artifacts import StageResult
 from posttrain.models.loading import load_stage_model
@@ -48,8 +49,6 @@ def score_samples(
     Rewards are called the way TRL calls them (conversational completions plus every dataset column
     as a keyword), so a reward behaves identically in DPO sampling and in GRPO. ``None`` scores 0.
     """
-    from posttrain.core.parsing import answers_match, parse_strict
-
     scores, correct = [], []
     for row, texts, ids in zip(rows, samples.texts, samples.token_ids, strict=True):
         n = len(texts)
