@@ -11,8 +11,9 @@ Both variants train the same LoRA (r16) on the same prompts with the same reward
 
 ``--variants`` adds ablations: posttrain's defaults with one of those put back (see ``ABLATIONS``).
 On a CPU without fast bf16 (no AMX or AVX512-BF16) ``auto`` means fp32, and posttrain's default then
-generates with TRL as TRL does; ``bf16`` forces the bf16 path (autocast + bf16 shadow rollouts) and
-``fp32-shadow`` samples fp32 rollouts from an fp32 shadow copy through posttrain's engine.
+samples fp32 rollouts from an fp32 shadow copy through posttrain's engine (``fp32-shadow`` is that
+variant spelled out; ``no-shadow`` generates with TRL as TRL does); ``bf16`` forces the bf16 path
+(autocast + bf16 shadow rollouts).
 
 Each variant reports seconds per step, the share spent generating, and tokens generated per step
 with their rate (tokens / generation seconds), since steps that sample longer completions cost more.
