@@ -15,10 +15,22 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["PREFECT_VERSIONS", "kill_embedded_server", "start_embedded_server"]
+__all__ = ["PREFECT_VERSIONS", "import_embedded_server", "kill_embedded_server", "start_embedded_server"]
 
 PREFECT_VERSIONS = (">=3.9", "<3.10")
 _SERVER_MODULE = "prefect.server.api.server"
+
+
+def import_embedded_server() -> None:
+    """Import the server app (and with it Prefect's SQLAlchemy ORM models) in the calling thread.
+
+    Call before starting the server from a background thread while the main thread may open
+    MLflow's SQL store: SQLAlchemy configures the mappers of *every* declarative class when MLflow's
+    store initialises, and a Prefect model class half-defined by an import in another thread then
+    fails it (``InvalidRequestError: expression 'FlowRun' failed to locate a name``, seen about once
+    in five runs on a loaded 2-core machine).
+    """
+    import prefect.server.api.server  # noqa: F401  heavy: the server app and the ORM models
 
 
 def start_embedded_server() -> None:

@@ -16,7 +16,7 @@ import os
 import threading
 
 from posttrain.core.net import unreachable
-from posttrain.flows.prefect_compat import kill_embedded_server, start_embedded_server
+from posttrain.flows.prefect_compat import import_embedded_server, kill_embedded_server, start_embedded_server
 from posttrain.pipeline.store import Store
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class EarlyPrefectServer:
     """
 
     def __init__(self) -> None:
+        import_embedded_server()  # here, not in the thread: see prefect_compat.import_embedded_server
         self._cancelled = threading.Event()
         self._thread = threading.Thread(target=self._start, name="prefect-server-start", daemon=True)
         self._thread.start()

@@ -4,6 +4,7 @@ singleton of another shape, fails here before it fails a run."""
 
 from __future__ import annotations
 
+import sys
 from importlib import metadata
 
 from packaging.requirements import Requirement
@@ -49,3 +50,14 @@ def test_prestart_starts_the_server_the_flow_client_then_uses(tmp_path):
     with get_client(sync_client=True) as client:
         assert str(client.api_url).rstrip("/") == server.api_url.rstrip("/")
         assert client.api_healthcheck() is None  # None means healthy
+
+
+def test_import_embedded_server_defines_every_orm_model_before_the_server_thread_starts():
+    """The early server's thread must not be defining Prefect's ORM classes while MLflow's SQL store
+    configures every SQLAlchemy mapper in the main thread (a 1-in-5 crash on a loaded machine)."""
+    from sqlalchemy.orm import configure_mappers
+
+    prefect_compat.import_embedded_server()
+    orm = sys.modules["prefect.server.database.orm_models"]
+    assert hasattr(orm, "FlowRun") and hasattr(orm, "Flow")
+    configure_mappers()  # what MLflow's store triggers; raises on a half-defined model
