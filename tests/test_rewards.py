@@ -371,3 +371,23 @@ def test_every_reward_returns_one_value_per_completion(reward):
     out = reward(completions=completions, **trl_kwargs(len(completions), ["42"] * len(completions)))
     assert len(out) == len(completions)
     assert all(v is None or isinstance(v, float) for v in out)
+
+
+@pytest.mark.parametrize(
+    ("text", "score"),
+    [
+        ("<reasoning>\n72+23 = 95\n</reasoning>\n<answer>\n95\n</answer>", 1.0),
+        ("<reasoning>\n72+23 = 105\n</reasoning>\n<answer>\n105\n</answer>", 0.0),
+        ("96/2 = 48 bags, 48*3 = 144, then 144 - 4 = 141", 2 / 3),
+        ("7 x 16 = 112 and 7 \u00d7 16 = 112", 1.0),
+        ("$1,200 / 4 = $300", 1.0),
+        ("10 / 4 = 2.5 but 10 / 3 = 3.33", 0.5),  # exact values: a rounded third is not a third
+        ("5 / 0 = 0", 0.0),  # not checkable: no score from it, none at all here
+        ("3 boxes * 4 = 12 and x = 12", 0.0),  # words in between: not a calculation
+        ("42", 0.0),
+    ],
+)
+def test_arithmetic_reward_checks_each_worked_calculation(text, score):
+    from posttrain.rewards.accuracy import arithmetic_reward
+
+    assert arithmetic_reward([text]) == [pytest.approx(score)]

@@ -11,15 +11,26 @@ Signatures follow TRL 1.16: ``f(completions, answer, **kwargs) -> list[float | N
 
 from __future__ import annotations
 
+import ast
 import logging
+import operator
+import re
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
-from posttrain.core.parsing import answer_block, normalize_gold, normalize_number, parse_strict
+from posttrain.core.parsing import (
+    answer_block,
+    completion_text,
+    normalize_gold,
+    normalize_number,
+    parse_strict,
+    reasoning_block,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["correctness_reward", "int_answer_reward"]
+__all__ = ["arithmetic_reward", "correctness_reward", "int_answer_reward"]
 
 
 def correctness_reward(
@@ -85,3 +96,67 @@ def int_answer_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
         value = normalize_number(content) if content is not None else None
         rewards.append(0.5 if value is not None and "." not in value else 0.0)
     return rewards
+
+
+# One worked calculation: an expression of numbers and + - * / x (at least one operator), "=", a
+# number, e.g. "9*21 = 189", "$72 + $23 = $95", "(40 - 5) / 5 = 7". Units or words between them break
+# the match, so "3 boxes * 4 = 12" is not checked (neither paid nor penalised).
+_NUMBER = r"\d+(?:,\d{3})*(?:\.\d+)?"
+_OPERAND = rf"\(?\$?{_NUMBER}\)?"
+_CALC_RE = re.compile(
+    rf"(?<![\w.])({_OPERAND}(?:\s*[-+*/x\u00d7\u00f7]\s*{_OPERAND})+)\s*=\s*\$?(-?{_NUMBER})"
+)
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _evaluate(expression: str) -> Fraction | None:
+    """The exact value of ``+ - * /`` over numbers and parentheses (no names, calls or powers)."""
+    text = expression.replace("$", "").replace(",", "").replace("\u00d7", "*").replace("x", "*")
+    text = text.replace("\u00f7", "/")
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+            return Fraction(str(node.value))
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ZeroDivisionError
+            return _OPS[type(node.op)](left, right)
+        raise ValueError(ast.dump(node))
+
+    try:
+        return value(tree)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def arithmetic_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """The share of the reasoning's worked calculations (``a op b = c``) whose result is right.
+
+    A calculator check, not an answer check: small models set problems up correctly and then
+    write ``9*21 = 181``; this pays for each right step, so GRPO gets a graded signal on problems
+    whose final answer the model never reaches. A completion with no checkable calculation scores
+    0.0. Values compare exactly (fractions), after dropping ``$`` and thousands commas.
+
+    >>> arithmetic_reward([
+    ...     "<reasoning>\\nShe has 9*21 = 189 pencils.\\nThen 189 - 9 = 180.\\n</reasoning>",
+    ...     "He has 9*21 = 181 pencils, then $181 + $19 = $200.",
+    ...     "No numbers worked out here.",
+    ...     "(40 - 5) / 5 = 7 and 1,200/4 = 300",
+    ... ])
+    [1.0, 0.5, 0.0, 1.0]
+    """
+    scores = []
+    for completion in completions:
+        text = reasoning_block(completion) or completion_text(completion)
+        checks = []
+        for expression, result in _CALC_RE.findall(text):
+            got, claimed = _evaluate(expression), normalize_number(result)
+            if got is not None and claimed is not None:
+                checks.append(got == Fraction(claimed))
+        scores.append(sum(checks) / len(checks) if checks else 0.0)
+    return scores

@@ -6,7 +6,7 @@ handled here: TRL applies them through ``GRPOConfig.reward_weights``.
 
 ``build_reward(name, params)``:
 
-* plain rewards (``correctness``, ``int_answer``, ``strict_format``, ``soft_format``,
+* plain rewards (``correctness``, ``int_answer``, ``arithmetic``, ``strict_format``, ``soft_format``,
   ``xml_count``, ``reasoning_steps``) take no params;
 * factories (``length``, ``repetition``) are called with ``params`` as keyword arguments;
 * TRL's own rewards by their names in ``trl.rewards`` (``accuracy_reward``, ``think_format_reward``,
@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from posttrain.core.errors import ConfigError
-from posttrain.rewards.accuracy import correctness_reward, int_answer_reward
+from posttrain.rewards.accuracy import arithmetic_reward, correctness_reward, int_answer_reward
 from posttrain.rewards.format import soft_format_reward, strict_format_reward, xml_count_reward
 from posttrain.rewards.scaling import make_adaptive_scaler, reward_name
 from posttrain.rewards.shaping import make_length_reward, make_repetition_penalty, reasoning_steps_reward
@@ -71,6 +71,7 @@ __all__ = [
 PLAIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "correctness": correctness_reward,
     "int_answer": int_answer_reward,
+    "arithmetic": arithmetic_reward,
     "strict_format": strict_format_reward,
     "soft_format": soft_format_reward,
     "xml_count": xml_count_reward,
