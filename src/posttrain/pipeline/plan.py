@@ -377,7 +377,7 @@ class Planner:
     def _lookup(self, step: Step, key: str, inputs: StepInputs | None = None) -> tuple[Any | None, str]:
         """(result, "") for a usable cache entry, else (None, why not)."""
         if not self.records.exists(key):
-            return None, self._unrecorded_output(step, key, inputs) or self._why_missing(step, inputs)
+            return None, self._unrecorded_output(step, key) or self._why_missing(step, inputs)
         try:
             result = self.records.read(key, step.kind)
         except Exception as exc:  # an unreadable record is a cache miss, never a crash
@@ -400,7 +400,7 @@ class Planner:
             return None
         return result if step.output_is_valid(result) else None
 
-    def _unrecorded_output(self, step: Step, key: str, inputs: StepInputs | None) -> str:
+    def _unrecorded_output(self, step: Step, key: str) -> str:
         """Why an output without a record is not adopted ("" when there is no such output)."""
         if self.store is None or not step.output_dir(self.store, key).exists():
             return ""
@@ -469,7 +469,8 @@ def dry_run(
 def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:
     """``--dry-run``: (step, cached/run, why) for each step of the plan a run would execute.
 
-    Reads the store's JSON records and nothing else: no store is created, no server started.
+    Reads the store and writes nothing (records; for an output without one, its result and content):
+    no store is created, no server started.
     """
     store = Store.at(cfg.orchestration.store, create=False)
     return dry_run(build_plan(cfg), StoreRecords(store), steps.base_model(cfg), force, store)
