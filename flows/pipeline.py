@@ -212,6 +212,13 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
         store.clean_interrupted_writes()
         runner = _Runner(plan, store, tracker, force or ())
         plan.walk(base_model(cfg), runner)
+        if leftovers := store.unfinished_checkpoints():  # every stage of this plan finished
+            logger.warning(
+                "%d checkpoint folder(s) of unfinished stages of other configs or code: %s "
+                "(a rerun of that config resumes from them; delete them otherwise)",
+                len(leftovers),
+                ", ".join(p.name for p in leftovers),
+            )
         tracker.plot_accuracy_by_stage()
         create_markdown_artifact(
             key=artifact_key(cfg.name),

@@ -283,8 +283,9 @@ def execute_stage(
 ) -> StageResult:
     """Run ``train_fn`` inside the standard stage sequence (module docstring) and return its result.
 
-    If the run dies, ``<output_dir>.ckpt`` keeps the trainer's last checkpoint and the next call
-    with the same ``output_dir`` resumes from it; it is deleted once the output is in place.
+    If the run dies or raises, ``<output_dir>.ckpt`` keeps the trainer's last checkpoint and the
+    next call with the same ``output_dir`` resumes from it; it is deleted once the output is in
+    place (or at once, when training failed before its first checkpoint).
     """
     start = time.perf_counter()
     model_path = str(model_path)
