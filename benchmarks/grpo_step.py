@@ -163,7 +163,8 @@ def run_posttrain(
     stage = GRPOStageConfig(
         name="bench",
         rewards=[{"name": "xml_count"}, {"name": "correctness"}],
-        trainer={"max_steps": steps + 1, **shapes, **trainer_overrides},
+        # No checkpoints (posttrain writes one every tenth of a stage), like the TRL variant above.
+        trainer={"max_steps": steps + 1, "save_strategy": "no", **shapes, **trainer_overrides},
     )
     model_cfg = ModelConfig(
         name=model_path, lora={"r": 16, "alpha": 32}, precision=other.get("precision", "auto")

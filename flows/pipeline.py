@@ -18,8 +18,11 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from posttrain.core.atomic import discard_checkpoints
 from posttrain.core.config import PipelineConfig
+from posttrain.core.redact import redact, redact_override
 from posttrain.evaluation.report import EvalReport
+from posttrain.flows.prefect_compat import redact_stored_parameters, store_parameters_redacted
 from posttrain.flows.prefect_ui import emit_health_alerts, posttrain_logs_to_prefect
 from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_stage_json
 from posttrain.pipeline import load_config
@@ -33,7 +36,15 @@ from posttrain.tracking import MODEL_ID_TAG, StageRun, Tracker, flatten_params, 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PipelineSummary", "StepOutcome", "artifact_key", "posttrain_pipeline", "preview", "run_config"]
+__all__ = [
+    "PipelineSummary",
+    "StepOutcome",
+    "artifact_key",
+    "posttrain_pipeline",
+    "preview",
+    "redact_run_parameters",
+    "run_config",
+]
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,7 @@ class _Runner:
     def __init__(self, plan: Plan, store: Store, tracker: Tracker, force: Sequence[str]):
         self.cfg, self.store, self.tracker = plan.config, store, tracker
         self.records = StoreRecords(store)
-        self.planner = Planner(plan, self.records, force)
+        self.planner = Planner(plan, self.records, force, store)
         self.summary = PipelineSummary(plan.config.name, tracker.run_id)
         self.final_stage = plan.training_steps[-1].name if plan.training_steps else None
         self.models: dict[str, str] = {}
@@ -76,31 +87,33 @@ class _Runner:
         decision = self.planner.decide(step, key, inputs)
         cached = decision.status == "cached"
         evaluated = self.models.get(step.stage) if isinstance(step, EvalStep) else None
+        output_dir = step.output_dir(self.store, key)
+        # A finished stage needs no checkpoints; a forced one retrains from its input.
+        forced = self.planner.forced_from is not None
+        if isinstance(step, TrainStep) and (cached or forced) and discard_checkpoints(output_dir):
+            logger.info("%s: deleted the checkpoints of an interrupted run", step.name)
         if cached:
             # The verified result from the store's JSON record: Prefect's result store (which
             # unpickles what a record names) is never read; see posttrain.pipeline.records.
             result = decision.result
+            if decision.adopted:
+                self._record(step, key, inputs, result)
             run = self.tracker.record_cached_stage(step.name, kind=step.kind, cache_key=key)
             run.set_tags({"cache_key": key})
+            if decision.adopted:  # the run that produced it was killed before logging its result
+                run.set_tags({"adopted": "true"})
+                _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
             if isinstance(step, TrainStep):
                 self._stage_model(step, run, key, result, cached=True)
         else:
             call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
-            call["output_dir"] = str(step.output_dir(self.store, key))
+            call["output_dir"] = str(output_dir)
             with self.tracker.stage(
                 step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key
             ) as run:
                 state = step_task(**call, report_to=run.report_to, return_state=True)
                 result = state.result()
-                identity = step.identity(self.cfg, inputs)
-                self.records.write(
-                    key,
-                    step=step.name,
-                    kind=step.kind,
-                    result=result,
-                    lineage=identity.lineage,
-                    code=identity.code.files,
-                )
+                self._record(step, key, inputs, result)
                 _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
                 if isinstance(step, TrainStep):
                     self._stage_model(step, run, key, result, cached=False)
@@ -125,6 +138,17 @@ class _Runner:
         )
         logger.info("%-22s %-6s %s", step.name, decision.status, decision.reason)
         return result
+
+    def _record(self, step: Step, key: str, inputs: StepInputs, result: Any) -> None:
+        identity = step.identity(self.cfg, inputs)
+        self.records.write(
+            key,
+            step=step.name,
+            kind=step.kind,
+            result=result,
+            lineage=identity.lineage,
+            code=identity.code.files,
+        )
 
     def _stage_model(self, step: TrainStep, run: StageRun, key: str, result: Any, *, cached: bool) -> None:
         """The stage output's LoggedModel: the producer's for a cached stage, else a new one (with
@@ -188,6 +212,13 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
         store.clean_interrupted_writes()
         runner = _Runner(plan, store, tracker, force or ())
         plan.walk(base_model(cfg), runner)
+        if leftovers := store.unfinished_checkpoints():  # every stage of this plan finished
+            logger.warning(
+                "%d checkpoint folder(s) of unfinished stages of other configs or code: %s "
+                "(a rerun of that config resumes from them; delete them otherwise)",
+                len(leftovers),
+                ", ".join(p.name for p in leftovers),
+            )
         tracker.plot_accuracy_by_stage()
         create_markdown_artifact(
             key=artifact_key(cfg.name),
@@ -203,9 +234,25 @@ def run_config(
 ) -> dict[str, Any]:
     """Run the pipeline for a config file (path relative to the working directory) with ``--set``
     style overrides: the entrypoint deployments use (``prefect.yaml``), since a path and a few
-    overrides make better deployment parameters than a whole config."""
+    overrides make better deployment parameters than a whole config.
+
+    Secrets in the overrides (``...api_key=...``, a URI's password) never stay in Prefect's stored
+    flow-run parameters: a direct call stores them redacted, and a deployment run's parameters
+    (stored by whoever triggered it) are overwritten redacted as the run starts."""
+    redact_stored_parameters(redact_run_parameters)
     cfg = load_config(config, overrides or ())
     return posttrain_pipeline(cfg, force=force)
+
+
+def redact_run_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run_config`'s parameters as Prefect may keep them (secrets replaced)."""
+    cleaned = redact(parameters)
+    if isinstance(parameters.get("overrides"), list):
+        cleaned["overrides"] = [redact_override(str(o)) for o in parameters["overrides"]]
+    return cleaned
+
+
+store_parameters_redacted(run_config, redact_run_parameters)
 
 
 def artifact_key(name: str) -> str:
@@ -221,7 +268,7 @@ def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, s
     """``--dry-run``: (step, cached/run, why) for each step of the plan the flow would run (the same
     as :func:`posttrain.pipeline.plan.preview`, which the CLI uses without importing Prefect)."""
     store = Store.at(cfg.orchestration.store, create=False)
-    return dry_run(build_plan(cfg), StoreRecords(store), base_model(cfg), force)
+    return dry_run(build_plan(cfg), StoreRecords(store), base_model(cfg), force, store)
 
 
 def summary_markdown(summary: PipelineSummary) -> str:

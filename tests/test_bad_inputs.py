@@ -117,7 +117,15 @@ CASES = [
         None,
         [],
         {},
-        "{cfg}: sft.trainer: 'resume_from_checkpoint' is managed by posttrain: posttrain decides where a stage starts",
+        "{cfg}: sft.trainer: 'resume_from_checkpoint' is managed by posttrain: posttrain resumes a killed stage",
+    ),
+    (
+        "save_only_model",
+        ["sft.trainer.save_only_model=true"],
+        None,
+        [],
+        {},
+        "{cfg}: sft.trainer: 'save_only_model' is managed by posttrain: checkpoints keep the optimizer",
     ),
     (
         "push_to_hub",

@@ -52,6 +52,15 @@ def test_compat_module_matches_the_pin_and_the_installed_version(package, checke
 # --------------------------------------------------------------------------- TRL
 
 
+def test_trl_token_counter_carried_over_on_resume_exists():
+    """``carry_token_count`` sets the attribute SFT and DPO count ``num_tokens`` in."""
+    from trl import DPOTrainer, SFTTrainer
+
+    for trainer in (SFTTrainer, DPOTrainer):
+        assert "self._total_train_tokens = 0" in inspect.getsource(trainer.__init__), trainer.__name__
+        assert "self._total_train_tokens +=" in inspect.getsource(trainer), trainer.__name__
+
+
 def test_trl_private_names_exist():
     import trl.trainer.utils as trl_utils
     from trl import GRPOTrainer

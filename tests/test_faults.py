@@ -1,9 +1,13 @@
 """Faults as a user (or an attacker) meets them, in real `posttrain` processes: planted secrets,
-unreachable servers on loopback ports with nothing listening, and what a run leaves behind."""
+unreachable servers on loopback ports with nothing listening, runs killed with SIGKILL in each kind
+of stage and rerun, concurrent runs, and what a run leaves behind."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -11,19 +15,63 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+
+from posttrain.training.runner import last_checkpoint
 
 SECRET = "PLANTEDSECRET0451"
 BIN = Path(sys.executable).parent
 
 
-def posttrain(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """`posttrain ARGS` as a fresh process: its own embedded Prefect inside the store, no user servers."""
+def clean_env(**env: str) -> dict[str, str]:
+    """The environment of a fresh `posttrain`: its own embedded Prefect inside the store, no user servers."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     base.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_WAIT_POLICY="PASSIVE", **env)
+    return base
+
+
+def posttrain(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """`posttrain ARGS` as a fresh process, run to its end."""
     return subprocess.run(
-        [str(BIN / "posttrain"), *args], cwd=cwd, env=base, capture_output=True, text=True, timeout=timeout
+        [str(BIN / "posttrain"), *args],
+        cwd=cwd,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
+
+
+def start_posttrain(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    """`posttrain ARGS` started in the background, its output (both streams) in ``log``."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [str(BIN / "posttrain"), *args], cwd=cwd, env=clean_env(), stdout=out, stderr=out
+        )
+
+
+def wait_for(condition, proc: subprocess.Popen, log: Path, timeout: float = 1200):
+    """Poll ``condition()`` until it returns something truthy; fail if ``proc`` ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := condition():
+            return found
+        if proc.poll() is not None:
+            pytest.fail(f"posttrain exited ({proc.returncode}) first:\n{log.read_text()[-3000:]}")
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail(f"timed out:\n{log.read_text()[-3000:]}")
+
+
+def all_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of ``processes`` still alive after ``timeout`` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    alive = processes
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return alive
 
 
 def closed_port() -> int:
@@ -141,3 +189,154 @@ def test_runs_a_killed_run_left_running_are_closed_by_the_next_run_on_its_store(
 
     assert (status(mine), status(child), status(other)) == ("KILLED", "KILLED", "RUNNING")
     assert client.get_run(summary["run_id"]).info.status == "FINISHED"
+
+
+# --------------------------------------------------------------------------- killed and resumed
+
+MAX_STEPS = 6
+KILL_AT = 2
+KILLED_PIPELINE = f"""\
+name: killed
+model: {{name: tiny-random, precision: fp32, lora: {{r: 4, alpha: 8}}}}
+data: {{source: synthetic, synthetic: {{num_examples: 32}}, eval_size: 2, max_prompt_tokens: 1024}}
+sft: {{num_examples: 16, trainer: {{max_steps: {MAX_STEPS}, per_device_train_batch_size: 2, save_steps: 1}}}}
+dpo:
+  num_prompts: 4
+  samples_per_prompt: 2
+  max_new_tokens: 8
+  trainer: {{max_steps: {MAX_STEPS}, per_device_train_batch_size: 1, max_length: 256, save_steps: 1}}
+grpo:
+  stages:
+    - name: s
+      rewards: [{{name: xml_count}}]
+      trainer: {{max_steps: {MAX_STEPS}, num_generations: 2, per_device_train_batch_size: 2,
+                max_completion_length: 8, save_steps: 1}}
+eval: {{baseline: false, after_each_stage: false, limit: 1, max_new_tokens: 2, batch_size: 1}}
+tracking: {{log_model: false}}
+"""
+
+
+def checkpoint_step(stages: Path, stage: str) -> int:
+    """The step of the newest complete checkpoint of ``stage`` in the store (0: none)."""
+    found = [last_checkpoint(folder) for folder in stages.glob(f"{stage}-*.ckpt")]
+    return max((f[1] for f in found if f is not None), default=0)
+
+
+def kill_during(stage: str, cmd: list[str], tmp: Path, log: Path, before_kill=None) -> int:
+    """Start a run, SIGKILL it once ``stage`` has a checkpoint of step KILL_AT or later (only the
+    posttrain process: its Prefect server must follow by itself) and return the step of the newest
+    complete checkpoint left on disk."""
+    proc = start_posttrain(cmd, tmp, log)
+    if before_kill is not None:
+        before_kill(proc)
+    stages = tmp / ".posttrain" / "stages"
+    wait_for(lambda: checkpoint_step(stages, stage) >= KILL_AT, proc, log)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert any("uvicorn" in " ".join(c.cmdline()) for c in children if c.is_running()), "no Prefect server?"
+    assert all_gone(children, timeout=10) == [], "the embedded Prefect server outlived its parent"
+    left = checkpoint_step(stages, stage)
+    assert KILL_AT <= left < MAX_STEPS, f"killed at {left}: not in the middle of {stage}"
+    return left
+
+
+def second_run_on_the_same_store_is_refused(cmd: list[str], tmp: Path):
+    """While the first run holds the store (frozen with SIGSTOP, so it cannot finish meanwhile),
+    a second run on the same store exits 2 at once, naming the holder."""
+
+    def check(first: subprocess.Popen) -> None:
+        lock = tmp / ".posttrain" / "lock"
+        wait_for(lambda: lock.exists() and lock.read_text().strip() == str(first.pid), first, tmp / "a.log")
+        first.send_signal(signal.SIGSTOP)
+        try:
+            second = posttrain(cmd, tmp, timeout=300)
+        finally:
+            first.send_signal(signal.SIGCONT)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert second.stderr.strip().splitlines() == [
+            f"error: {cmd[1]}: orchestration.store: {(tmp / '.posttrain').resolve()} is in use by another "
+            f"posttrain run (pid {first.pid})"
+        ]
+
+    return check
+
+
+def records_of(store: Path, step: str) -> list[Path]:
+    return [
+        p for p in (store / "results").iterdir() if p.is_file() and json.loads(p.read_text())["step"] == step
+    ]
+
+
+def test_runs_killed_in_each_kind_of_stage_resume_to_the_exact_step_count(tmp_path):
+    tmp = tmp_path
+    (tmp / "killed.yaml").write_text(KILLED_PIPELINE)
+    cmd = ["run", "killed.yaml", "--set", f"model.cache_dir={tmp / 'models'}"]
+    store = tmp / ".posttrain"
+    logs = {name: tmp / f"{name}.log" for name in "abcd"}
+
+    # a: killed during SFT (and, before that, a second run on the same store is refused); b: SFT
+    # resumes and finishes, killed during DPO; c: DPO resumes, killed during GRPO; d: GRPO resumes.
+    left = {"sft": kill_during("sft", cmd, tmp, logs["a"], second_run_on_the_same_store_is_refused(cmd, tmp))}
+    left["dpo"] = kill_during("dpo", cmd, tmp, logs["b"])
+    left["grpo-s"] = kill_during("grpo-s", cmd, tmp, logs["c"])
+    # A kill between an output's rename and its cache record: the record is missing. The SFT output
+    # is intact (adopted); the data output was damaged too (recomputed).
+    for record in records_of(store, "sft") + records_of(store, "data"):
+        record.unlink()
+    stats = next((store / "data").glob("*/stats.json"))
+    stats.write_text(stats.read_text() + " ")
+    done = subprocess.run(
+        [str(BIN / "posttrain"), *cmd], cwd=tmp, env=clean_env(), capture_output=True, text=True, timeout=600
+    )
+    logs["d"].write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    for stage, log in (("sft", "b"), ("dpo", "c"), ("grpo-s", "d")):
+        assert f"[{stage}] resuming from step {left[stage]} " in logs[log].read_text(), stage
+        (out,) = (store / "stages").glob(f"{stage}-*[0-9a-f]")
+        info = json.loads((out / "stage.json").read_text())
+        assert info["metrics"]["global_step"] == MAX_STEPS, stage
+        assert info["metrics"]["resumed_from_step"] == left[stage], stage
+        history = [json.loads(line) for line in (out / "log_history.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in history if "loss" in row] == list(range(1, MAX_STEPS + 1)), stage
+    assert "DPO: resuming on the" in logs["c"].read_text()
+    assert re.search(r"sft\s+cached\s+complete output adopted", done.stderr)
+    assert re.search(r"data\s+run\s+output without a cache record failed verification", done.stderr)
+    assert len(records_of(store, "sft")) == 1 and len(records_of(store, "data")) == 1
+    assert list((store / "stages").glob("*.ckpt")) == []  # no checkpoints once every stage is done
+
+    db = sqlite3.connect(tmp / "mlflow.db")
+    statuses = [status for (status,) in db.execute("select status from runs")]
+    # Each killed run left its parent run and the stage it was in RUNNING; the next run closed them.
+    assert statuses.count("KILLED") == 6 and set(statuses) == {"FINISHED", "KILLED"}
+
+
+def test_two_stores_sharing_one_tracking_database_both_finish(tmp_path):
+    """Two runs at once, each on its own store, one SQLite MLflow database: both finish and both
+    have their parent run and every step's run, finished."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    procs = []
+    for name in ("one", "two"):
+        (tmp_path / f"{name}.yaml").write_text(
+            f"name: {name}\n"
+            "model: {name: tiny-random, precision: fp32}\n"
+            "data: {source: synthetic, synthetic: {num_examples: 16}, eval_size: 2, max_prompt_tokens: 1024}\n"
+            "sft: {num_examples: 4, trainer: {max_steps: 1, per_device_train_batch_size: 2}}\n"
+            "eval: {limit: 1, max_new_tokens: 2, batch_size: 1, baseline: false}\n"
+            f"tracking: {{tracking_uri: '{uri}', log_model: false}}\n"
+            f"orchestration: {{store: {tmp_path / name}}}\n"
+        )
+        cmd = ["run", f"{name}.yaml", "--set", f"model.cache_dir={tmp_path / f'models-{name}'}"]
+        procs.append(start_posttrain(cmd, tmp_path, tmp_path / f"{name}.log"))
+    for proc, name in zip(procs, ("one", "two"), strict=True):
+        assert proc.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    db = sqlite3.connect(tmp_path / "mlflow.db")
+    runs = db.execute(
+        "select r.run_uuid, r.name, r.status, t.value from runs r left join tags t"
+        " on t.run_uuid = r.run_uuid and t.key = 'mlflow.parentRunId'"
+    ).fetchall()
+    parents = {run_id: name for run_id, name, _, parent in runs if parent is None}
+    assert len(parents) == 2 and {status for _, _, status, _ in runs} == {"FINISHED"}
+    for parent in parents:
+        assert sorted(name for _, name, _, p in runs if p == parent) == ["data", "eval-sft", "sft"]

@@ -3,6 +3,7 @@ the model and data through the steps (and stops knowing keys after a step that w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,71 @@ def test_keys_change_with_the_inputs():
     )
     other = plan_for("sft.trainer.learning_rate=0.5")
     assert other.step("sft").key(other.config, base) != sft.key(plan.config, base)
+
+
+def damage(out: Path) -> None:
+    (out / "report.json").write_text("{}")
+
+
+def move_store(out: Path) -> None:
+    from posttrain.core.atomic import RESULT_FILE
+
+    result = json.loads((out / RESULT_FILE).read_text())
+    (out / RESULT_FILE).write_text(json.dumps({**result, "report_dir": "/elsewhere/evals/x"}))
+
+
+def garble(out: Path) -> None:
+    from posttrain.core.atomic import RESULT_FILE
+
+    (out / RESULT_FILE).write_text("not json")
+
+
+def drop_result(out: Path) -> None:
+    from posttrain.core.atomic import RESULT_FILE
+
+    (out / RESULT_FILE).unlink()
+
+
+ADOPTED = ("cached", "complete output adopted (its cache record was missing)")
+NOT_ADOPTED = ("run", "output without a cache record failed verification: recomputing")
+
+
+@pytest.mark.parametrize(
+    ("change", "model_fp", "expected"),
+    [
+        (None, "m1", ADOPTED),  # a kill fell between the rename and the record: intact, adopted
+        (damage, "m1", NOT_ADOPTED),  # content no longer what the result recorded
+        (None, "m2", NOT_ADOPTED),  # the result of another model's evaluation
+        (move_store, "m1", NOT_ADOPTED),  # a result that names another folder
+        (garble, "m1", NOT_ADOPTED),  # not a result
+        (drop_result, "m1", NOT_ADOPTED),  # an output without its result (from before results existed)
+    ],
+)
+def test_an_output_without_its_record_is_adopted_only_if_it_verifies(tmp_path, change, model_fp, expected):
+    from posttrain.core.atomic import write_result
+    from posttrain.core.hashing import fingerprint_tree
+    from posttrain.pipeline.plan import Planner
+    from posttrain.pipeline.records import StoreRecords
+    from posttrain.pipeline.steps import EvalResult
+    from posttrain.pipeline.store import Store
+
+    plan = plan_for(f"orchestration.store={tmp_path / 'store'}")
+    store = Store.at(tmp_path / "store")
+    step = plan.step("eval-sft")
+    inputs = StepInputs(ModelRef("model", model_fp), DataResult("data", "t", "e"))
+    key = step.key(plan.config, inputs)
+    out = step.output_dir(store, key)
+    out.mkdir(parents=True)
+    (out / "report.json").write_text('{"accuracy": 0.5}')
+    summary = {"accuracy_strict": 0.5}
+    write_result(out, EvalResult("sft", str(out.resolve()), summary, {}, "m1", fingerprint_tree(out)))
+    if change is not None:
+        change(out)
+
+    decision = Planner(plan, StoreRecords(store), store=store).decide(step, key, inputs)
+    assert (decision.status, decision.reason) == expected
+    assert decision.adopted == (expected == ADOPTED)
+    if decision.adopted:
+        assert decision.result.summary == summary and decision.result.report_dir == str(out.resolve())
+    # Without the store (the planner before adoption existed) nothing is adopted.
+    assert Planner(plan, StoreRecords(store)).decide(step, key, inputs).status == "run"

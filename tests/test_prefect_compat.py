@@ -4,6 +4,7 @@ singleton of another shape, fails here before it fails a run."""
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib import metadata
 
@@ -61,3 +62,108 @@ def test_import_embedded_server_defines_every_orm_model_before_the_server_thread
     orm = sys.modules["prefect.server.database.orm_models"]
     assert hasattr(orm, "FlowRun") and hasattr(orm, "Flow")
     configure_mappers()  # what MLflow's store triggers; raises on a half-defined model
+
+
+def test_posttrain_runs_prefects_own_uvicorn_command_under_the_watchdog(monkeypatch):
+    """The server command posttrain starts is Prefect's, argument for argument and variable for
+    variable, with `-m uvicorn` run through the watchdog instead."""
+    import subprocess
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    started = []
+
+    class Recorded:
+        def __init__(self, args, **kwargs):
+            started.append((args, kwargs))
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    server = SubprocessASGIServer(port=1)  # its own singleton slot: never started
+    try:
+        original = prefect_compat._REPLACED.get(  # installed by an earlier start, or not yet
+            "_run_uvicorn_command", SubprocessASGIServer.__dict__["_run_uvicorn_command"]
+        )
+        original(server)
+        prefect_compat.uvicorn_dying_with_parent(server)
+    finally:
+        SubprocessASGIServer._instances.pop(1, None)
+    (theirs, their_kwargs), (ours, our_kwargs) = started
+    assert theirs[1:3] == ["-m", "uvicorn"]
+    assert ours[:5] == [theirs[0], "-c", prefect_compat.WATCHDOG, str(os.getpid()), "uvicorn"]
+    assert ours[5:] == theirs[3:] and our_kwargs == their_kwargs
+
+
+def test_the_watchdog_ends_its_process_when_the_parent_is_killed(tmp_path):
+    """A parent starts `python -m http.server` under the watchdog and is SIGKILLed: the child ends."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', sys.argv[1], str(__import__('os').getpid()),"
+            " 'http.server', '0', '--bind', '127.0.0.1'])\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(600)\n",
+            prefect_compat.WATCHDOG,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = psutil.Process(int(parent.stdout.readline()))
+    assert child.is_running()
+    time.sleep(1)  # the child is up and watching
+    assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.1)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+
+def test_run_config_keeps_secrets_out_of_prefects_parameters():
+    from posttrain.flows.pipeline import run_config
+
+    stored = run_config.serialize_parameters(
+        {
+            "config": "configs/smoke.yaml",
+            "overrides": [
+                "seed=1",
+                "grpo.stages.0.rewards.0.params.api_key=PLANTED",
+                "tracking.tracking_uri=http://bob:PLANTED@mlflow.local",
+                "grpo.stages.0.rewards.0.params={token: PLANTED, n: 2}",
+            ],
+            "force": None,
+        }
+    )
+    assert "PLANTED" not in str(stored)
+    assert stored["overrides"][0] == "seed=1" and stored["config"] == "configs/smoke.yaml"
+
+
+def test_a_flow_run_created_with_secrets_has_them_replaced_as_it_starts():
+    """A deployment's run is created by whoever triggers it, with raw parameters: the flow
+    overwrites them (here a flow without posttrain's own serializer stands in for that caller)."""
+    from prefect import flow, get_client
+    from prefect.context import FlowRunContext
+
+    from posttrain.flows.pipeline import redact_run_parameters
+
+    @flow
+    def triggered(config: str, overrides: list[str]) -> str:
+        assert prefect_compat.redact_stored_parameters(redact_run_parameters)
+        assert overrides == ["a.password=PLANTED"]  # the flow itself still has the real value
+        return str(FlowRunContext.get().flow_run.id)
+
+    run_id = triggered("x.yaml", ["a.password=PLANTED"])
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(run_id).parameters == {
+            "config": "x.yaml",
+            "overrides": ["a.password=***"],
+        }

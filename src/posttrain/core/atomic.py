@@ -6,23 +6,74 @@ deleted. A kill at any instant therefore leaves one of three things: a ``.tmp-``
 unfinished output, to delete), an ``.old-`` directory whose final path is missing (the kill fell
 between the two renames: put it back), or an ``.old-`` directory next to its replacement (delete).
 :func:`staging_dir` writes by this protocol; :func:`tidy_interrupted` undoes what a kill left.
+
+Two more names belong to the protocol:
+
+* ``<name>.ckpt/`` (:func:`checkpoints_dir`) is where a training stage works: its trainer's
+  checkpoints and whatever the trainer writes along the way. Unlike ``.tmp-`` it survives a kill,
+  so the next run of the same step resumes from the last checkpoint; it is removed once the
+  output is in place.
+* ``<name>/.result.json`` (:data:`RESULT_FILE`) is the step's result, written into the staging
+  directory just before the rename. An output renamed into place whose cache record was never
+  written (a kill between the two) carries its own result, so the next run can verify it and
+  adopt it instead of recomputing it. Hidden files are outside every output fingerprint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REPLACED_SUFFIX", "STAGING_SUFFIX", "staging_dir", "tidy_interrupted"]
+__all__ = [
+    "CHECKPOINTS_SUFFIX",
+    "REPLACED_SUFFIX",
+    "RESULT_FILE",
+    "STAGING_SUFFIX",
+    "checkpoints_dir",
+    "discard_checkpoints",
+    "staging_dir",
+    "tidy_interrupted",
+    "write_result",
+]
 
 STAGING_SUFFIX = ".tmp-"
 REPLACED_SUFFIX = ".old-"
+CHECKPOINTS_SUFFIX = ".ckpt"
+RESULT_FILE = ".result.json"
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    """The durable working folder of the step that writes ``output_dir`` (its checkpoints).
+
+    >>> checkpoints_dir("/store/stages/sft-0123456789ab").as_posix()
+    '/store/stages/sft-0123456789ab.ckpt'
+    """
+    final = Path(output_dir).resolve()
+    return final.with_name(final.name + CHECKPOINTS_SUFFIX)
+
+
+def discard_checkpoints(output_dir: str | Path) -> bool:
+    """Delete the checkpoints of the step that writes ``output_dir``; True if there were any."""
+    folder = checkpoints_dir(output_dir)
+    if not folder.exists():
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    return True
+
+
+def write_result(directory: Path, result: Any) -> None:
+    """Write a step's result (a dataclass) as :data:`RESULT_FILE` into its staging ``directory``."""
+    data = dataclasses.asdict(result)
+    (directory / RESULT_FILE).write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
 
 
 @contextlib.contextmanager

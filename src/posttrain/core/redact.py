@@ -19,11 +19,14 @@ are kept.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["REDACTED", "is_secret_key", "redact", "redact_text"]
+import yaml
+
+__all__ = ["REDACTED", "is_secret_key", "redact", "redact_override", "redact_text"]
 
 REDACTED = "***"
 _SECRET_WORDS = r"password|passwd|passphrase|pwd|secret|credentials?|api[_-]?key|apikey|access[_-]?key|private[_-]?key|auth"
@@ -73,3 +76,30 @@ def redact(value: Any) -> Any:
     if isinstance(value, str):
         return redact_text(value)
     return value
+
+
+def redact_override(override: str) -> str:
+    """A ``--set``-style ``dotted.key=value`` override without secrets: the value of a secret-looking
+    key, secrets inside a mapping value, and passwords in URIs are replaced.
+
+    >>> redact_override("grpo.stages.0.rewards.0.params.api_key=abc123")
+    'grpo.stages.0.rewards.0.params.api_key=***'
+    >>> redact_override("tracking.tracking_uri=http://bob:pw@mlflow:5000")
+    'tracking.tracking_uri=http://bob:***@mlflow:5000'
+    >>> redact_override("grpo.stages.0.rewards.0.params={api_key: abc, n: 2}")
+    'grpo.stages.0.rewards.0.params={"api_key": "***", "n": 2}'
+    >>> redact_override("seed=1")
+    'seed=1'
+    """
+    key, sep, value = override.partition("=")
+    if not sep:
+        return redact_text(override)
+    if is_secret_key(key.strip().rsplit(".", 1)[-1]):
+        return f"{key}={REDACTED}"
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        parsed = None
+    if isinstance(parsed, dict | list) and (cleaned := redact(parsed)) != parsed:
+        return f"{key}={json.dumps(cleaned, default=str)}"
+    return f"{key}={redact_text(value)}"

@@ -24,8 +24,10 @@ _MANAGED_TRAINER_KEYS = {
     "use_cpu": "posttrain picks the device from the hardware",
     "report_to": "tracking is configured in the `tracking:` section",
     "reward_weights": "give each reward a `weight` in the stage's `rewards:` list",
-    "resume_from_checkpoint": "posttrain decides where a stage starts (its input model); "
-    "rerun `posttrain run` to reuse finished stages, or --force STEP to retrain one",
+    "resume_from_checkpoint": "posttrain resumes a killed stage from its last checkpoint by itself: "
+    "rerun `posttrain run` (finished stages are reused; --force STEP retrains one from scratch)",
+    "save_only_model": "checkpoints keep the optimizer, scheduler and RNG states so a killed stage "
+    "resumes exactly; set save_strategy: 'no' to write no checkpoints",
     "push_to_hub": "posttrain never publishes: upload a stage directory from the store or the MLflow model",
     "hub_token": "credentials never go in a config: set HF_TOKEN in the environment",
 }
@@ -49,15 +51,23 @@ _RENAMED_TRAINER_KEYS = {
     "max_prompt_length": "TRL 1.16 never truncates prompts; use data.max_prompt_tokens",
 }
 
+# Checkpoints, so a killed stage resumes (posttrain.training.runner): every tenth of the stage
+# (a ratio suits a 20-step CPU stage and a 2,000-step GPU stage alike: at most a tenth of the work is
+# lost, and a stage writes about ten checkpoints whatever its length), only the newest kept. The
+# trainer deletes the previous checkpoint only after the new one is complete.
+CHECKPOINT_DEFAULTS: dict[str, Any] = {"save_strategy": "steps", "save_steps": 0.1, "save_total_limit": 1}
+CHECKPOINT_OPTIONS = frozenset({"save_strategy", "save_steps", "save_total_limit"})
+"""Options that say when checkpoints are written, not what a stage produces (kept out of cache keys)."""
+
 # posttrain's defaults under each TRL config; YAML values win. They favour small CPU runs:
-# log every step (short runs otherwise show nothing), no checkpoints unless asked.
+# log every step (short runs otherwise show nothing).
 TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
     "sft": {
         "learning_rate": 5e-5,
         "num_train_epochs": 1,
         "per_device_train_batch_size": 8,
         "logging_steps": 1,
-        "save_strategy": "no",
+        **CHECKPOINT_DEFAULTS,
         "activation_checkpointing": False,
         "max_length": 512,
     },
@@ -66,7 +76,7 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_train_epochs": 1,
         "per_device_train_batch_size": 8,
         "logging_steps": 1,
-        "save_strategy": "no",
+        **CHECKPOINT_DEFAULTS,
         "activation_checkpointing": False,
         "max_length": 768,
     },
@@ -76,7 +86,7 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_generations": 8,
         "max_completion_length": 256,
         "logging_steps": 1,
-        "save_strategy": "no",
+        **CHECKPOINT_DEFAULTS,
         "activation_checkpointing": False,
         "log_completions": True,
         "disable_dropout": True,

@@ -53,7 +53,14 @@ LOG_HISTORY_FILE = "log_history.jsonl"
 ADAPTER_CONFIG = "adapter_config.json"
 SCHEMA_VERSION = 1
 # Files that describe a run rather than the policy: two runs producing the same weights fingerprint equal.
-_NOT_POLICY = {STAGE_FILE, LOG_HISTORY_FILE, "dpo_pairs.jsonl", "README.md", "training_args.bin"}
+_NOT_POLICY = {
+    STAGE_FILE,
+    LOG_HISTORY_FILE,
+    "dpo_pairs.jsonl",
+    "dpo_pairs_stats.json",
+    "README.md",
+    "training_args.bin",
+}
 _NOT_POLICY_DIRS = ("completions", "checkpoint-", "runs")
 
 

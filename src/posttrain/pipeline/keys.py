@@ -1,7 +1,9 @@
 """Cache keys: each step's key names exactly what its output depends on.
 
 A key is a sha256 over the step's name, the hash of its resolved config section (posttrain's
-code-side trainer defaults included), the fingerprints of its inputs (upstream model content, data
+code-side trainer defaults included; the options that only say when checkpoints are written left
+out, so changing them neither retrains a finished stage nor strands a killed one's checkpoints),
+the fingerprints of its inputs (upstream model content, data
 content), the posttrain version and the fingerprint of the code the step runs
 (:mod:`posttrain.pipeline.code`). Prefect's default cache policy includes the flow-run id (never
 reused across runs) and its INPUTS policy hashes a path string, not the files behind it, so keys are
@@ -23,6 +25,7 @@ from pathlib import Path
 import posttrain
 from posttrain.core.config import DPOStageConfig, GRPOStageConfig, PipelineConfig, SFTStageConfig
 from posttrain.core.hashing import sha256_file, stable_hash
+from posttrain.core.trainer_options import CHECKPOINT_OPTIONS
 from posttrain.pipeline.code import CodeFingerprint, code_fingerprint
 
 __all__ = [
@@ -113,11 +116,12 @@ def train_identity(
     cfg: PipelineConfig, stage: str, model_fingerprint: str, data_fingerprint: str
 ) -> StepIdentity:
     section = stage_section(cfg, stage)
+    trainer = {k: v for k, v in section.trainer.items() if k not in CHECKPOINT_OPTIONS}
     # trainer_options() includes posttrain's code-side defaults, which the section hash does not.
     config_hash = stable_hash(
         {
-            "stage": stable_hash(section),
-            "trainer": section.trainer_options(),
+            "stage": stable_hash(section.model_copy(update={"trainer": trainer})),
+            "trainer": {k: v for k, v in section.trainer_options().items() if k not in CHECKPOINT_OPTIONS},
             "model": stable_hash(cfg.model),
             "seed": cfg.seed,
         }

@@ -26,7 +26,7 @@ from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import fingerprint_tree
 from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete_stage
 from posttrain.pipeline import keys, steps
-from posttrain.pipeline.records import StoreRecords
+from posttrain.pipeline.records import RecordError, StoreRecords, read_output_result
 from posttrain.pipeline.steps import DataResult, EvalResult, ModelRef
 from posttrain.pipeline.store import Store
 
@@ -86,6 +86,11 @@ class Step:
     def output_is_valid(self, result: Any) -> bool:
         """A cached result still stands only if its output is there, unmodified."""
         raise NotImplementedError
+
+    def made_from(self, result: Any, inputs: StepInputs) -> bool:
+        """Whether ``result`` was computed from ``inputs`` (checked before adopting an output that
+        has no cache record: its folder name holds only the start of the key)."""
+        return True
 
     def advance(self, inputs: StepInputs, result: Any) -> StepInputs:
         """The inputs of the steps after this one, given this step's result."""
@@ -162,6 +167,9 @@ class TrainStep(Step):
         out = Path(result.output_dir)
         return is_complete_stage(out) and fingerprint_dir(out) == result.fingerprints.get("output")
 
+    def made_from(self, result: Any, inputs: StepInputs) -> bool:
+        return result.fingerprints.get("input_model") == inputs.model.fingerprint
+
     def advance(self, inputs: StepInputs, result: StageResult) -> StepInputs:
         return StepInputs(ModelRef(result.output_dir, result.fingerprints["output"]), inputs.data)
 
@@ -232,6 +240,9 @@ class EvalStep(Step):
 
     def output_is_valid(self, result: Any) -> bool:
         return isinstance(result, EvalResult) and _intact(result.report_dir, result.output_fingerprint)
+
+    def made_from(self, result: Any, inputs: StepInputs) -> bool:
+        return result.model_fingerprint == inputs.model.fingerprint and result.stage == self.stage
 
     @staticmethod
     def output_of(result: EvalResult) -> str:
@@ -336,19 +347,27 @@ class Decision:
     reason: str
     result: Any = field(default=None, compare=False, repr=False)
     """The verified cached result when `cached`."""
+    adopted: bool = False
+    """`cached` from a complete output whose cache record is missing: the caller writes the record."""
 
 
 class Planner:
     """Which steps run and which are served from cache, and why: used by the flow and by ``--dry-run``.
 
     A step is cached when the records hold a result under its key and the output that result points
-    to is still there, unmodified. ``--force STEP`` reruns that step and everything after it: a
-    forced retrain may produce identical weights, and the user asked for the rest too.
+    to is still there, unmodified. With the ``store``, a step whose record is missing but whose
+    output is there (a kill fell between the output's rename and its record) is *adopted*: the
+    result the output carries is checked like a cached one (content fingerprint, inputs, path) and
+    used instead of recomputing; an output that fails the check is recomputed and replaced.
+    ``--force STEP`` reruns that step and everything after it: a forced retrain may produce
+    identical weights, and the user asked for the rest too.
     """
 
-    def __init__(self, plan: Plan, records: CacheRecords, force: Sequence[str] = ()):
+    def __init__(
+        self, plan: Plan, records: CacheRecords, force: Sequence[str] = (), store: Store | None = None
+    ):
         plan.check_force(force)
-        self.plan, self.records, self.force = plan, records, set(force)
+        self.plan, self.records, self.force, self.store = plan, records, set(force), store
         self.forced_from: str | None = None
 
     def cached_result(self, step: Step, key: str) -> Any | None:
@@ -358,7 +377,7 @@ class Planner:
     def _lookup(self, step: Step, key: str, inputs: StepInputs | None = None) -> tuple[Any | None, str]:
         """(result, "") for a usable cache entry, else (None, why not)."""
         if not self.records.exists(key):
-            return None, self._why_missing(step, inputs)
+            return None, self._unrecorded_output(step, key) or self._why_missing(step, inputs)
         try:
             result = self.records.read(key, step.kind)
         except Exception as exc:  # an unreadable record is a cache miss, never a crash
@@ -367,6 +386,25 @@ class Planner:
         if not step.output_is_valid(result):
             return None, "cached output missing or modified"
         return result, ""
+
+    def adoptable(self, step: Step, key: str, inputs: StepInputs) -> Any | None:
+        """The verified result of ``step``'s output under ``key`` when it has no cache record, else None."""
+        if self.store is None or self.records.exists(key):
+            return None
+        out = step.output_dir(self.store, key)
+        try:
+            result = read_output_result(step.kind, out)
+        except RecordError:
+            return None
+        if step.output_of(result) != str(out.resolve()) or not step.made_from(result, inputs):
+            return None
+        return result if step.output_is_valid(result) else None
+
+    def _unrecorded_output(self, step: Step, key: str) -> str:
+        """Why an output without a record is not adopted ("" when there is no such output)."""
+        if self.store is None or not step.output_dir(self.store, key).exists():
+            return ""
+        return "output without a cache record failed verification: recomputing"
 
     def _why_missing(self, step: Step, inputs: StepInputs | None) -> str:
         """No record under the key: say so, or that only the code changed since the last one."""
@@ -392,6 +430,8 @@ class Planner:
             return Decision("run", why)
         if not self.plan.config.orchestration.cache:
             return Decision("run", "caching disabled (orchestration.cache: false)")
+        if inputs is not None and (adopted := self.adoptable(step, key, inputs)) is not None:
+            return Decision("cached", "complete output adopted (its cache record was missing)", adopted, True)
         result, why = self._lookup(step, key, inputs)
         if result is None:
             return Decision("run", why)
@@ -399,14 +439,15 @@ class Planner:
 
 
 def dry_run(
-    plan: Plan, records: CacheRecords, base: ModelRef, force: Sequence[str] = ()
+    plan: Plan, records: CacheRecords, base: ModelRef, force: Sequence[str] = (), store: Store | None = None
 ) -> list[tuple[str, str, str]]:
     """(step, status, reason) for every step of ``plan``, without running anything.
 
     Keys downstream of a step that would run depend on that step's new output, so those steps are
-    reported as `run` with the upstream step named.
+    reported as `run` with the upstream step named. With ``store``, outputs whose record is missing
+    are shown as they would be adopted (nothing is written).
     """
-    planner = Planner(plan, records, force)
+    planner = Planner(plan, records, force, store)
     rows: list[tuple[str, str, str]] = []
     upstream: list[str] = []
 
@@ -428,7 +469,8 @@ def dry_run(
 def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:
     """``--dry-run``: (step, cached/run, why) for each step of the plan a run would execute.
 
-    Reads the store's JSON records and nothing else: no store is created, no server started.
+    Reads the store and writes nothing (records; for an output without one, its result and content):
+    no store is created, no server started.
     """
     store = Store.at(cfg.orchestration.store, create=False)
-    return dry_run(build_plan(cfg), StoreRecords(store), steps.base_model(cfg), force)
+    return dry_run(build_plan(cfg), StoreRecords(store), steps.base_model(cfg), force, store)

@@ -12,6 +12,10 @@ deterministic, so anyone who can write ``results/<key>`` could otherwise run cod
 even in ``--dry-run``. Here a record is parsed with :func:`json.loads` and rebuilt field by field
 into the result dataclass of its step's kind (:data:`RESULT_TYPES`), with its types checked; anything
 else is an unreadable record, which is a cache miss.
+
+Every output directory also carries its own result (``.result.json``, see
+:mod:`posttrain.core.atomic`), read back with :func:`read_output_result` the same way: the planner
+adopts a complete output whose record a kill prevented (after checking it like a cached one).
 """
 
 from __future__ import annotations
@@ -27,12 +31,21 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from posttrain.core.atomic import RESULT_FILE
 from posttrain.core.errors import PosttrainError
 from posttrain.models.artifacts import StageResult
 from posttrain.pipeline.steps import DataResult, EvalResult
 from posttrain.pipeline.store import Store
 
-__all__ = ["RECORD_VERSION", "RESULT_TYPES", "RecordError", "StoreRecords", "decode_result", "encode_result"]
+__all__ = [
+    "RECORD_VERSION",
+    "RESULT_TYPES",
+    "RecordError",
+    "StoreRecords",
+    "decode_result",
+    "encode_result",
+    "read_output_result",
+]
 
 RECORD_VERSION = 1
 RESULT_TYPES: dict[str, type] = {
@@ -71,10 +84,28 @@ def decode_result(kind: str, data: Any) -> Any:
         raise RecordError(f"not a {kind} result: {where}: {err['msg']}") from None
 
 
+def read_output_result(kind: str, directory: str | Path) -> Any:
+    """The result an output directory carries (``.result.json``), rebuilt as ``kind``'s dataclass.
+
+    Raises :class:`RecordError` when there is none or it does not parse as such a result.
+    """
+    path = Path(directory) / RESULT_FILE
+    try:
+        if path.stat().st_size > _MAX_RECORD_BYTES:
+            raise RecordError(f"{path} is too large to be a result")
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise RecordError(f"no result in {directory}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError(f"{path} is not a JSON result ({type(exc).__name__})") from None
+    return decode_result(kind, data)
+
+
 class StoreRecords:
     """:class:`~posttrain.pipeline.plan.CacheRecords` as JSON files in ``<store>/results/``."""
 
     def __init__(self, store: Store) -> None:
+        self.store = store
         self.folder = store.results_dir
 
     def path(self, key: str) -> Path:

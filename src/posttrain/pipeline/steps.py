@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.atomic import staging_dir
+from posttrain.core.atomic import staging_dir, write_result
 from posttrain.core.config import GRPOStageConfig, PipelineConfig
 from posttrain.core.hashing import fingerprint_tree
 from posttrain.core.prompts import select_few_shot
@@ -77,17 +77,18 @@ def prepare_step(cfg: PipelineConfig, model: ModelRef, output_dir: str | Path) -
     tokenizer = load_tokenizer(model.path, cfg.model.revision)
     eval_questions = [r["question"] for r in _external_eval_records(cfg)]
     prepared = prepare_data(cfg.data, tokenizer=tokenizer, eval_questions=eval_questions)
+    stats = {k: v for k, v in prepared.stats.items() if not isinstance(v, dict)}
     with staging_dir(output_dir) as tmp:
         prepared.save(tmp)
-        output_fp = fingerprint_tree(tmp)
-    stats = {k: v for k, v in prepared.stats.items() if not isinstance(v, dict)}
-    return DataResult(
-        data_dir=str(Path(output_dir).resolve()),
-        train_fingerprint=str(prepared.stats["train_fingerprint"]),
-        eval_fingerprint=str(prepared.stats["eval_fingerprint"]),
-        stats=stats,
-        output_fingerprint=output_fp,
-    )
+        result = DataResult(
+            data_dir=str(Path(output_dir).resolve()),
+            train_fingerprint=str(prepared.stats["train_fingerprint"]),
+            eval_fingerprint=str(prepared.stats["eval_fingerprint"]),
+            stats=stats,
+            output_fingerprint=fingerprint_tree(tmp),
+        )
+        write_result(tmp, result)
+    return result
 
 
 def _external_eval_records(cfg: PipelineConfig) -> list[dict[str, Any]]:
@@ -141,15 +142,16 @@ def eval_step(
     )
     with staging_dir(output_dir) as tmp:
         report.save(tmp)
-        output_fp = fingerprint_tree(tmp)
-    return EvalResult(
-        stage=stage,
-        report_dir=str(Path(output_dir).resolve()),
-        summary=dict(report.summary),
-        timings=dict(report.timings),
-        model_fingerprint=model.fingerprint,
-        output_fingerprint=output_fp,
-    )
+        result = EvalResult(
+            stage=stage,
+            report_dir=str(Path(output_dir).resolve()),
+            summary=dict(report.summary),
+            timings=dict(report.timings),
+            model_fingerprint=model.fingerprint,
+            output_fingerprint=fingerprint_tree(tmp),
+        )
+        write_result(tmp, result)
+    return result
 
 
 def sft_step(

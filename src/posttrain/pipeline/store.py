@@ -6,6 +6,7 @@ Layout (default ``./.posttrain``, `orchestration.store`)::
     lock                      held by the running pipeline (one writer per store)
     data/<key>/               prepared train/eval datasets (datasets save_to_disk + stats.json)
     stages/<stage>-<key>/     model + tokenizer + stage.json, written atomically by the stage
+    stages/<stage>-<key>.ckpt/  checkpoints of a stage not finished yet (resumed by the next run)
     evals/<stage>-<key>/      report.json + examples.jsonl
     results/<key>             one JSON cache record per key (posttrain.pipeline.records)
     prefect/                  PREFECT_HOME of the embedded (ephemeral) Prefect API
@@ -33,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.core.atomic import tidy_interrupted
+from posttrain.core.atomic import CHECKPOINTS_SUFFIX, tidy_interrupted
 from posttrain.core.errors import PosttrainError
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,10 @@ class Store:
                 ", ".join(p.name for p in touched),
             )
         return touched
+
+    def unfinished_checkpoints(self) -> list[Path]:
+        """Checkpoint folders of stages that have not finished (after a whole run: of other configs)."""
+        return sorted((self.root / "stages").glob(f"*{CHECKPOINTS_SUFFIX}"))
 
     @contextlib.contextmanager
     def lock(self, *, reentrant: bool = False) -> Iterator[None]:

@@ -9,6 +9,10 @@ reference solution as chosen when no sample is correct, and drops groups whose s
 
 With LoRA, TRL uses the adapter-disabled model as the DPO reference, i.e. this stage's input policy;
 with full fine-tuning a frozen copy of it is passed explicitly.
+
+A stage resumed after a kill trains on the pairs the interrupted run sampled (kept in its working
+folder with their statistics), not on a new sample: the trainer's checkpoint counts positions in
+that dataset, and sampling need not repeat exactly on another device.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ from posttrain.training.runner import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PAIRS_FILE", "run_dpo", "score_samples"]
+__all__ = ["PAIRS_FILE", "PAIRS_STATS_FILE", "run_dpo", "score_samples"]
 
 PAIRS_FILE = "dpo_pairs.jsonl"
+PAIRS_STATS_FILE = "dpo_pairs_stats.json"
 
 
 def score_samples(
@@ -100,9 +105,6 @@ def _build_pairs(
     scores, correct = score_samples(rows, samples, reward_funcs, weights)
     references = [r.get("solution") for r in rows]
     pairs, stats = build_dpo_dataset([r["prompt"] for r in rows], samples.texts, scores, correct, references)
-    with (work_dir / PAIRS_FILE).open("w") as fh:
-        for pair in pairs:
-            fh.write(json.dumps(pair) + "\n")
     flat_scores = [s for group in scores for s in group]
     flat_correct = [c for group in correct for c in group]
     metrics = {f"pairs/{k}": v for k, v in stats.items()}
@@ -121,7 +123,28 @@ def _build_pairs(
             "temperature, or add rewards that separate completions"
         )
     logger.info("DPO pairs: %s", stats)
+    with (work_dir / PAIRS_FILE).open("w") as fh:
+        for pair in pairs:
+            fh.write(json.dumps(pair) + "\n")
+    # Written last: its presence says the pairs file beside it is complete.
+    (work_dir / PAIRS_STATS_FILE).write_text(json.dumps(metrics, indent=1))
     return pairs, metrics
+
+
+def _saved_pairs(work_dir: Path):
+    """The pairs and pair metrics an interrupted run of this stage sampled, or None."""
+    from datasets import Dataset  # heavy: deferred until needed
+
+    from posttrain.data.builders import DPO_FEATURES  # imports datasets
+
+    try:
+        metrics = json.loads((work_dir / PAIRS_STATS_FILE).read_text(encoding="utf-8"))
+        lines = (work_dir / PAIRS_FILE).read_text(encoding="utf-8").splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, ValueError):
+        return None
+    columns = {name: [row[name] for row in rows] for name in ("prompt", "chosen", "rejected")}
+    return Dataset.from_dict(columns, features=DPO_FEATURES), metrics
 
 
 def run_dpo(
@@ -145,11 +168,18 @@ def run_dpo(
     def train(ctx: StageContext) -> TrainOutcome:
         from trl import DPOConfig, DPOTrainer
 
-        from posttrain.training.trl_compat import compact_fused_head_on_cpu
+        from posttrain.training.trl_compat import carry_token_count, compact_fused_head_on_cpu
 
         compact_fused_head_on_cpu()
-        rows = _select_prompts(train_dataset, dpo_cfg.num_prompts, ctx.seed)
-        pairs, pair_metrics = _build_pairs(dpo_cfg, model_cfg, str(model_path), rows, ctx.seed, ctx.work_dir)
+        saved = _saved_pairs(ctx.work_dir) if ctx.resume_from is not None else None
+        if saved is not None:
+            pairs, pair_metrics = saved
+            logger.info("DPO: resuming on the %d pairs the interrupted run sampled", len(pairs))
+        else:
+            rows = _select_prompts(train_dataset, dpo_cfg.num_prompts, ctx.seed)
+            pairs, pair_metrics = _build_pairs(
+                dpo_cfg, model_cfg, str(model_path), rows, ctx.seed, ctx.work_dir
+            )
         model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
         args = DPOConfig(**trainer_arguments(ctx, options))
         ref = {"ref_model": frozen_reference(model)} if peft_config is None else {}
@@ -161,7 +191,9 @@ def run_dpo(
             peft_config=peft_config,
             **ref,
         )
-        return TrainOutcome.from_trainer(trainer, trainer.train(), tokenizer, metrics=pair_metrics)
+        carry_token_count(trainer, ctx.resume_from)
+        output = trainer.train(resume_from_checkpoint=ctx.resume_from)
+        return TrainOutcome.from_trainer(trainer, output, tokenizer, metrics=pair_metrics)
 
     return execute_stage(
         stage="dpo",

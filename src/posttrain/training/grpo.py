@@ -155,7 +155,7 @@ def run_grpo_stage(
         trainer, monitor = make_grpo_trainer(
             stage_cfg, model_cfg, str(model_path), train_dataset, ctx, fast_generation=fast_generation
         )
-        output = trainer.train()
+        output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(
             trainer,
             output,

@@ -6,22 +6,37 @@ wraps that in the same sequence everywhere, so every output directory is written
 1. check the hardware the config asks for (before loading anything, so a GPU-only config fails in
    a second on a laptop);
 2. fingerprint the input model and data (the lineage recorded in ``stage.json``);
-3. train inside a temporary directory (see :func:`posttrain.core.atomic.staging_dir`);
-4. save the policy per ``model.adapter_policy``, the log history and ``stage.json``, then rename.
+3. train in the stage's durable working folder ``<output>.ckpt/``
+   (:func:`posttrain.core.atomic.checkpoints_dir`), where the trainer writes its checkpoints;
+   when that folder holds a complete checkpoint from a run that was killed or failed, training
+   resumes from it through the trainer's own ``train(resume_from_checkpoint=...)``;
+4. save the policy per ``model.adapter_policy``, the log history, ``stage.json`` and the result
+   into a temporary directory (see :func:`posttrain.core.atomic.staging_dir`), rename it into
+   place, then delete the checkpoints.
+
+Resuming is the trainer's: it restores the weights, the optimizer, the scheduler, the gradient
+scaler, the RNG states and the trainer state (step, log history, stateful callbacks), and skips the
+batches already trained on, so a resumed stage ends at the configured step count having seen the
+same data in the same order. Checkpoints are written every ``save_steps``
+(``TRAINER_DEFAULTS``: a tenth of the stage, the last one kept) and never enter a cache key or an
+output fingerprint.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
+import re
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.atomic import staging_dir
+from posttrain.core.atomic import checkpoints_dir, staging_dir, write_result
 from posttrain.core.config import ModelConfig
 from posttrain.core.errors import StageError
 from posttrain.core.hashing import stable_hash
@@ -84,11 +99,16 @@ class StageContext:
 
     stage: str
     work_dir: Path
-    """Temporary output directory; the trainer's ``output_dir``."""
+    """The trainer's ``output_dir``: the stage's durable working folder (``<output>.ckpt``), which
+    keeps its checkpoints across a kill. What else a stage writes here (samples, DPO pairs) is
+    copied into the output at the end."""
     precision: str
     """Resolved precision: fp32, bf16 or fp16."""
     seed: int
     report_to: str | list[str]
+    resume_from: str | None = None
+    """The checkpoint to resume from (pass it to ``trainer.train(resume_from_checkpoint=...)``),
+    or None to start from the input model."""
 
 
 def precision_flags(precision: str) -> dict[str, Any]:
@@ -188,6 +208,65 @@ def _adapter_record(model_path: str, model_cfg: ModelConfig, input_fp: str) -> d
     return {"base": base, "base_fingerprint": input_fp, "root": adapter_root(base)}
 
 
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_STATE_FILE = "trainer_state.json"
+
+
+def last_checkpoint(folder: Path) -> tuple[Path, int] | None:
+    """The newest complete trainer checkpoint in ``folder`` and its step, or None.
+
+    The trainer writes ``trainer_state.json`` last into a checkpoint (after the weights, optimizer,
+    scheduler and RNG states), so a checkpoint whose state file parses and names the checkpoint's
+    own step is complete; one a kill interrupted mid-save is passed over.
+    """
+    found = []
+    for path in folder.iterdir() if folder.is_dir() else ():
+        match = _CHECKPOINT.match(path.name)
+        if match is None or not path.is_dir():
+            continue
+        try:
+            state = json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict) and state.get("global_step") == int(match.group(1)):
+            found.append((int(match.group(1)), path))
+    if not found:
+        return None
+    step, path = max(found)
+    return path, step
+
+
+def prepare_work_dir(folder: Path) -> tuple[str | None, int]:
+    """Ready a stage's working folder: ``(checkpoint to resume from or None, its step)``.
+
+    With a complete checkpoint, the newest one is kept with what the interrupted run wrote beside
+    it (sample files of the steps before it, DPO pairs) and any other checkpoint is deleted;
+    without one the folder is emptied, so a fresh start never mixes in a killed run's files.
+    """
+    found = last_checkpoint(folder)
+    if found is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        return None, 0
+    keep, step = found
+    for path in folder.iterdir():
+        if _CHECKPOINT.match(path.name) and path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+    return str(keep), step
+
+
+def _copy_run_files(work: Path, out: Path) -> None:
+    """Copy what the trainer and the stage wrote in the working folder, checkpoints aside, into
+    the staging output (copied, not moved: a kill now still leaves the working folder whole)."""
+    for path in sorted(work.iterdir()):
+        if _CHECKPOINT.match(path.name):
+            continue
+        if path.is_dir():
+            shutil.copytree(path, out / path.name)
+        else:
+            shutil.copy2(path, out / path.name)
+
+
 def execute_stage(
     *,
     stage: str,
@@ -202,7 +281,12 @@ def execute_stage(
     options: Mapping[str, Any],
     train_fn: Callable[[StageContext], TrainOutcome],
 ) -> StageResult:
-    """Run ``train_fn`` inside the standard stage sequence (module docstring) and return its result."""
+    """Run ``train_fn`` inside the standard stage sequence (module docstring) and return its result.
+
+    If the run dies or raises, ``<output_dir>.ckpt`` keeps the trainer's last checkpoint and the
+    next call with the same ``output_dir`` resumes from it; it is deleted once the output is in
+    place (or at once, when training failed before its first checkpoint).
+    """
     start = time.perf_counter()
     model_path = str(model_path)
     check_hardware(
@@ -217,6 +301,9 @@ def execute_stage(
     config_hash = stable_hash(stage_cfg)
     # TRAINER_DEFAULTS live in code, outside the stage section: hash what actually reaches TRL too.
     options_hash = stable_hash(dict(options))
+    final = Path(output_dir).resolve()
+    work = checkpoints_dir(final)
+    resume_from, resume_step = prepare_work_dir(work)
     logger.info(
         "[%s] starting from %s (fingerprint %s) on %d examples, precision %s, output %s",
         stage,
@@ -224,20 +311,37 @@ def execute_stage(
         input_fp,
         len(train_dataset),
         precision,
-        output_dir,
+        final,
     )
-    with staging_dir(output_dir) as work:
-        ctx = StageContext(stage=stage, work_dir=work, precision=precision, seed=seed, report_to=report_to)
-        outcome = train_fn(ctx)
-        metrics = {**summarize_history(outcome.log_history), **outcome.metrics}
-        artifact = save_policy(
-            outcome.model, outcome.tokenizer, work, adapter_policy=model_cfg.adapter_policy
+    if resume_from is not None:
+        logger.info(
+            "[%s] resuming from step %d (%s), left by an interrupted run", stage, resume_step, resume_from
         )
+    ctx = StageContext(
+        stage=stage,
+        work_dir=work,
+        precision=precision,
+        seed=seed,
+        report_to=report_to,
+        resume_from=resume_from,
+    )
+    try:
+        outcome = train_fn(ctx)
+    except BaseException:
+        if last_checkpoint(work) is None:  # nothing to resume from: leave nothing behind
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    metrics = {**summarize_history(outcome.log_history), **outcome.metrics}
+    if resume_from is not None:
+        metrics["resumed_from_step"] = resume_step
+    with staging_dir(final) as out:
+        _copy_run_files(work, out)
+        artifact = save_policy(outcome.model, outcome.tokenizer, out, adapter_policy=model_cfg.adapter_policy)
         adapter = _adapter_record(model_path, model_cfg, input_fp) if artifact == "adapter" else None
-        write_log_history(work, outcome.log_history)
+        write_log_history(out, outcome.log_history)
         duration = time.perf_counter() - start
         write_stage_json(
-            work,
+            out,
             stage=stage,
             kind=kind,
             config=stage_cfg.model_dump(mode="json"),
@@ -256,23 +360,24 @@ def execute_stage(
             duration_s=duration,
             extra={"trainer_options": dict(options), "trainer_options_hash": options_hash},
         )
-        output_fp = fingerprint_dir(work)
-    final = Path(output_dir).resolve()
+        result = StageResult(
+            stage=stage,
+            output_dir=str(final),
+            metrics=metrics,
+            fingerprints={
+                "input_model": input_fp,
+                "data": data_fp,
+                "config": config_hash,
+                "trainer_options": options_hash,
+                "output": fingerprint_dir(out),
+            },
+            alerts=tuple(outcome.alerts),
+            duration_s=round(duration, 3),
+            samples=tuple(outcome.samples),
+            artifact=artifact,
+            adapter_base=adapter["base"] if adapter else None,
+        )
+        write_result(out, result)
+    shutil.rmtree(work, ignore_errors=True)
     logger.info("[%s] done in %.1f s: %s (%s)", stage, duration, final, artifact)
-    return StageResult(
-        stage=stage,
-        output_dir=str(final),
-        metrics=metrics,
-        fingerprints={
-            "input_model": input_fp,
-            "data": data_fp,
-            "config": config_hash,
-            "trainer_options": options_hash,
-            "output": output_fp,
-        },
-        alerts=tuple(outcome.alerts),
-        duration_s=round(duration, 3),
-        samples=tuple(outcome.samples),
-        artifact=artifact,
-        adapter_base=adapter["base"] if adapter else None,
-    )
+    return result

@@ -25,7 +25,7 @@ from posttrain.training.runner import (
     load_policy,
     trainer_arguments,
 )
-from posttrain.training.trl_compat import compact_fused_head_on_cpu
+from posttrain.training.trl_compat import carry_token_count, compact_fused_head_on_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,12 @@ def run_sft(
             processing_class=tokenizer,
             peft_config=peft_config,
         )
+        carry_token_count(trainer, ctx.resume_from)
         return TrainOutcome.from_trainer(
-            trainer, trainer.train(), tokenizer, metrics={"train_examples": len(data)}
+            trainer,
+            trainer.train(resume_from_checkpoint=ctx.resume_from),
+            tokenizer,
+            metrics={"train_examples": len(data)},
         )
 
     return execute_stage(

@@ -21,17 +21,23 @@ leaves that range or when a hooked name below changes, so lifting the pin means 
    and silences the warning. The rollout reads the trainer's public ``args``, ``processing_class``,
    ``model``, ``accelerator`` and ``state``, and returns ``posttrain.generation.rollout.ROLLOUT_KEYS``;
    ``tests/test_compat.py`` runs it inside a real trainer.
+3. ``SFTTrainer._total_train_tokens`` / ``DPOTrainer._total_train_tokens`` (private), set by
+   :func:`carry_token_count`: the running token count those trainers log as ``num_tokens``. A
+   checkpoint does not save it (GRPO's comes from the trainer state, which it does), so a resumed
+   stage would count from zero; it is started from the last count the checkpoint logged.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRL_VERSIONS", "compact_fused_head_on_cpu", "new_grpo_trainer"]
+__all__ = ["TRL_VERSIONS", "carry_token_count", "compact_fused_head_on_cpu", "new_grpo_trainer"]
 
 TRL_VERSIONS = ">=1.16,<1.17"
 """The TRL versions this module was checked against (pyproject's pin)."""
@@ -81,3 +87,15 @@ def new_grpo_trainer(rollout_func: Any = None, **kwargs: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="You are using 'rollout_func'", category=UserWarning)
         return GRPOTrainer(rollout_func=rollout_func, **kwargs)
+
+
+def carry_token_count(trainer: Any, checkpoint: str | None) -> None:
+    """Start an SFT or DPO trainer's ``num_tokens`` count where ``checkpoint`` left it (no-op for
+    None, or a trainer without the counter). With ``logging_steps`` above 1 the last count logged
+    before the checkpoint may lag it by up to that many steps."""
+    if checkpoint is None or not hasattr(trainer, "_total_train_tokens"):
+        return
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8"))
+    counts = [row["num_tokens"] for row in state.get("log_history", []) if "num_tokens" in row]
+    if counts:
+        trainer._total_train_tokens = int(counts[-1])

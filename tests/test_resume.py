@@ -1,0 +1,160 @@
+"""Resuming a stage from its checkpoint, in-process on the tiny model: a stage that dies after step k
+and is run again ends exactly where an uninterrupted run ends (same steps, same losses, same weights),
+and the checkpoint bookkeeping around it (tests/test_faults.py kills real processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from posttrain.core.atomic import CHECKPOINTS_SUFFIX, checkpoints_dir
+from posttrain.core.config import (
+    DataConfig,
+    DPOStageConfig,
+    GRPOStageConfig,
+    ModelConfig,
+    SFTStageConfig,
+    SyntheticConfig,
+)
+from posttrain.training.runner import last_checkpoint, prepare_work_dir
+
+LORA = {"r": 4, "alpha": 8}
+EVERY_STEP = {"max_steps": 3, "save_steps": 1, "learning_rate": 1e-3}
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: raised right after a checkpoint is complete."""
+
+
+@pytest.fixture(scope="module")
+def data(tiny_tokenizer):
+    from posttrain.data.prepare import prepare_data
+
+    cfg = DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=32, max_ops=3), eval_size=4)
+    return prepare_data(cfg, tiny_tokenizer).train
+
+
+def stage_runner(kind: str, tiny_model_dir: Path, data):
+    """``run(output_dir)`` for a 3-step stage of ``kind`` that checkpoints every step."""
+    model = ModelConfig(name=str(tiny_model_dir), lora=LORA, precision="fp32")
+    if kind == "sft":
+        from posttrain.training.sft import run_sft
+
+        cfg = SFTStageConfig(num_examples=12, trainer={**EVERY_STEP, "per_device_train_batch_size": 2})
+        return lambda out: run_sft(cfg, model, tiny_model_dir, data, out)
+    if kind == "dpo":
+        from posttrain.training.dpo import run_dpo
+
+        trainer = {**EVERY_STEP, "per_device_train_batch_size": 1, "max_length": 256}
+        cfg = DPOStageConfig(num_prompts=4, samples_per_prompt=2, max_new_tokens=8, trainer=trainer)
+        return lambda out: run_dpo(cfg, model, tiny_model_dir, data, out)
+    from posttrain.training.grpo import run_grpo_stage
+
+    cfg = GRPOStageConfig(
+        name="r",
+        rewards=[{"name": "test_resume:distinct_characters"}],
+        trainer={
+            **EVERY_STEP,
+            "per_device_train_batch_size": 4,
+            "num_generations": 4,
+            "max_completion_length": 12,
+        },
+    )
+    return lambda out: run_grpo_stage(cfg, model, tiny_model_dir, data, out)
+
+
+def distinct_characters(completions, **kwargs):
+    """A reward that tells random completions apart (the built-in ones score them all alike), so
+    GRPO's advantages and gradients are not zero."""
+    return [len(set(c[0]["content"])) / 10 for c in completions]
+
+
+# Timings differ between runs; the final row's train_loss averages only the steps of the last
+# train() call (transformers' choice when resuming).
+NOT_COMPARED = {"step_time", "train_runtime", "train_loss"}
+
+
+def history(result) -> list[dict]:
+    """The stage's log history without timings (every loss, reward, grad norm, learning rate, ...)."""
+    lines = (Path(result.output_dir) / "log_history.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    return [{k: v for k, v in row.items() if k not in NOT_COMPARED and "per_second" not in k} for row in rows]
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
+def test_a_stage_killed_after_a_checkpoint_resumes_to_the_same_end(
+    kind, tiny_model_dir, data, tmp_path, monkeypatch
+):
+    from transformers import Trainer
+
+    from posttrain.rewards.registry import CUSTOM_CODE_ENV
+
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")  # this module's reward
+    run = stage_runner(kind, tiny_model_dir, data)
+    uninterrupted = run(tmp_path / "whole")
+
+    save = Trainer._save_checkpoint
+
+    def save_then_die(self, model, trial):
+        save(self, model, trial)
+        if self.state.global_step == 1:
+            raise Killed
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run(tmp_path / "resumed")
+    work = checkpoints_dir(tmp_path / "resumed")
+    assert last_checkpoint(work) == (work / "checkpoint-1", 1) and not (tmp_path / "resumed").exists()
+    monkeypatch.setattr(Trainer, "_save_checkpoint", save)
+    if kind == "dpo":  # the pairs the first run sampled are reused: no sampling on resume
+        monkeypatch.setattr(
+            "posttrain.training.dpo.sample_completions", lambda *a, **k: pytest.fail("resampled")
+        )
+
+    resumed = run(tmp_path / "resumed")
+    assert any(row.get("grad_norm") for row in history(uninterrupted))  # it did learn something
+    assert resumed.metrics["resumed_from_step"] == 1 and "resumed_from_step" not in uninterrupted.metrics
+    assert resumed.metrics["global_step"] == uninterrupted.metrics["global_step"] == 3
+    # The same batches in the same order from the same optimizer state: equal logs, equal weights.
+    assert history(resumed) == history(uninterrupted)
+    assert resumed.fingerprints["output"] == uninterrupted.fingerprints["output"]
+    assert not work.exists()  # checkpoints go once the output is in place
+    if kind == "grpo":  # sampling resumed from the saved RNG state: the same completions were drawn
+        import pandas as pd
+
+        assert resumed.samples == uninterrupted.samples
+        for name in resumed.samples:
+            a, b = (pd.read_parquet(Path(r.output_dir) / name) for r in (resumed, uninterrupted))
+            assert a["completion"].tolist() == b["completion"].tolist()
+
+
+def write_checkpoint(folder: Path, step: int, state: str | None = None) -> Path:
+    path = folder / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "optimizer.pt").write_bytes(b"x")
+    if state is not None:
+        (path / "trainer_state.json").write_text(state)
+    return path
+
+
+def test_only_a_complete_checkpoint_is_resumed_from(tmp_path):
+    work = tmp_path / f"sft-abc{CHECKPOINTS_SUFFIX}"
+    assert last_checkpoint(work) is None
+    two = write_checkpoint(work, 2, json.dumps({"global_step": 2}))
+    write_checkpoint(work, 3, '{"global_step": 3, "log_hi')  # killed while writing its state
+    write_checkpoint(work, 4)  # killed before its state
+    write_checkpoint(work, 5, json.dumps({"global_step": 4}))  # not this checkpoint's state
+    assert last_checkpoint(work) == (two, 2)
+    (work / "completions").mkdir()
+    assert prepare_work_dir(work) == (str(two), 2)
+    assert sorted(p.name for p in work.iterdir()) == ["checkpoint-2", "completions"]
+
+
+def test_a_working_folder_without_a_checkpoint_starts_empty(tmp_path):
+    work = tmp_path / "sft.ckpt"
+    write_checkpoint(work, 1)
+    (work / "completions").mkdir()
+    assert prepare_work_dir(work) == (None, 0)
+    assert list(work.iterdir()) == []
