@@ -249,6 +249,13 @@ class MonitorConfig(StrictModel):
     max_invalid_rewards: float = Field(0.5, ge=0, le=1)
     """Fraction of one reward's scores in a logged step that may be NaN/None (any is an alert);
     above it the stage fails: a reward that mostly cannot score gives GRPO nothing to learn from."""
+    hacking_window: int = Field(3, ge=2)
+    """In-training evaluations (``eval_every``) the reward-hacking check fits its trends over."""
+    hacking_reward_rise: float = Field(0.05, ge=0)
+    """Fitted rise of the mean ``reward`` across those evaluations above which, while accuracy
+    falls, the stage alerts ``reward_hacking`` (in reward units: the weighted sum)."""
+    hacking_accuracy_drop: float = Field(0.05, ge=0)
+    """Fitted fall of ``eval/accuracy`` (a fraction) across those evaluations that counts as falling."""
 
 
 class StageDataFilter(StrictModel):
@@ -273,6 +280,18 @@ class GRPOStageConfig(_StageWithTrainer):
     monitor: MonitorConfig = MonitorConfig()
     sample_every: int = Field(5, ge=1)
     """Keep sample completions with per-reward scores every N steps."""
+    zero_signal: Literal["keep", "drop", "resample"] = "keep"
+    """Prompt groups whose completions all earned the same reward (no gradient): keep them (TRL's
+    behaviour), drop them from the loss, or resample: replace them with fresh prompts' groups that
+    have signal (DAPO's dynamic sampling), dropping what is still flat after the budget.
+    See posttrain.training.zero_signal."""
+    zero_signal_max_rounds: int = Field(4, ge=1)
+    """resample: extra generation rounds per step at most (each as large as the step's batch)."""
+    eval_every: int | None = Field(None, ge=1)
+    """Evaluate greedily on the held-out slice at the start and every N steps (``eval/accuracy``,
+    ``eval/accuracy_flexible``, ``eval/format`` next to the reward); null: no in-training evaluation."""
+    eval_limit: int = Field(64, ge=1)
+    """Held-out questions per in-training evaluation (those in the stage's ``data_filter`` ops range)."""
 
     @property
     def step_name(self) -> str:

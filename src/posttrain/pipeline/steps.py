@@ -178,8 +178,19 @@ def grpo_step(
     output_dir: str | Path,
     report_to: Any = "none",
 ) -> StageResult:
-    """One GRPO stage, from ``model`` (the previous stage's output) into ``output_dir``."""
-    train = load_data(data).train
+    """One GRPO stage, from ``model`` (the previous stage's output) into ``output_dir``.
+
+    With ``eval_every`` the stage also reads the held-out split (logged metrics only; it is cut from
+    the same records as the train split, whose fingerprint is in the stage's key).
+    """
+    prepared = load_data(data)
     return run_grpo_stage(
-        stage_cfg, cfg.model, model.path, train, output_dir, seed=cfg.seed, report_to=report_to
+        stage_cfg,
+        cfg.model,
+        model.path,
+        prepared.train,
+        output_dir,
+        seed=cfg.seed,
+        report_to=report_to,
+        heldout=prepared.eval if stage_cfg.eval_every is not None else None,
     )

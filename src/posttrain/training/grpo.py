@@ -9,6 +9,10 @@ logged ``reward`` is the weighted sum while ``rewards/<name>/mean`` stays per re
 sampled completions with every reward's score as parquet on each logged step; the stage keeps
 those of every ``sample_every``-th step (plus the first and the last) so a long run's output
 directory stays small but still shows how the samples evolved.
+
+Two stage options act inside TRL's loop: ``zero_signal`` (what happens to prompt groups whose
+completions all scored the same; :mod:`posttrain.training.zero_signal`) and ``eval_every`` (greedy
+accuracy on a held-out slice logged next to the reward; :mod:`posttrain.training.eval_callback`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 from posttrain.core.config import GRPOStageConfig, ModelConfig
 from posttrain.models.artifacts import StageResult
+from posttrain.training.eval_callback import HeldoutEval, heldout_slice
 from posttrain.training.health import HealthCallback, HealthMonitor
 from posttrain.training.runner import (
     StageContext,
@@ -82,6 +87,7 @@ def make_grpo_trainer(
     *,
     fast_generation: bool = True,
     callbacks: Sequence[Any] = (),
+    heldout: Any = None,
 ):
     """The configured trainer and its health callback, ready to ``train()`` (shared with the benchmark).
 
@@ -90,6 +96,7 @@ def make_grpo_trainer(
     leave the batch, which saves most on short, uneven completions (measured by
     benchmarks/grpo_step.py: 0.62x TRL's CPU time per step in fp32 on a CPU without AMX). Settings
     the engine does not reproduce leave TRL's own generation in place (see posttrain.generation.rollout).
+    ``heldout`` (the prepared data's held-out records) feeds the stage's ``eval_every`` evaluation.
     """
     from trl import GRPOConfig
 
@@ -113,6 +120,8 @@ def make_grpo_trainer(
             rollout, generation = ShadowRollout(resolve_dtype(ctx.precision)), f"{ctx.precision}-shadow"
     trainer = new_grpo_trainer(
         rollout_func=rollout,
+        zero_signal=stage_cfg.zero_signal,
+        max_rounds=stage_cfg.zero_signal_max_rounds,
         model=model,
         reward_funcs=reward_funcs,
         args=args,
@@ -121,13 +130,23 @@ def make_grpo_trainer(
         peft_config=peft_config,
         callbacks=[monitor, *callbacks],
     )
+    evaluation = "off"
+    if stage_cfg.eval_every is not None:
+        if heldout is None:
+            logger.warning("[%s] eval_every is set but no held-out data was given: not evaluating", stage)
+        else:
+            records = heldout_slice(heldout, stage_cfg.data_filter, stage_cfg.eval_limit)
+            trainer.add_callback(HeldoutEval(trainer, records, stage_cfg.eval_every, stage))
+            evaluation = f"{len(records)} held-out questions every {stage_cfg.eval_every} steps"
     logger.info(
-        "[%s] %d examples, rewards %s (weights %s), %s generation",
+        "[%s] %d examples, rewards %s (weights %s), %s generation, zero_signal %s, evaluation %s",
         stage,
         len(data),
         [getattr(f, "__name__", "?") for f in reward_funcs],
         weights,
         generation,
+        stage_cfg.zero_signal,
+        evaluation,
     )
     return trainer, monitor
 
@@ -142,8 +161,12 @@ def run_grpo_stage(
     seed: int = 0,
     report_to: str | list[str] = "none",
     fast_generation: bool = True,
+    heldout: Any = None,
 ) -> StageResult:
     """Train one GRPO stage from ``model_path`` on prepared data (``prompt`` messages + ``answer``).
+
+    ``heldout`` is the prepared data's held-out split, evaluated during training when the stage sets
+    ``eval_every``.
 
     ``fast_generation`` samples rollouts from a copy of the policy through posttrain's engine when
     training on a CPU (see posttrain.generation.rollout); it is a no-op elsewhere. Health alerts end up in the result and in
@@ -153,7 +176,13 @@ def run_grpo_stage(
 
     def train(ctx: StageContext) -> TrainOutcome:
         trainer, monitor = make_grpo_trainer(
-            stage_cfg, model_cfg, str(model_path), train_dataset, ctx, fast_generation=fast_generation
+            stage_cfg,
+            model_cfg,
+            str(model_path),
+            train_dataset,
+            ctx,
+            fast_generation=fast_generation,
+            heldout=heldout,
         )
         output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(

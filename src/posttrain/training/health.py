@@ -6,20 +6,37 @@ every prompt earns the same reward the advantages are all zero, the loss is 0 an
 rewards this happens on the very first step (measured: ``frac_reward_zero_std`` = 1), so that check
 fires on the first logged step instead of waiting for a window. The other checks:
 
-============  =======================================  ==========================================
-kind          condition                                usual remedy
-============  =======================================  ==========================================
-no_signal     ``frac_reward_zero_std`` >= threshold    more generations / higher temperature;
-              (mean of the recent reward steps)        partial-credit rewards; SFT first
-kl_blowup     ``kl`` > ``kl_threshold``                raise ``beta`` or lower the learning rate
-entropy       ``entropy`` < ``min_entropy``            raise temperature; lower the learning rate
-flat_reward   fitted ``reward`` change over            check the rewards pay anything; add
-              ``window`` reward steps <= tolerance     partial credit; SFT first; raise the lr
-invalid_      a reward scored NaN/None                 fix the reward (``posttrain rewards
-reward        (``rewards/<fn>/invalid_frac`` > 0)      check``); ``on_error`` per reward
-non_finite    ``loss``, ``grad_norm`` or ``reward``    lower the learning rate; check the
-              is NaN or infinite                       rewards and the precision
-============  =======================================  ==========================================
+==============  =======================================  ========================================
+kind            condition                                usual remedy
+==============  =======================================  ========================================
+no_signal       share of prompt groups without signal    ``zero_signal: resample`` (or ``drop``);
+                >= ``zero_std_threshold`` (mean of the   easier data (``data_filter.max_ops``);
+                recent reward steps): ``1 -              more generations / higher temperature;
+                zero_signal/frac_signal`` when the       partial-credit rewards; SFT first
+                stage sets ``zero_signal``, else
+                ``frac_reward_zero_std``
+kl_blowup       ``kl`` > ``kl_threshold``                raise ``beta`` or lower the learning rate
+entropy         ``entropy`` < ``min_entropy``            raise temperature; lower the learning rate
+flat_reward     fitted ``reward`` change over            check the rewards pay anything; add
+                ``window`` reward steps <= tolerance     partial credit; SFT first; raise the lr
+invalid_        a reward scored NaN/None                 fix the reward (``posttrain rewards
+reward          (``rewards/<fn>/invalid_frac`` > 0)      check``); ``on_error`` per reward
+non_finite      ``loss``, ``grad_norm`` or ``reward``    lower the learning rate; check the
+                is NaN or infinite                       rewards and the precision
+reward_hacking  over the last ``hacking_window``         read the samples for what the reward
+                evaluations (``eval_every``), the mean   pays; a stricter reward or a lower
+                ``reward`` between them rose by >=       weight for the exploited one; raise
+                ``hacking_reward_rise`` while            ``beta``; keep the model from before
+                ``eval/accuracy`` fell by >=             accuracy fell
+                ``hacking_accuracy_drop`` (fitted
+                changes)
+==============  =======================================  ========================================
+
+With ``zero_signal`` set, ``zero_signal/frac_signal`` is the share of the *trained* batch's groups
+with signal, so ``resample`` that fills its batches keeps ``no_signal`` quiet while ``drop`` (or a
+``resample`` budget too small for the data) still raises it. ``reward_hacking`` pairs each evaluation
+with the mean ``reward`` logged since the previous one (the step-0 evaluation has none and is not used
+by it); a small slice is noisy (one question of 64 is 1.6 points), hence fitted trends and thresholds.
 
 NaN in a metric is never silently skipped: ``non_finite`` fires on it. ``invalid_reward`` counts
 the scores a reward could not give (:mod:`posttrain.rewards.guard` logs the fraction per reward);
@@ -43,14 +60,14 @@ from typing import Any
 from transformers import TrainerCallback
 
 from posttrain.core.errors import StageError
+from posttrain.training.zero_signal import ZERO_STD
 
 logger = logging.getLogger(__name__)
 
-# A group whose rewards differ by less than this has no usable advantage (matches fp noise, not signal).
-_ZERO_STD = 1e-8
-
 REMEDIES = {
-    "no_signal": "raise num_generations or temperature so completions differ; add partial-credit rewards "
+    "no_signal": "set the stage's zero_signal: resample (or drop) so groups without signal are replaced "
+    "or left out of the loss; train on easier data first (data_filter.max_ops) so some answers are right; "
+    "raise num_generations or temperature so completions differ; add partial-credit rewards "
     "(xml_count, soft_format); run SFT first so the format is reachable",
     "kl_blowup": "raise beta or lower the learning rate",
     "entropy": "raise temperature or lower the learning rate; the policy is collapsing onto one output",
@@ -59,9 +76,14 @@ REMEDIES = {
     "invalid_reward": "fix the reward so it scores every completion, or give it on_error: zero|skip; "
     "NaN/None scores are left out of the sum and teach nothing",
     "non_finite": "lower the learning rate, check the rewards for huge values, or train in fp32",
+    "reward_hacking": "read the stage's sample completions (completions/*.parquet) for what the reward "
+    "pays; make it stricter or lower the exploited reward's weight; raise beta; keep the model from "
+    "before accuracy fell (fewer steps)",
 }
 _INVALID_SUFFIX = "/invalid_frac"
 _FINITE_KEYS = ("loss", "grad_norm", "reward")
+_ACCURACY = "eval/accuracy"
+_FRAC_SIGNAL = "zero_signal/frac_signal"
 
 
 @dataclass(frozen=True)
@@ -106,9 +128,13 @@ class HealthMonitor:
         self._zero_std: deque[float] = deque(maxlen=cfg.window)
         self._rewards: deque[float] = deque(maxlen=cfg.window)
         self._active: set[str] = set()
+        self._step = 0
+        self._since_eval: list[float] = []  # rewards logged since the last evaluation
+        self._eval_points: deque[tuple[int, float, float]] = deque(maxlen=cfg.hacking_window)
 
     def observe(self, step: int, logs: Mapping[str, Any]) -> list[Alert]:
         raised = []
+        self._step = step
         for kind, firing in self._checks(logs):
             if firing is None:  # metric absent this step: leave the state as it is
                 continue
@@ -128,6 +154,7 @@ class HealthMonitor:
         yield "kl_blowup", self._check_kl(logs)
         yield "entropy", self._check_entropy(logs)
         yield "flat_reward", self._check_flat(logs)
+        yield "reward_hacking", self._check_hacking(logs)
 
     def _check_finite(self, logs: Mapping[str, Any]):
         seen = {k: logs[k] for k in _FINITE_KEYS if isinstance(logs.get(k), int | float)}
@@ -158,12 +185,13 @@ class HealthMonitor:
         return bad[worst], f"rewards returned NaN/None for part of the completions: {listed}"
 
     def _check_no_signal(self, logs: Mapping[str, Any]):
-        frac = _number(logs, "frac_reward_zero_std")
+        signal = _number(logs, _FRAC_SIGNAL)  # the trained batch's share, when zero_signal is set
+        frac = 1.0 - signal if signal is not None else _number(logs, "frac_reward_zero_std")
         if frac is None:
             std = _number(logs, "reward_std")
             if std is None:
                 return None
-            frac = 1.0 if std < _ZERO_STD else 0.0
+            frac = 1.0 if std < ZERO_STD else 0.0
         self._zero_std.append(frac)
         # Mean over the reward steps seen so far (at most `window`): on the first step it is the step's
         # own value, so a run that starts without any signal is flagged at once.
@@ -190,8 +218,8 @@ class HealthMonitor:
 
     def _check_entropy(self, logs: Mapping[str, Any]):
         entropy = _number(logs, "entropy")
-        if entropy is None:
-            return None
+        if entropy is None or _number(logs, _FRAC_SIGNAL) == 0.0:
+            return None  # zero_signal dropped every completion: TRL's masked mean reads 0
         if entropy >= self.cfg.min_entropy:
             return False
         return entropy, (
@@ -212,6 +240,29 @@ class HealthMonitor:
         return change, (
             f"reward has not improved over the last {self.cfg.window} reward steps (fitted change "
             f"{change:+.3g}, mean {sum(self._rewards) / len(self._rewards):.3g})"
+        )
+
+    def _check_hacking(self, logs: Mapping[str, Any]):
+        reward = _number(logs, "reward")
+        if reward is not None:
+            self._since_eval.append(reward)
+        accuracy = _number(logs, _ACCURACY)
+        if accuracy is None:
+            return None
+        if self._since_eval:
+            mean_reward = sum(self._since_eval) / len(self._since_eval)
+            self._eval_points.append((self._step, mean_reward, accuracy))
+        self._since_eval = []
+        if len(self._eval_points) < self.cfg.hacking_window:
+            return None
+        steps, rewards, accuracies = zip(*self._eval_points, strict=True)
+        rise, fall = _fitted_change(list(rewards)), -_fitted_change(list(accuracies))
+        if rise < self.cfg.hacking_reward_rise or fall < self.cfg.hacking_accuracy_drop:
+            return False
+        return -fall, (
+            f"reward rose by {rise:+.3g} while held-out accuracy fell by {100 * fall:.1f} points over the "
+            f"evaluations at steps {', '.join(map(str, steps))} (fitted trends): the policy is paid for "
+            "something other than right answers"
         )
 
 

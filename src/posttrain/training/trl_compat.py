@@ -25,6 +25,16 @@ leaves that range or when a hooked name below changes, so lifting the pin means 
    :func:`carry_token_count`: the running token count those trainers log as ``num_tokens``. A
    checkpoint does not save it (GRPO's comes from the trainer state, which it does), so a resumed
    stage would count from zero; it is started from the last count the checkpoint logged.
+4. ``GRPOTrainer._generate_and_score_completions(inputs)`` and ``GRPOTrainer._calculate_rewards(inputs,
+   prompts, completions, completion_ids_list)`` (private), overridden by the trainer
+   :func:`new_grpo_trainer` builds for a stage with ``zero_signal: drop|resample``
+   (:mod:`posttrain.training.zero_signal`): the first is the one place where a generation batch is
+   generated, scored and turned into the batch the loss reads (``prompt_ids``, ``completion_mask``,
+   ``advantages``, ``num_items_in_batch``, ...), for TRL's own generation and for ``rollout_func``
+   alike; the second is wrapped only to see the rewards matrix it returns (all processes' rows). The
+   hook also reads ``reward_weights``, ``num_generations``, ``multi_objective_aggregation`` and
+   appends its counts to ``_metrics["train"]``, the lists ``GRPOTrainer.log`` averages into each
+   logged row (so they reach MLflow next to ``reward``). Nothing else of TRL's loop changes.
 """
 
 from __future__ import annotations
@@ -32,12 +42,21 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+from posttrain.core.errors import StageError
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRL_VERSIONS", "carry_token_count", "compact_fused_head_on_cpu", "new_grpo_trainer"]
+__all__ = [
+    "TRL_VERSIONS",
+    "carry_token_count",
+    "compact_fused_head_on_cpu",
+    "new_grpo_trainer",
+    "trl_metric",
+]
 
 TRL_VERSIONS = ">=1.16,<1.17"
 """The TRL versions this module was checked against (pyproject's pin)."""
@@ -75,18 +94,24 @@ def compact_fused_head_on_cpu(enabled: bool = True) -> bool:
     return True
 
 
-def new_grpo_trainer(rollout_func: Any = None, **kwargs: Any) -> Any:
+def new_grpo_trainer(
+    rollout_func: Any = None, zero_signal: str = "keep", max_rounds: int = 4, **kwargs: Any
+) -> Any:
     """``trl.GRPOTrainer(**kwargs)``, with ``rollout_func`` when given and without its experimental warning.
 
     The warning says the hook may change without notice; the pin above and the tests are the answer.
+    ``zero_signal`` ``drop`` or ``resample`` (with at most ``max_rounds`` extra generation rounds per
+    batch) returns the trainer with posttrain's dynamic sampling (hook 4 above); ``keep`` is TRL's own.
     """
     from trl import GRPOTrainer  # heavy: deferred until a trainer is built
 
+    cls = GRPOTrainer if zero_signal == "keep" else _dynamic_sampling_trainer()
+    extra = {} if zero_signal == "keep" else {"zero_signal": zero_signal, "max_rounds": max_rounds}
     if rollout_func is None:
-        return GRPOTrainer(**kwargs)
+        return cls(**kwargs, **extra)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="You are using 'rollout_func'", category=UserWarning)
-        return GRPOTrainer(rollout_func=rollout_func, **kwargs)
+        return cls(rollout_func=rollout_func, **kwargs, **extra)
 
 
 def carry_token_count(trainer: Any, checkpoint: str | None) -> None:
@@ -99,3 +124,73 @@ def carry_token_count(trainer: Any, checkpoint: str | None) -> None:
     counts = [row["num_tokens"] for row in state.get("log_history", []) if "num_tokens" in row]
     if counts:
         trainer._total_train_tokens = int(counts[-1])
+
+
+def trl_metric(trainer: Any, name: str, value: float) -> None:
+    """Add one value to the metric ``name`` of the trainer's next logged training row (TRL averages
+    the values a row collects, as it does for ``reward``)."""
+    trainer._metrics["train"][name].append(float(value))
+
+
+@cache
+def _dynamic_sampling_trainer() -> type:
+    """The ``GRPOTrainer`` subclass for ``zero_signal: drop|resample`` (built once, on first use)."""
+    from trl import GRPOTrainer  # heavy: deferred until a trainer is built
+
+    from posttrain.generation.engine import pad_token_id
+    from posttrain.training.zero_signal import DynamicSampler, FreshPrompts, group_signal
+
+    class DynamicSamplingGRPOTrainer(GRPOTrainer):
+        """TRL's trainer with posttrain's ``zero_signal`` handling of each training generation batch."""
+
+        def __init__(self, *args: Any, zero_signal: str, max_rounds: int, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if zero_signal == "resample" and self.accelerator.num_processes > 1:
+                raise StageError(
+                    "zero_signal: resample runs in one process only (groups are refilled per process); "
+                    "use zero_signal: drop with several processes"
+                )
+            fresh = (
+                FreshPrompts(self.train_dataset, self.args.seed + 1) if zero_signal == "resample" else None
+            )
+            self._posttrain_sampler = DynamicSampler(
+                zero_signal,
+                self.num_generations,
+                self._posttrain_signal,
+                max_rounds=max_rounds,
+                fresh=fresh,
+                pad_id=pad_token_id(self.processing_class),
+            )
+            self._posttrain_rewards: Any = None
+
+        def _posttrain_signal(self, rewards: Any) -> Any:
+            return group_signal(
+                rewards, self.reward_weights, self.num_generations, self.multi_objective_aggregation
+            )
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            self._posttrain_rewards = rewards
+            return rewards
+
+        def _posttrain_generate(self, inputs: list[dict[str, Any]]) -> tuple[dict[str, Any], Any]:
+            self._posttrain_rewards = None
+            batch = super()._generate_and_score_completions(inputs)
+            if self._posttrain_rewards is None:
+                raise StageError("zero_signal: TRL scored a batch without _calculate_rewards (TRL changed?)")
+            return batch, self._posttrain_rewards
+
+        def _generate_and_score_completions(self, inputs):
+            if not self.model.training:  # evaluation batches are TRL's business
+                return super()._generate_and_score_completions(inputs)
+            batch, counts = self._posttrain_sampler(
+                inputs,
+                self._posttrain_generate,
+                gather=self.accelerator.gather,
+                process_index=self.accelerator.process_index,
+            )
+            for name, value in counts.metrics().items():
+                trl_metric(self, name, value)
+            return batch
+
+    return DynamicSamplingGRPOTrainer

@@ -1,0 +1,363 @@
+"""Dynamic sampling for GRPO: what a stage does with prompt groups whose completions all scored the same.
+
+GRPO's advantage is a completion's reward minus its group's mean (over the group's std with TRL's
+default ``scale_rewards: group``). When every completion of a prompt earns the same reward (standard
+deviation below :data:`ZERO_STD`, as the health monitor counts it) the group's advantages are zero: it
+adds nothing to the policy gradient, yet it still counts in the loss normaliser (TRL's default ``dapo``
+loss divides by every completion token of the batch) and, with ``beta`` > 0, still pulls towards the
+reference. A 135M model on GSM8K gets nearly every group like that (the ``no_signal`` alert). A GRPO
+stage's ``zero_signal`` option says what to do with them:
+
+=========  ==================================================================================
+keep       TRL as it ships (default; posttrain adds nothing to the loop).
+drop       the flat groups' completions are masked out of the loss, the way TRL's
+           ``mask_truncated_completions`` masks truncated ones, and the loss's token count is
+           recounted, so the gradient is the mean over groups with signal. This changes the loss
+           of the loss types that normalise by tokens (``dapo``, TRL's default, ``bnpo``,
+           ``cispo``, ``vespo``); ``grpo`` and ``dr_grpo`` divide by a fixed number of sequences or
+           tokens, so for them only the KL term of the dropped groups goes.
+resample   DAPO's dynamic sampling (Yu et al. 2025, "DAPO", section 3.2): fresh prompts are drawn,
+           generated and scored exactly as TRL does the step's own, and their groups with signal
+           take the place of flat ones, for at most ``zero_signal_max_rounds`` extra rounds per
+           generation batch; whatever is still flat after the budget is dropped as above (the
+           fallback is drop, not keep). A round draws as many prompts as there are flat places
+           left, divided by the share of groups with signal seen so far in the step (the whole
+           batch while none had signal), so a nearly full batch costs a small round.
+=========  ==================================================================================
+
+Fresh prompts come from the stage's training data in an order of their own (:class:`FreshPrompts`,
+seeded from the run's seed), independent of TRL's sampler: a resampled prompt may come round again
+later in the epoch. ``reward`` and the other TRL metrics of a step average over every round generated
+(the policy's reward on the data, not on the selected groups); what was trained on is logged as
+``zero_signal/frac_signal`` (share of the trained batch's groups with signal), ``zero_signal/groups_dropped``,
+``zero_signal/groups_resampled`` and ``zero_signal/rounds`` (extra generation rounds).
+
+Merging rounds re-pads their tensors to a common width (prompts on the left, completions on the
+right, as TRL pads them). With rotary position embeddings (Llama, Qwen, SmolLM2) extra left padding
+shifts a row's positions by a constant, which leaves attention unchanged, so log-probabilities
+computed before the merge (``old_per_token_logps``, ``ref_per_token_logps``) still match.
+
+This module is plain tensor logic: :class:`DynamicSampler` runs on any ``generate(inputs)`` that
+returns TRL's batch dict and the rewards per completion; the hook into ``GRPOTrainer`` lives in
+:mod:`posttrain.training.trl_compat`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "METRICS",
+    "ZERO_STD",
+    "DynamicSampler",
+    "FreshPrompts",
+    "ZeroSignalCounts",
+    "drop_rows",
+    "group_signal",
+    "recount_tokens",
+    "round_size",
+    "take_rows",
+]
+
+ZERO_STD = 1e-8
+"""A group whose rewards differ by less than this has no usable advantage (fp noise, not signal)."""
+
+METRICS = (
+    "zero_signal/frac_signal",
+    "zero_signal/groups_dropped",
+    "zero_signal/groups_resampled",
+    "zero_signal/rounds",
+)
+
+# How TRL 1.16 lays out the batch `_generate_and_score_completions` returns, and the value that pads each
+# tensor (None: the tokenizer's pad id). Other keys (images) cannot be merged across rounds.
+LEFT_PADDED: dict[str, float | None] = {"prompt_ids": None, "prompt_mask": 0}
+RIGHT_PADDED: dict[str, float | None] = {
+    "completion_ids": None,
+    "completion_mask": 0,
+    "tool_mask": 1,
+    "old_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0,
+    "importance_sampling_ratio": 1.0,
+}
+PER_ROW = ("advantages",)
+RECOUNTED = "num_items_in_batch"
+
+
+def _group_std(values: torch.Tensor) -> torch.Tensor:
+    """Standard deviation over the last dimension ignoring NaN, with Bessel's correction (TRL's
+    ``nanstd``); NaN where fewer than two values are finite."""
+    finite = ~torch.isnan(values)
+    count = finite.sum(-1)
+    filled = torch.where(finite, values, torch.zeros_like(values))
+    mean = filled.sum(-1) / count.clamp(min=1)
+    squares = torch.where(finite, (values - mean.unsqueeze(-1)) ** 2, torch.zeros_like(values)).sum(-1)
+    std = (squares / (count - 1).clamp(min=1)).sqrt()
+    return torch.where(count > 1, std, torch.full_like(std, float("nan")))
+
+
+def group_signal(
+    rewards_per_func: torch.Tensor,
+    weights: Sequence[float] | torch.Tensor,
+    num_generations: int,
+    aggregation: str = "sum_then_normalize",
+) -> torch.Tensor:
+    """Per prompt group (``num_generations`` consecutive rows): does it carry a gradient?
+
+    ``rewards_per_func`` is TRL's ``(completions, reward functions)`` matrix (NaN: not scored). With
+    TRL's default ``sum_then_normalize`` a group has signal when its weighted reward sums differ
+    (standard deviation above :data:`ZERO_STD`); with ``normalize_then_sum`` when any weighted reward
+    differs within it. Completions no reward could score are left out, as TRL leaves them out.
+
+    >>> r = torch.tensor([[1.0], [1.0], [0.0], [1.0], [float("nan")], [2.0]])
+    >>> group_signal(r, [1.0], 2).tolist()
+    [False, True, False]
+    >>> two = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # equal sums, different parts
+    >>> group_signal(two, [1.0, 1.0], 2).tolist(), group_signal(two, [1, 1], 2, "normalize_then_sum").tolist()
+    ([False], [True])
+    """
+    if rewards_per_func.dim() != 2 or rewards_per_func.shape[0] % num_generations:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards_per_func.shape)} do not form groups of {num_generations}"
+        )
+    weighted = rewards_per_func.float() * torch.as_tensor(weights, dtype=torch.float32).to(
+        rewards_per_func.device
+    )
+    if aggregation == "sum_then_normalize":
+        total = torch.nansum(weighted, dim=1)
+        total[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+        std = _group_std(total.view(-1, num_generations))
+        return std > ZERO_STD  # NaN compares False: a group with fewer than two scores has none
+    if aggregation == "normalize_then_sum":
+        grouped = weighted.view(-1, num_generations, weighted.shape[1]).transpose(1, 2)
+        return (_group_std(grouped) > ZERO_STD).any(dim=1)
+    raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}")
+
+
+def _loss_mask(batch: Mapping[str, Any]) -> torch.Tensor:
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if batch.get("tool_mask") is not None else mask
+
+
+def recount_tokens(
+    batch: dict[str, Any], gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+) -> None:
+    """Set ``num_items_in_batch`` to the completion tokens left in the loss (summed over processes by
+    ``gather``), as TRL counts them; the ``dapo``/``bnpo``/``cispo`` losses divide by it."""
+    batch[RECOUNTED] = gather(_loss_mask(batch).sum()).sum()
+
+
+def drop_rows(batch: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
+    """Mask the completions of rows where ``keep`` is False out of the loss (in place; returns ``batch``).
+
+    The count TRL normalises by is left to :func:`recount_tokens`.
+    """
+    batch["completion_mask"] = batch["completion_mask"] * keep.to(batch["completion_mask"]).unsqueeze(1)
+    return batch
+
+
+def _pad_width(tensor: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+    missing = width - tensor.shape[1]
+    if missing <= 0:
+        return tensor
+    return F.pad(tensor, (missing, 0) if left else (0, missing), value=value)
+
+
+def take_rows(
+    batches: Sequence[Mapping[str, Any]], picks: Sequence[tuple[int, int]], pad_id: int
+) -> dict[str, Any]:
+    """A batch made of row ``r`` of ``batches[b]`` for each ``(b, r)`` in ``picks``, in that order.
+
+    Per-token tensors are padded to a common width first (prompts on the left, completions on the
+    right, with TRL's values); ``num_items_in_batch`` must be recounted (:func:`recount_tokens`).
+    Keys TRL only returns for images are refused: their rows cannot be told apart.
+
+    >>> t = torch.tensor
+    >>> a = {"prompt_ids": t([[5, 6]]), "completion_ids": t([[7]]), "advantages": t([1.0])}
+    >>> b = {"prompt_ids": t([[8]]), "completion_ids": t([[9, 9]]), "advantages": t([2.0])}
+    >>> out = take_rows([a, b], [(1, 0), (0, 0)], pad_id=0)
+    >>> out["prompt_ids"].tolist(), out["completion_ids"].tolist(), out["advantages"].tolist()
+    ([[0, 8], [5, 6]], [[9, 9], [7, 0]], [2.0, 1.0])
+    """
+    keys = set(batches[0])
+    for batch in batches[1:]:
+        if set(batch) != keys:
+            raise ValueError(f"rounds returned different keys: {sorted(keys ^ set(batch))}")
+    unknown = sorted(keys - set(LEFT_PADDED) - set(RIGHT_PADDED) - set(PER_ROW) - {RECOUNTED})
+    if unknown:
+        raise ValueError(
+            f"cannot merge generation rounds with {unknown} (zero_signal: resample is text-only)"
+        )
+    offsets = [0]
+    for batch in batches:
+        offsets.append(offsets[-1] + len(batch["advantages"]))
+    index = torch.tensor([offsets[b] + r for b, r in picks], dtype=torch.long)
+    out: dict[str, Any] = {}
+    for key in sorted(keys):
+        if key == RECOUNTED:
+            out[key] = batches[0][key]
+            continue
+        tensors = [batch[key] for batch in batches]
+        if key in PER_ROW:
+            joined = torch.cat(tensors)
+        else:
+            left = key in LEFT_PADDED
+            value = (LEFT_PADDED if left else RIGHT_PADDED)[key]
+            value = pad_id if value is None else value
+            width = max(t.shape[1] for t in tensors)
+            joined = torch.cat([_pad_width(t, width, value, left) for t in tensors])
+        out[key] = joined.index_select(0, index.to(joined.device))
+    return out
+
+
+def round_size(missing: int, with_signal: int, generated: int, groups: int) -> int:
+    """Prompts to draw for a resample round: the flat places left over the signal rate seen so far.
+
+    >>> round_size(2, 4, 8, 8), round_size(2, 0, 8, 8), round_size(7, 1, 8, 8), round_size(1, 8, 8, 8)
+    (4, 8, 8, 1)
+    """
+    if with_signal == 0:
+        return groups
+    return max(1, min(groups, math.ceil(missing * generated / with_signal)))
+
+
+@dataclass
+class ZeroSignalCounts:
+    """What dynamic sampling did to one generation batch."""
+
+    groups: int
+    with_signal: int
+    dropped: int = 0
+    resampled: int = 0
+    rounds: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """The batch's ``zero_signal/*`` metrics (:data:`METRICS`)."""
+        return dict(
+            zip(
+                METRICS,
+                (
+                    self.with_signal / self.groups,
+                    float(self.dropped),
+                    float(self.resampled),
+                    float(self.rounds),
+                ),
+                strict=True,
+            )
+        )
+
+
+class FreshPrompts:
+    """Rows of the training data in an endless shuffled order of their own, for resample rounds."""
+
+    def __init__(self, dataset: Any, seed: int) -> None:
+        if len(dataset) == 0:
+            raise ValueError("zero_signal: resample needs training data to draw fresh prompts from")
+        self.dataset = dataset
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+
+    def take(self, count: int) -> list[dict[str, Any]]:
+        rows = []
+        for _ in range(count):
+            if not self.order:
+                self.order = torch.randperm(len(self.dataset), generator=self.generator).tolist()
+            rows.append(dict(self.dataset[self.order.pop()]))
+        return rows
+
+
+Generate = Callable[[list[dict[str, Any]]], tuple[dict[str, Any], torch.Tensor]]
+"""``generate(inputs) -> (TRL's batch dict, rewards per completion and function)``."""
+
+
+class DynamicSampler:
+    """Applies a stage's ``zero_signal`` mode (``drop`` or ``resample``) to one generation batch.
+
+    ``signal(rewards)`` says which groups of a round have signal (:func:`group_signal` bound to the
+    trainer's weights); ``fresh`` supplies resample prompts. Rewards cover every process's rows;
+    a process's batch holds the rows ``[process_index * len(inputs), ...)`` of them.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        num_generations: int,
+        signal: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        max_rounds: int = 4,
+        fresh: FreshPrompts | None = None,
+        pad_id: int = 0,
+    ) -> None:
+        if mode not in ("drop", "resample"):
+            raise ValueError(f"zero_signal mode {mode!r} is not drop or resample")
+        if mode == "resample" and fresh is None:
+            raise ValueError("zero_signal: resample needs a source of fresh prompts")
+        self.mode, self.num_generations, self.signal = mode, num_generations, signal
+        self.max_rounds, self.fresh, self.pad_id = max_rounds, fresh, pad_id
+
+    def __call__(
+        self,
+        inputs: list[dict[str, Any]],
+        generate: Generate,
+        *,
+        gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        process_index: int = 0,
+    ) -> tuple[dict[str, Any], ZeroSignalCounts]:
+        batch, rewards = generate(inputs)
+        signal = self.signal(rewards).tolist()
+        if self.mode == "resample":
+            return self._resample(batch, signal, generate, gather)
+        rows = len(inputs)
+        row_signal = torch.tensor(signal).repeat_interleave(self.num_generations)
+        keep = row_signal[process_index * rows : (process_index + 1) * rows]
+        counts = ZeroSignalCounts(len(signal), sum(signal), dropped=signal.count(False))
+        return self._finish(batch, keep, gather), counts
+
+    def _resample(
+        self,
+        batch: dict[str, Any],
+        signal: list[bool],
+        generate: Generate,
+        gather: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[dict[str, Any], ZeroSignalCounts]:
+        G = self.num_generations
+        batches = [batch]
+        slots = [(0, group) for group in range(len(signal))]  # (round, group) trained in each place
+        filled = list(signal)
+        counts = ZeroSignalCounts(len(signal), sum(signal))
+        generated, with_signal = len(signal), sum(signal)
+        while not all(filled) and counts.rounds < self.max_rounds:
+            counts.rounds += 1
+            assert self.fresh is not None
+            size = round_size(filled.count(False), with_signal, generated, len(signal))
+            prompts = [dict(row) for row in self.fresh.take(size) for _ in range(G)]
+            extra, rewards = generate(prompts)
+            fresh_signal = self.signal(rewards).tolist()
+            generated, with_signal = generated + len(fresh_signal), with_signal + sum(fresh_signal)
+            batches.append(extra)
+            donors = [group for group, ok in enumerate(fresh_signal) if ok]
+            for place in [p for p, ok in enumerate(filled) if not ok][: len(donors)]:
+                slots[place] = (len(batches) - 1, donors.pop(0))
+                filled[place] = True
+                counts.resampled += 1
+        if len(batches) > 1:
+            picks = [(b, group * G + j) for b, group in slots for j in range(G)]
+            batch = take_rows(batches, picks, self.pad_id)
+        counts.with_signal = sum(filled)
+        counts.dropped = filled.count(False)
+        keep = torch.tensor(filled).repeat_interleave(G)
+        return self._finish(batch, keep, gather), counts
+
+    def _finish(
+        self, batch: dict[str, Any], keep: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[str, Any]:
+        drop_rows(batch, keep)
+        recount_tokens(batch, gather)
+        return batch
