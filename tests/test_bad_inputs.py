@@ -160,6 +160,22 @@ CASES = [
         "{cfg}: grpo.stages.0.trainer: GRPOConfig rejects these options",
     ),
     (
+        "unknown zero_signal mode",
+        ["grpo.stages.0.zero_signal=skip"],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0.zero_signal: Input should be 'keep', 'drop' or 'resample'",
+    ),
+    (
+        "in-training evaluation every 0 steps",
+        ["grpo.stages.0.eval_every=0"],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0.eval_every: Input should be greater than or equal to 1",
+    ),
+    (
         "duplicate YAML key",
         None,
         BASE + "seed: 1\nseed: 2\n",

@@ -125,6 +125,67 @@ def test_rollout_func_runs_inside_a_real_grpo_trainer(tiny_model_dir, tiny_token
     assert rollout.synced_step == 0 and rollout.shadow.model.dtype == torch.bfloat16
 
 
+def test_dynamic_sampling_hooks_exist_with_the_signatures_it_overrides():
+    from trl import GRPOTrainer
+
+    def params(name):
+        return list(inspect.signature(getattr(GRPOTrainer, name)).parameters)
+
+    assert params("_generate_and_score_completions") == ["self", "inputs"]
+    assert params("_calculate_rewards") == ["self", "inputs", "prompts", "completions", "completion_ids_list"]
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "self._calculate_rewards(" in source and "self.multi_objective_aggregation" in source
+    assert 'self._metrics[mode]["frac_reward_zero_std"]' in source  # the lists GRPOTrainer.log averages
+
+
+def test_dynamic_sampling_runs_inside_a_real_grpo_trainer(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """TRL's batch (with reference and old log-probabilities) has only keys the merge knows, rounds are
+    merged, and the counts reach the logged row."""
+    from posttrain.core.config import DataConfig, GRPOStageConfig, ModelConfig, SyntheticConfig
+    from posttrain.data.prepare import prepare_data
+    from posttrain.training.grpo import make_grpo_trainer
+    from posttrain.training.runner import StageContext
+    from posttrain.training.zero_signal import LEFT_PADDED, METRICS, PER_ROW, RECOUNTED, RIGHT_PADDED
+
+    data = prepare_data(
+        DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=12), eval_size=4),
+        tiny_tokenizer,
+    ).train
+    stage = GRPOStageConfig(
+        name="compat",
+        rewards=[{"name": "correctness"}],  # the random tiny model never answers right: every group is flat
+        zero_signal="resample",
+        zero_signal_max_rounds=1,
+        trainer={
+            "max_steps": 1,
+            "per_device_train_batch_size": 4,
+            "steps_per_generation": 2,  # old log-probabilities are computed
+            "beta": 0.1,  # reference log-probabilities too
+            "num_generations": 4,
+            "max_completion_length": 6,
+        },
+    )
+    ctx = StageContext(stage="grpo-compat", work_dir=tmp_path, seed=0, report_to="none", precision="fp32")
+    model_cfg = ModelConfig(name=str(tiny_model_dir), lora={"r": 4, "alpha": 8})
+    trainer, _ = make_grpo_trainer(stage, model_cfg, str(tiny_model_dir), data, ctx)
+    rounds = []
+    generate = trainer._posttrain_generate
+
+    def recorded(inputs):
+        batch, rewards = generate(inputs)
+        rounds.append((set(batch), rewards.shape))
+        return batch, rewards
+
+    trainer._posttrain_generate = recorded
+    trainer.train()
+    known = set(LEFT_PADDED) | set(RIGHT_PADDED) | set(PER_ROW) | {RECOUNTED}
+    assert len(rounds) == 2 and all(keys <= known for keys, _ in rounds)
+    assert {"old_per_token_logps", "ref_per_token_logps"} <= rounds[0][0]
+    assert rounds[0][1] == (8, 1)  # every process's rows, one column per reward
+    row = next(r for r in trainer.state.log_history if "zero_signal/rounds" in r)
+    assert set(METRICS) <= set(row) and row["zero_signal/rounds"] == 1.0 and "reward" in row
+
+
 def test_compact_fused_head_patch_is_reversible():
     import trl.trainer.utils as trl_utils
 

@@ -97,13 +97,13 @@ class HeldoutEval(TrainerCallback):
         self.history: list[dict[str, float]] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._evaluate(state.global_step)
+        self._evaluate(state.global_step, control)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         if step % self.every == 0 or step == state.max_steps:
-            self._evaluate(step)
+            self._evaluate(step, control)
         return control
 
     def _generation_model(self, step: int) -> Any:
@@ -114,7 +114,7 @@ class HeldoutEval(TrainerCallback):
             return rollout.refresh(policy, step).model  # the next rollout reuses this sync
         return policy
 
-    def _evaluate(self, step: int) -> None:
+    def _evaluate(self, step: int, control: Any) -> None:
         if step in self.evaluated:
             return
         self.evaluated.add(step)
@@ -149,5 +149,9 @@ class HeldoutEval(TrainerCallback):
             stats.tokens_per_second,
         )
         # transformers' own Trainer.log, not GRPOTrainer.log: TRL's would flush the metrics it is
-        # collecting for this step's row (and write an empty completions table) into this one.
+        # collecting for this step's row (and write an empty completions table) into this one. Logging
+        # clears `should_log`, which the step's own row (loss, reward) still needs.
+        should_log = getattr(control, "should_log", False)
         Trainer.log(self.trainer, dict(metrics))
+        if control is not None:
+            control.should_log = should_log
