@@ -93,7 +93,6 @@ class HeldoutEval(TrainerCallback):
             tokenizer, [r["prompt"] for r in records], **(trainer.args.chat_template_kwargs or {})
         )
         self.golds = [r["answer"] for r in records]
-        self.evaluated: set[int] = set()
         self.history: list[dict[str, float]] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -115,9 +114,6 @@ class HeldoutEval(TrainerCallback):
         return policy
 
     def _evaluate(self, step: int, control: Any) -> None:
-        if step in self.evaluated:
-            return
-        self.evaluated.add(step)
         start = time.perf_counter()
         model, tokenizer = self._generation_model(step), self.trainer.processing_class
         was_training = model.training
