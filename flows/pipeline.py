@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from posttrain.core.atomic import discard_checkpoints
 from posttrain.core.config import PipelineConfig
+from posttrain.core.metric_names import qualify_metrics, slices_of
 from posttrain.core.redact import redact, redact_override
 from posttrain.evaluation.report import EvalReport
 from posttrain.flows.prefect_compat import redact_stored_parameters, store_parameters_redacted
@@ -181,9 +182,19 @@ def _log_result(run: Any, result: Any, *, model_id: str | None = None, dataset_n
         run.log_dataset(data.eval, name="heldout", context="evaluation", digest=result.eval_fingerprint)
         return
     if isinstance(result, EvalResult):
-        report = EvalReport.load(result.report_dir)
-        records = [r.as_dict() for r in report.records]
-        run.log_eval(result.summary, records, model_id=model_id, dataset_name=dataset_name)
+        sets = [
+            (None, result.report_dir, result.summary),
+            *((n, d, result.sets[n]) for n, d in result.set_dirs().items()),
+        ]
+        for name, folder, metrics in sets:
+            records = [r.as_dict() for r in EvalReport.load(folder).records]
+            run.log_eval(
+                qualify_metrics(metrics, name),
+                records,
+                model_id=model_id,
+                dataset_name=name or dataset_name,
+                table=f"{name}/eval_examples" if name else "eval_examples",
+            )
         run.log_metrics({f"eval/{k}": v for k, v in result.timings.items() if isinstance(v, int | float)})
         return
     info = read_stage_json(result.output_dir)
@@ -272,20 +283,25 @@ def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, s
 
 
 def summary_markdown(summary: PipelineSummary) -> str:
-    """Eval metrics per stage, for the Prefect UI."""
+    """Eval metrics per stage, for the Prefect UI: the primary set, strict accuracy per number of
+    operations, and each extra set's strict accuracy."""
+    evals = [o for o in summary.outcomes if o.kind == "eval"]
+    extra = list(dict.fromkeys(s for o in evals for s in slices_of(o.metrics) if s is not None))
     lines = [
         f"# {summary.config}",
         "",
         f"MLflow run: `{summary.run_id}`",
         "",
-        "| step | status | accuracy (strict) | accuracy (flexible) | strict format |",
-        "|---|---|---|---|---|",
+        "| step | status | accuracy (strict) | accuracy (flexible) | strict format | strict by ops |"
+        + "".join(f" {name} (strict) |" for name in extra),
+        "|---|---|---|---|---|---|" + "---|" * len(extra),
     ]
-    for o in summary.outcomes:
-        if o.kind == "eval":
-            m = o.metrics
-            lines.append(
-                f"| {o.step.removeprefix('eval-')} | {o.status} | {m.get('accuracy_strict', 0):.1%} | "
-                f"{m.get('accuracy_flexible', 0):.1%} | {m.get('strict_format_rate', 0):.1%} |"
-            )
+    for o in evals:
+        m, slices = o.metrics, slices_of(o.metrics)
+        by_ops = ", ".join(f"{n}: {v:.0%}" for n, v in slices.get(None, {}).items() if n is not None)
+        lines.append(
+            f"| {o.step.removeprefix('eval-')} | {o.status} | {m.get('accuracy_strict', 0):.1%} | "
+            f"{m.get('accuracy_flexible', 0):.1%} | {m.get('strict_format_rate', 0):.1%} | {by_ops or '-'} |"
+            + "".join(f" {slices.get(name, {}).get(None, 0):.1%} |" for name in extra)
+        )
     return "\n".join(lines)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.cli import format_table, main
+from posttrain.cli import eval_table, format_table, main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -78,6 +78,53 @@ def test_format_table_aligns_columns():
         "a     1.000",
         "long  -",
     ]
+
+
+OUTCOMES = [
+    {"step": "data", "kind": "data", "metrics": {"num_train": 64}},
+    {
+        "step": "eval-baseline",
+        "kind": "eval",
+        "metrics": {
+            "accuracy_strict": 0.05,
+            "accuracy_flexible": 0.5,  # not what the table shows
+            "accuracy_strict/ops_1": 0.1,
+            "accuracy_strict/ops_2": 0.0,
+            "accuracy_strict/gsm8k": 0.01,
+            "accuracy_strict/gsm8k/ops_3": 0.02,
+        },
+    },
+    {"step": "grpo-one", "kind": "grpo", "metrics": {"reward": 0.5}},
+    {
+        "step": "eval-grpo-one",
+        "kind": "eval",
+        "metrics": {"accuracy_strict": 0.25, "accuracy_strict/ops_1": 0.5, "accuracy_strict/gsm8k": 0.03},
+    },
+]
+
+
+@pytest.mark.parametrize(
+    ("width", "header", "baseline"),
+    [
+        (
+            200,
+            "stage     heldout  ops 1  ops 2  gsm8k  gsm8k ops 3",
+            "baseline  5.0%     10.0%  0.0%   1.0%   2.0%",
+        ),  # everything fits
+        (
+            50,
+            "stage     heldout  ops 1  ops 2  gsm8k",
+            "baseline  5.0%     10.0%  0.0%   1.0%",
+        ),  # an extra set's difficulties are left out first
+        (30, "stage     heldout  gsm8k", "baseline  5.0%     1.0%"),  # then the primary's
+    ],
+)
+def test_run_summary_shows_accuracy_per_set_and_operations_as_far_as_it_fits(width, header, baseline):
+    lines = eval_table(OUTCOMES, "heldout", width).splitlines()
+    assert lines[0] == "strict accuracy by evaluation set and number of operations:"
+    assert lines[1] == header and lines[3] == baseline
+    assert lines[4].startswith("grpo-one  25.0%") and len(lines) == 5  # one row per evaluated stage
+    assert eval_table(OUTCOMES[:1], "heldout", 200) == ""
 
 
 def test_eval_writes_a_report_and_diffs_two(tiny_model_dir, tmp_path, capsys):

@@ -59,6 +59,8 @@ def test_evaluate_tiny_model_on_synthetic(tiny, tmp_path):
     _check_consistent(report, 4, 16)
     assert [r.id for r in report.records] == [r["id"] for r in records[:4]]  # limit = the first N, in order
     assert [r.gold for r in report.records] == [r["answer"] for r in records[:4]]
+    assert [r.ops for r in report.records] == [r["ops"] for r in records[:4]]  # difficulty carried along
+    assert sum(m["n"] for m in report.by_ops.values()) == 4
     assert report.config["max_new_tokens"] == 16 and report.config["data_source"] == "synthetic"
     assert report.meta["dtype"] == "float32"
     assert EvalReport.load(report.save(tmp_path / "r")) == report
@@ -122,6 +124,7 @@ def test_run_eval_from_a_local_file(tiny_model_dir, tmp_path):
         progress=False,
     )
     assert [r.id for r in report.records] == ["test-00001", "test-00002", "test-00003"]
+    assert list(report.by_ops) == ["1"] and report.by_ops["1"]["n"] == 3  # one <<...>> annotation each
     assert report.config["data_source"] == f"local:{data}" and report.config["limit"] == 3
     assert (report.config["data"], report.config["path"]) == ("local", str(data))
     assert EvalReport.load(out).summary == report.summary

@@ -13,6 +13,7 @@ from posttrain.evaluation import (
     format_diff,
     format_summary_table,
     pass_at_k,
+    report_metrics,
     score_completion,
     summarize,
 )
@@ -172,3 +173,92 @@ def test_summarize_keeps_strict_and_flexible_apart():
     assert metrics["accuracy_strict"] == 0.25 and metrics["accuracy_flexible"] == 0.25
     metrics = summarize([[unformatted_right], [unformatted_right], [both_wrong], [formatted_then_rambles]])
     assert metrics["accuracy_strict"] == 0.25 and metrics["accuracy_flexible"] == 0.5
+
+
+# --------------------------------------------------------------------------- by difficulty
+
+RIGHT_FORMATTED = GOOD  # strict right, flexible right, formatted
+RIGHT_UNFORMATTED = "6 * 7 = 42"  # strict wrong (no answer block), flexible right
+STRICT_ONLY = "<answer>42</answer> or maybe 43"  # strict right, flexible wrong (last number 43)
+WRONG_FORMATTED = GOOD.replace("\n42\n</answer>", "\n41\n</answer>")  # both wrong, formatted
+
+# (id, ops, completion): three difficulties, strict and flexible disagreeing on some questions
+BY_OPS_CASES = [
+    ("a", 1, RIGHT_FORMATTED),  # ops 1: 2 of 2 strict, 1 of 2 flexible
+    ("b", 1, STRICT_ONLY),
+    ("c", 2, RIGHT_UNFORMATTED),  # ops 2: 0 of 3 strict, 1 of 3 flexible, 1 of 3 formatted
+    ("d", 2, WRONG_FORMATTED),
+    ("e", 2, ""),
+    ("f", 4, RIGHT_FORMATTED),  # ops 4: 1 of 1
+    ("g", None, RIGHT_FORMATTED),  # no difficulty known: counted overall, in no difficulty
+]
+
+
+def _by_ops_report() -> EvalReport:
+    records = tuple(
+        EvalRecord.from_samples(i, f"q {i}?", "42", [score_completion(text, "42")], ops=ops)
+        for i, ops, text in BY_OPS_CASES
+    )
+    return EvalReport(model="m", summary=summarize([r.samples for r in records]), records=records)
+
+
+def test_report_breaks_accuracy_down_by_number_of_operations(tmp_path):
+    report = _by_ops_report()
+    assert report.by_ops == {
+        "1": {"n": 2, "accuracy_strict": 1.0, "accuracy_flexible": 0.5, "strict_format_rate": 0.5},
+        "2": {"n": 3, "accuracy_strict": 0.0, "accuracy_flexible": 1 / 3, "strict_format_rate": 1 / 3},
+        "4": {"n": 1, "accuracy_strict": 1.0, "accuracy_flexible": 1.0, "strict_format_rate": 1.0},
+    }
+    report.save(tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["by_ops"] == report.by_ops
+    first = json.loads((tmp_path / "examples.jsonl").read_text().splitlines()[0])
+    assert list(first)[:4] == ["id", "question", "gold", "ops"] and first["ops"] == 1
+    assert EvalReport.load(tmp_path) == report
+    assert report_metrics(report) == {
+        **report.summary,
+        "accuracy_strict/ops_1": 1.0,
+        "accuracy_strict/ops_2": 0.0,
+        "accuracy_strict/ops_4": 1.0,
+    }
+    table = format_summary_table(report)
+    assert "by number of operations:" in table
+    assert "   2      3     0.0%     33.3%    33.3%" in table
+
+
+def test_reports_written_before_difficulties_still_load(tmp_path):
+    report = _report("old", {"q1": True})
+    report.save(tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "examples.jsonl").read_text().splitlines()]
+    for line in lines:
+        del line["ops"]
+    (tmp_path / "examples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    loaded = EvalReport.load(tmp_path)
+    assert loaded.records[0].ops is None and loaded.by_ops == {}
+    assert "by number of operations" not in format_summary_table(loaded)
+
+
+def test_diff_shows_a_per_difficulty_table():
+    def report(name: str, texts: dict[str, str]) -> EvalReport:
+        ops = {i: n for i, n, _ in BY_OPS_CASES}
+        records = tuple(
+            EvalRecord.from_samples(i, f"q {i}?", "42", [score_completion(t, "42")], ops=ops[i])
+            for i, t in texts.items()
+        )
+        return EvalReport(model=name, summary={}, records=records)
+
+    before = report("A", {i: text for i, _, text in BY_OPS_CASES})
+    # B fixes d (ops 2) and e (ops 2), breaks b (ops 1) in strict scoring; g has no ops.
+    after = report(
+        "B", {**{i: text for i, _, text in BY_OPS_CASES}, "b": WRONG_FORMATTED, "d": GOOD, "e": GOOD}
+    )
+    diff = diff_reports(before, after)
+    assert diff.by_ops() == {
+        1: {"n": 2, "accuracy_a": 1.0, "accuracy_b": 0.5, "fixed": 0, "broken": 1},
+        2: {"n": 3, "accuracy_a": 0.0, "accuracy_b": 2 / 3, "fixed": 2, "broken": 0},
+        4: {"n": 1, "accuracy_a": 1.0, "accuracy_b": 1.0, "fixed": 0, "broken": 0},
+    }
+    text = format_diff(diff)
+    assert "by number of operations (strict):" in text
+    assert "     2      3    0.0%   66.7%      2       0" in text
+    flexible = diff_reports(before, after, mode="flexible").by_ops()
+    assert flexible[1] == {"n": 2, "accuracy_a": 0.5, "accuracy_b": 0.5, "fixed": 0, "broken": 0}

@@ -391,3 +391,128 @@ def test_a_modified_data_or_eval_output_is_recomputed(first_run, workdir, step_c
     got = statuses(posttrain_pipeline(smoke(workdir)))
     assert got[step] == "ran"
     assert step_calls[0] == ("prepare_step" if step == "data" else "eval_step")
+
+
+# --------------------------------------------------------------------------- extra evaluation sets
+
+GSM8K_ROWS = [
+    ("Ann has 3 apples and buys 4 more. How many apples does she have?", "3+4 = <<3+4=7>>7\n#### 7"),
+    (
+        "Bo reads 5 pages a day for 6 days, then 2 more pages. How many pages?",
+        "5*6 = <<5*6=30>>30\n30+2 = <<30+2=32>>32\n#### 32",
+    ),
+    ("A box holds 12 eggs. How many eggs are in 2 boxes?", "12*2 = <<12*2=24>>24\n#### 24"),
+    ("Never evaluated: the set's limit is 3.", "#### 1"),
+]
+
+
+def with_extra_sets(workdir: Path) -> list[str]:
+    import json
+
+    path = workdir / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K_ROWS))
+    sets = f"[{{name: gsm8k, data: local, path: {path}, limit: 3}}, {{name: synth, data: synthetic, limit: 4, max_ops: 2}}]"
+    return [f"eval.extra_sets={sets}"]
+
+
+@pytest.fixture(scope="module")
+def extra_run(first_run, workdir):
+    from posttrain.flows.pipeline import posttrain_pipeline
+
+    return posttrain_pipeline(smoke(workdir, *with_extra_sets(workdir)))
+
+
+def test_extra_eval_sets_rerun_only_the_evaluations_and_report_each_set(extra_run):
+    import json
+
+    got = statuses(extra_run)
+    assert {s for s, v in got.items() if v == "ran"} == {"data"} | {s for s in STEPS if s.startswith("eval-")}
+    for outcome in (o for o in extra_run["outcomes"] if o["kind"] == "eval"):
+        out, metrics = Path(outcome["output"]), outcome["metrics"]
+        heads = {
+            name: json.loads((out / name / "report.json").read_text()) for name in ("", "gsm8k", "synth")
+        }
+        assert heads[""]["config"]["data"] == "heldout" and heads[""]["config"]["extra_sets"] == []
+        assert (
+            heads["gsm8k"]["summary"]["num_examples"] == 3 and heads["synth"]["summary"]["num_examples"] == 4
+        )
+        assert set(heads["gsm8k"]["by_ops"]) == {"1", "2"} and set(heads["synth"]["by_ops"]) <= {"1", "2"}
+        for name, head in heads.items():
+            suffix = f"/{name}" if name else ""
+            assert metrics[f"accuracy_strict{suffix}"] == head["summary"]["accuracy_strict"]
+            assert metrics[f"strict_format_rate{suffix}"] == head["summary"]["strict_format_rate"]
+            for ops, values in head["by_ops"].items():
+                assert metrics[f"accuracy_strict{suffix}/ops_{ops}"] == values["accuracy_strict"]
+        assert metrics["accuracy_strict/gsm8k/ops_2"] == heads["gsm8k"]["by_ops"]["2"]["accuracy_strict"]
+
+
+def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, workdir, capsys):
+    import mlflow
+
+    from posttrain.cli import eval_table, main
+
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    parent = client.get_run(extra_run["run_id"])
+    runs = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    evaluation = next(r for r in runs if r.info.run_name == "eval-sft")
+    metrics = evaluation.data.metrics
+    assert {"eval/accuracy_strict", "eval/accuracy_strict/gsm8k", "eval/accuracy_strict/synth"} <= set(
+        metrics
+    )
+    assert "eval/accuracy_strict/gsm8k/ops_2" in metrics and "eval/seconds/gsm8k" in metrics
+    assert parent.data.metrics["eval-sft/accuracy_strict/gsm8k"] == metrics["eval/accuracy_strict/gsm8k"]
+    artifacts = {a.path for a in client.list_artifacts(evaluation.info.run_id)}
+    assert {"eval_examples.json", "gsm8k", "synth"} <= artifacts
+    table = client.load_table(parent.info.experiment_id, "gsm8k/eval_examples.json", [evaluation.info.run_id])
+    assert list(table["ops"]) == [1, 2, 1] and list(table.columns[:4]) == ["id", "question", "gold", "ops"]
+    [model] = client.search_logged_models(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`posttrain.cache_key` = '{next(o['key'] for o in extra_run['outcomes'] if o['step'] == 'sft')}'",
+    )
+    linked = {(m.key, m.dataset_name) for m in model.metrics if m.run_id == evaluation.info.run_id}
+    assert {("eval/accuracy_strict", "heldout"), ("eval/accuracy_strict/gsm8k", "gsm8k")} <= linked
+
+    args = ["compare", extra_run["run_id"], "--tracking-uri", uri, "--plot", str(workdir / "sets.png")]
+    assert main(args) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("eval-")]
+    sft_rows = [r for r in rows if r.startswith("eval-sft/")]
+    assert "eval-sft/accuracy_strict/gsm8k" in sft_rows and "eval-sft/accuracy_strict/synth/ops_1" in sft_rows
+    # stage order, not alphabetical: every row of eval-sft comes before any row of eval-dpo
+    assert rows.index(sft_rows[-1]) < min(i for i, r in enumerate(rows) if r.startswith("eval-dpo/"))
+
+    text = eval_table(extra_run["outcomes"], "heldout", width=200)
+    assert text.splitlines()[1].split()[:4] == ["stage", "heldout", "ops", "1"]
+    assert "gsm8k ops 2" in text and [line.split()[0] for line in text.splitlines()[3:]] == [
+        "baseline",
+        "sft",
+        "dpo",
+        "grpo-format",
+        "grpo-correctness",
+    ]
+
+
+def test_a_modified_extra_set_report_reruns_the_evaluation(extra_run, workdir, step_calls, capsys):
+    from posttrain.cli import main
+    from posttrain.flows.pipeline import posttrain_pipeline
+
+    config = smoke(workdir, *with_extra_sets(workdir))
+    assert set(statuses(posttrain_pipeline(config)).values()) == {"cached"} and step_calls == []
+    baseline, sft = (
+        Path(next(o["output"] for o in extra_run["outcomes"] if o["step"] == s))
+        for s in ("eval-baseline", "eval-sft")
+    )
+
+    assert main(["eval", "--diff", str(baseline), str(sft)]) == 0
+    out = capsys.readouterr().out
+    assert "evaluation set gsm8k:" in out and "evaluation set synth:" in out
+    assert "by number of operations (strict):" in out.split("evaluation set gsm8k:")[1]
+
+    target = baseline / "gsm8k" / "examples.jsonl"
+    target.write_text(
+        target.read_text().replace('"ops": 1', '"ops": 7', 1)
+    )  # well-formed, not what was written
+    got = statuses(posttrain_pipeline(config))
+    assert got["eval-baseline"] == "ran" and step_calls == ["eval_step"]

@@ -191,3 +191,61 @@ def test_an_output_without_its_record_is_adopted_only_if_it_verifies(tmp_path, c
         assert decision.result.summary == summary and decision.result.report_dir == str(out.resolve())
     # Without the store (the planner before adoption existed) nothing is adopted.
     assert Planner(plan, StoreRecords(store)).decide(step, key, inputs).status == "run"
+
+
+GSM8K_SET = "{name: gsm8k, data: local, path: %s, limit: 2}"
+
+# (extra sets, does the data step's key change too): every change of an extra set changes the
+# evaluations' keys; the data step's key changes when the questions training must not overlap change
+EXTRA_SET_CASES = [
+    ("[{name: synth, data: synthetic, limit: 3}]", True),  # a generated set: decontamination input
+    ("[{name: synth, data: synthetic, limit: 4}]", True),  # more of its questions
+    ("[{name: synth, data: synthetic, limit: 3, max_ops: 2}]", True),  # other questions
+    ("[{name: synth, data: synthetic, limit: 3, max_new_tokens: 5}]", True),  # generation only (vs none)
+    ("[{name: held, data: heldout, limit: 3}]", False),  # a slice of the held-out data: nothing new
+    ("[{name: held2, data: heldout, limit: 3}]", False),  # renamed: its metrics and folder change
+]
+
+
+def test_extra_eval_sets_are_part_of_the_evaluation_keys(tmp_path):
+    inputs = StepInputs(ModelRef("/base", "fp-base"), _data())
+
+    def keys(*overrides: str) -> tuple[str, str, str]:
+        plan = plan_for(*overrides)
+        return tuple(plan.step(s).key(plan.config, inputs) for s in ("data", "sft", "eval-sft"))
+
+    none = keys()
+    seen = {none[2]}
+    for extra, data_changes in EXTRA_SET_CASES:
+        data, sft, evaluation = keys(f"eval.extra_sets={extra}")
+        assert evaluation not in seen, extra
+        seen.add(evaluation)
+        assert (data != none[0]) == data_changes, extra
+        assert sft == none[1], extra  # training keys follow the data's content, not its key
+    generated = [keys(f"eval.extra_sets={extra}") for extra, _ in EXTRA_SET_CASES[:4]]
+    assert generated[3][0] == generated[0][0]  # the generation limit does not change the questions
+
+    data_file = tmp_path / "gsm8k.jsonl"
+    data_file.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    before = keys(f"eval.extra_sets=[{GSM8K_SET % data_file}]")
+    data_file.write_text('{"question": "1+2?", "answer": "#### 3"}\n')  # same path, new content
+    after = keys(f"eval.extra_sets=[{GSM8K_SET % data_file}]")
+    assert after[0] != before[0] and after[2] != before[2] and after[1] == before[1]
+
+
+def test_each_extra_set_gets_its_own_questions_and_generation_limit():
+    from posttrain.pipeline.steps import _set_records
+
+    cfg = load_config(
+        SMOKE,
+        [
+            "eval.extra_sets=[{name: hard, data: synthetic, limit: 6, min_ops: 3, max_ops: 3, max_new_tokens: 5},"
+            " {name: mixed, data: synthetic, limit: 6}]"
+        ],
+    )
+    (primary_name, primary), (hard_name, hard), (_, mixed) = cfg.eval.all_sets()
+    assert (primary_name, hard_name) == (None, "hard")
+    assert primary.data == "heldout" and primary.extra_sets == [] and primary.max_new_tokens == 16
+    assert hard.max_new_tokens == 5 and mixed.max_new_tokens == 16  # the primary's unless given
+    assert {r["ops"] for r in _set_records(cfg, hard)} == {3}
+    assert len(_set_records(cfg, mixed)) == 6 and {r["ops"] for r in _set_records(cfg, mixed)} <= {1, 2, 3, 4}

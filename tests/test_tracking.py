@@ -329,9 +329,10 @@ def test_compare_runs_shows_only_the_differing_param_and_stage_metrics(uri, tmp_
     trackers = []
     for lr, accuracy in ((1e-5, 0.2), (3e-5, 0.4)):
         cfg = make_cfg(uri, sft={"trainer": {"learning_rate": lr}})
-        with start_pipeline_run(cfg) as tracker:
+        steps = ["eval-baseline", "grpo-format", "eval-grpo-format"]
+        with start_pipeline_run(cfg, steps=steps) as tracker:
             with tracker.stage("eval-baseline") as s:
-                s.log_eval({"accuracy_strict": 0.1})
+                s.log_eval({"accuracy_strict": 0.1, "accuracy_strict/gsm8k": 0.05})
             with tracker.stage("grpo-format", kind="grpo") as s:
                 s.log_history([{"step": i, "reward": accuracy * i} for i in range(1, 4)])
             with tracker.stage("eval-grpo-format") as s:
@@ -342,7 +343,11 @@ def test_compare_runs_shows_only_the_differing_param_and_stage_metrics(uri, tmp_
     comparison = compare_runs(experiment="track-test", last=2, tracking_uri=uri)
     assert [r.run_id for r in comparison.runs] == ids  # oldest first
     assert comparison.param_diffs == {"sft.trainer.learning_rate": ["1e-05", "3e-05"]}
-    assert comparison.metric_names == ["eval-baseline/accuracy_strict", "eval-grpo-format/accuracy_strict"]
+    assert comparison.metric_names == [  # in the plan's order, a metric's slices beside it
+        "eval-baseline/accuracy_strict",
+        "eval-baseline/accuracy_strict/gsm8k",
+        "eval-grpo-format/accuracy_strict",
+    ]
     assert [r.stage_metrics["eval-grpo-format/accuracy_strict"] for r in comparison.runs] == [0.2, 0.4]
     assert comparison.runs[1].reward_curves["grpo-format"] == [(1, 0.4), (2, 0.8), (3, 1.2000000000000002)]
     assert comparison.runs[0].duration_s is not None and comparison.runs[0].start_time is not None

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import logging
 import os
+import shutil
 import sys
 import warnings
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 
 from posttrain.core.config import DataConfig, EvalConfig, TrackingConfig
 from posttrain.core.errors import PosttrainError
+from posttrain.core.metric_names import slices_of
 from posttrain.core.prompts import format_sft_target
 from posttrain.core.redact import redact_text
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
@@ -63,6 +65,43 @@ def format_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str
     return "\n".join(lines)
 
 
+def eval_table(outcomes: Sequence[dict], primary: str, width: int) -> str:
+    """Strict accuracy after each evaluated stage: the primary set (named ``primary``), each extra
+    set, and per number of operations as far as ``width`` allows (extra sets' columns per number of
+    operations are left out first, the last set's first, then the primary's). "" without evaluations."""
+    evals = [
+        (o["step"].removeprefix("eval-"), slices_of(o["metrics"])) for o in outcomes if o["kind"] == "eval"
+    ]
+    if not evals:
+        return ""
+    seen = dict.fromkeys(s for _, slices in evals for s in slices)
+    sets = sorted(seen, key=lambda s: s is not None)  # the primary (None) first, then extra sets in order
+    ops = {s: sorted({n for _, sl in evals for n in sl.get(s, {}) if n is not None}) for s in sets}
+
+    def label(eval_set: str | None, n: int | None) -> str:
+        if n is None:
+            return eval_set or primary
+        return f"{eval_set} ops {n}" if eval_set else f"ops {n}"
+
+    def table(per_ops: set[str | None]) -> str:
+        columns = [(s, n) for s in sets for n in [None, *(ops[s] if s in per_ops else [])]]
+        rows = [[stage, *(_percent(slices.get(s, {}).get(n)) for s, n in columns)] for stage, slices in evals]
+        return format_table(rows, ["stage", *(label(s, n) for s, n in columns)])
+
+    shown = set(sets)
+    text = table(shown)
+    for drop in [*reversed(sets[1:]), None]:
+        if max(len(line) for line in text.splitlines()) <= width:
+            break
+        shown.discard(drop)
+        text = table(shown)
+    return "strict accuracy by evaluation set and number of operations:\n" + text
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
 def _fmt(value: object) -> str:
     if value is None:
         return "-"
@@ -78,7 +117,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.configs:
         cfg = load_config(path, args.set)
         stages = " -> ".join(cfg.stage_names()) or "(no training stages)"
-        print(f"ok  {path}: {cfg.model.name}; {stages}; eval on {cfg.eval.data}")
+        sets = "".join(f" + {s.name} ({s.data})" for s in cfg.eval.extra_sets)
+        print(f"ok  {path}: {cfg.model.name}; {stages}; eval on {cfg.eval.data}{sets}")
     return 0
 
 
@@ -224,6 +264,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         for o in summary["outcomes"]
     ]
     print(format_table(rows, ("step", "status", "accuracy (strict)", "output")))
+    width = shutil.get_terminal_size(fallback=(120, 24)).columns
+    if table := eval_table(summary["outcomes"], cfg.eval.data, width):
+        print("\n" + table)
     if summary["run_id"]:
         print(f"MLflow run {summary['run_id']} in experiment '{cfg.tracking.experiment or cfg.name}'")
     return 0
@@ -231,11 +274,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from posttrain.evaluation import diff_reports, format_diff, format_summary_table, run_eval
-    from posttrain.evaluation.report import EvalReport
+    from posttrain.evaluation.report import REPORT_FILE, EvalReport
 
     if args.diff:
         a, b = (EvalReport.load(d) for d in args.diff)
         print(format_diff(diff_reports(a, b, mode=args.mode), n_examples=args.examples))
+        # A pipeline evaluation holds each extra set's report in a folder named after the set.
+        dir_a, dir_b = (Path(d) for d in args.diff)
+        for folder in sorted(p for p in dir_a.iterdir() if (p / REPORT_FILE).is_file()):
+            if (dir_b / folder.name / REPORT_FILE).is_file():
+                a, b = EvalReport.load(folder), EvalReport.load(dir_b / folder.name)
+                print(f"\nevaluation set {folder.name}:")
+                print(format_diff(diff_reports(a, b, mode=args.mode), n_examples=args.examples))
         return 0
     if not args.model or not args.data:
         raise CLIError("eval needs --model and --data (or --diff A B)")

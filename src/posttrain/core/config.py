@@ -15,6 +15,7 @@ objects keep the real values for the code that needs them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -32,6 +33,7 @@ from pydantic import (
 )
 
 from posttrain.core.errors import ConfigError
+from posttrain.core.metric_names import is_ops_slice
 from posttrain.core.peft_options import (
     LORA_ALIASES,
     POSTTRAIN_LORA_KEYS,
@@ -47,6 +49,7 @@ __all__ = [
     "DataConfig",
     "DPOStageConfig",
     "EvalConfig",
+    "EvalSetConfig",
     "GRPOStageConfig",
     "ModelConfig",
     "PipelineConfig",
@@ -312,12 +315,62 @@ class GRPOSection(StrictModel):
         return stages
 
 
-class EvalConfig(StrictModel):
+class _EvalSource(StrictModel):
+    """Where one evaluation set's questions come from (the primary set's and each extra set's)."""
+
     data: Literal["heldout", "hub", "local", "synthetic"] = "heldout"
     """heldout: the validation slice of `data`; hub: GSM8K test; local: `path`; synthetic: generated."""
     path: str | None = None
     hub_split: str = "test"
     limit: int | None = Field(100, ge=1)
+    """The first N questions in the source's fixed order (synthetic: N generated), so numbers compare."""
+    min_ops: int | None = Field(None, ge=1)
+    """synthetic only: fewest arithmetic operations per generated problem (default 1)."""
+    max_ops: int | None = Field(None, ge=1)
+    """synthetic only: most arithmetic operations per generated problem (default 4)."""
+
+    @model_validator(mode="after")
+    def _source_consistent(self) -> _EvalSource:
+        if self.data == "local" and not self.path:
+            raise ValueError("data: local needs `path`")
+        if self.data != "synthetic" and (self.min_ops is not None or self.max_ops is not None):
+            raise ValueError(f"min_ops/max_ops apply to data: synthetic only (data is {self.data})")
+        if self.min_ops is not None and self.max_ops is not None and self.min_ops > self.max_ops:
+            raise ValueError(f"min_ops ({self.min_ops}) > max_ops ({self.max_ops})")
+        return self
+
+    def synthetic_ops(self) -> tuple[int, int]:
+        """(fewest, most) operations of generated problems; (1, 4) unless narrowed."""
+        low = self.min_ops or 1
+        return low, self.max_ops or max(low, 4)
+
+
+# A set's name becomes a folder in the store and part of metric names (`accuracy_strict/<name>`), so
+# it is kept to what both take; `ops_<n>` is what per-difficulty metrics use.
+_SET_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
+
+
+class EvalSetConfig(_EvalSource):
+    """One more evaluation set, evaluated by the same step as the primary set (``eval.extra_sets``)."""
+
+    name: str
+    """Names the set's report folder (`<set>/report.json`) and its metrics (`accuracy_strict/<set>`)."""
+    data: Literal["heldout", "hub", "local", "synthetic"]  # required: an extra set names its source
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Generation limit for this set (default: ``eval.max_new_tokens``)."""
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        if not _SET_NAME.match(name) or is_ops_slice(name):
+            raise ValueError(
+                f"set name {name!r} must be 1-40 lowercase letters, digits, '_' or '-', starting with a "
+                "letter, and not ops_<n> (it names a folder and metrics)"
+            )
+        return name
+
+
+class EvalConfig(_EvalSource):
     max_new_tokens: int = Field(256, ge=1)
     batch_size: int = Field(64, ge=1)
     """Rows decoded together. 64 is ~28% faster than 32 for SmolLM2 on 2 CPU cores (bf16)."""
@@ -328,14 +381,37 @@ class EvalConfig(StrictModel):
     seed: int = 0
     baseline: bool = True
     after_each_stage: bool = True
+    extra_sets: list[EvalSetConfig] = Field(default_factory=list)
+    """More evaluation sets, each with its own report and metrics (`accuracy_strict/<name>`); the
+    fields above (the primary set) keep their metric names."""
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalConfig:
-        if self.data == "local" and not self.path:
-            raise ValueError("data: local needs `path`")
         if self.pass_k > 1 and self.temperature == 0:
             raise ValueError("pass_k > 1 needs sampling: set temperature > 0")
         return self
+
+    @field_validator("extra_sets")
+    @classmethod
+    def _unique_set_names(cls, sets: list[EvalSetConfig]) -> list[EvalSetConfig]:
+        names = [s.name for s in sets]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"extra set names must be unique; repeated: {', '.join(dupes)}")
+        return sets
+
+    def all_sets(self) -> list[tuple[str | None, EvalConfig]]:
+        """(name, settings) of every evaluation set: the primary (name None) first, then each extra set."""
+        primary = self.model_copy(update={"extra_sets": []})
+        return [(None, primary), *((s.name, self.set_config(s)) for s in self.extra_sets)]
+
+    def set_config(self, extra: EvalSetConfig) -> EvalConfig:
+        """This config with ``extra``'s source (and generation limit) in place of the primary's: what
+        one extra set is evaluated with (generation settings shared, no further sets)."""
+        update: dict[str, Any] = {f: getattr(extra, f) for f in _EvalSource.model_fields}
+        update["max_new_tokens"] = extra.max_new_tokens or self.max_new_tokens
+        update["extra_sets"] = []
+        return self.model_copy(update=update)
 
 
 class TrackingConfig(StrictModel):

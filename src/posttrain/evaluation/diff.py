@@ -55,6 +55,37 @@ class ReportDiff:
         """Questions gained minus questions lost."""
         return len(self.fixed) - len(self.broken)
 
+    def by_ops(self) -> dict[int, dict[str, float]]:
+        """Per number of operations (A's record's ``ops``), easiest first: ``n`` matched questions,
+        ``accuracy_a``, ``accuracy_b`` and the ``fixed`` / ``broken`` counts. Empty without ``ops``."""
+        rows: dict[int, dict[str, float]] = {}
+        for group, (right_a, right_b) in (
+            ("fixed", (0, 1)),
+            ("broken", (1, 0)),
+            ("stayed_right", (1, 1)),
+            ("stayed_wrong", (0, 0)),
+        ):
+            for rec_a, rec_b in getattr(self, group):
+                ops = rec_a.ops if rec_a.ops is not None else rec_b.ops
+                if ops is None:
+                    continue
+                row = rows.setdefault(ops, {"n": 0, "right_a": 0, "right_b": 0, "fixed": 0, "broken": 0})
+                row["n"] += 1
+                row["right_a"] += right_a
+                row["right_b"] += right_b
+                if group in ("fixed", "broken"):
+                    row[group] += 1
+        return {
+            ops: {
+                "n": row["n"],
+                "accuracy_a": row["right_a"] / row["n"],
+                "accuracy_b": row["right_b"] / row["n"],
+                "fixed": row["fixed"],
+                "broken": row["broken"],
+            }
+            for ops, row in sorted(rows.items())
+        }
+
 
 def diff_reports(a: EvalReport, b: EvalReport, mode: str = "strict") -> ReportDiff:
     """Group the questions both reports share by (correct in A, correct in B), in A's order."""
@@ -115,6 +146,14 @@ def format_diff(diff: ReportDiff, n_examples: int = 3) -> str:
         lines.append(f"  {name.replace('_', ' '):<13} {count:>6}  ({count / total:.1%})")
     if diff.only_in_a or diff.only_in_b:
         lines.append(f"  unmatched: {len(diff.only_in_a)} only in A, {len(diff.only_in_b)} only in B")
+    if by_ops := diff.by_ops():
+        lines.append(f"\nby number of operations ({diff.mode}):")
+        lines.append(f"  {'ops':>4}  {'n':>5}  {'A':>6}  {'B':>6}  {'fixed':>5}  {'broken':>6}")
+        for ops, row in by_ops.items():
+            lines.append(
+                f"  {ops:>4}  {row['n']:>5}  {row['accuracy_a']:>6.1%}  {row['accuracy_b']:>6.1%}  "
+                f"{row['fixed']:>5}  {row['broken']:>6}"
+            )
     for name, label in (
         ("fixed", "fixed (wrong in A, right in B)"),
         ("broken", "broken (right in A, wrong in B)"),

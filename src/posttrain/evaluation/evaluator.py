@@ -236,7 +236,9 @@ def evaluate(
         for record, group in zip(records, groups, strict=True)
     ]
     report_records = tuple(
-        EvalRecord.from_samples(r["id"], r["question"], canonical_gold(r["answer"]), s)
+        EvalRecord.from_samples(
+            r["id"], r["question"], canonical_gold(r["answer"]), s, ops=_ops(r.get("ops"))
+        )
         for r, s in zip(records, scored, strict=True)
     )
     summary = summarize(scored, cfg.pass_k)
@@ -266,7 +268,18 @@ def evaluate(
         len(records),
         stats.tokens_per_second,
     )
+    if report.by_ops:
+        logger.info(
+            "eval %s by operations (strict): %s",
+            name,
+            ", ".join(f"{ops}: {m['accuracy_strict']:.0%} of {m['n']}" for ops, m in report.by_ops.items()),
+        )
     return report
+
+
+def _ops(value: Any) -> int | None:
+    """A record's difficulty as an int (None when its source gives none)."""
+    return None if value is None else int(value)
 
 
 def run_eval(

@@ -4,6 +4,10 @@ A report is written as two files so that both humans and tools can use it: ``rep
 summary, config, timings, environment; small enough to read or log as an artifact) and
 ``examples.jsonl`` (one line per question, greppable, and what :mod:`posttrain.evaluation.diff`
 matches by id to show which questions a training stage fixed or broke).
+
+Accuracy is also broken down by difficulty, the number of arithmetic operations of each question
+(``ops``: the synthetic generator's count, GSM8K's calculator annotations), in ``report.json``'s
+``by_ops``, and as metrics named by :mod:`posttrain.core.metric_names` (``accuracy_strict/ops_2``).
 """
 
 from __future__ import annotations
@@ -15,11 +19,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.evaluation.scoring import SampleScore
+from posttrain.core.metric_names import metric_name
+from posttrain.evaluation.scoring import SampleScore, summarize_by_ops
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REPORT_FILE", "EXAMPLES_FILE", "EvalRecord", "EvalReport", "format_summary_table"]
+__all__ = [
+    "BY_OPS_METRICS",
+    "EXAMPLES_FILE",
+    "REPORT_FILE",
+    "EvalRecord",
+    "EvalReport",
+    "format_by_ops",
+    "format_summary_table",
+    "report_metrics",
+]
 
 REPORT_FILE = "report.json"
 EXAMPLES_FILE = "examples.jsonl"
@@ -45,13 +59,17 @@ class EvalRecord:
     strict_format: bool
     tokens: int
     truncated: bool
+    ops: int | None = None
+    """Arithmetic operations in the question (difficulty), when its source says."""
     num_samples: int = 1
     num_correct_strict: int = 0
     num_correct_flexible: int = 0
     extra_samples: tuple[SampleScore, ...] = ()
 
     @classmethod
-    def from_samples(cls, id: str, question: str, gold: str, samples: Sequence[SampleScore]) -> EvalRecord:
+    def from_samples(
+        cls, id: str, question: str, gold: str, samples: Sequence[SampleScore], ops: int | None = None
+    ) -> EvalRecord:
         first = samples[0]
         return cls(
             id=id,
@@ -65,6 +83,7 @@ class EvalRecord:
             strict_format=first.strict_format,
             tokens=first.tokens,
             truncated=first.truncated,
+            ops=ops,
             num_samples=len(samples),
             num_correct_strict=sum(s.correct_strict for s in samples),
             num_correct_flexible=sum(s.correct_flexible for s in samples),
@@ -92,10 +111,12 @@ class EvalRecord:
         return self.correct_strict if mode == "strict" else self.correct_flexible
 
     def as_dict(self) -> dict[str, Any]:
+        """Fields as JSON types; ``ops`` right after the gold answer (it leads the MLflow table's columns)."""
         data = asdict(self)
         if not self.extra_samples:
             del data["extra_samples"]
-        return data
+        head = {k: data.pop(k) for k in ("id", "question", "gold", "ops")}
+        return {**head, **data}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EvalRecord:
@@ -123,6 +144,12 @@ class EvalReport:
         if len(set(ids)) != len(ids):
             raise ValueError("example ids in a report must be unique (reports are diffed by id)")
 
+    @property
+    def by_ops(self) -> dict[str, dict[str, float]]:
+        """``{"<ops>": {"n", "accuracy_strict", "accuracy_flexible", "strict_format_rate"}}`` over
+        every sample, from the records (empty when no record has an ``ops``)."""
+        return summarize_by_ops([r.samples for r in self.records], [r.ops for r in self.records])
+
     def save(self, directory: str | Path) -> Path:
         """Write ``report.json`` and ``examples.jsonl`` into ``directory`` (created); return it."""
         directory = Path(directory)
@@ -131,6 +158,7 @@ class EvalReport:
             "format_version": FORMAT_VERSION,
             "model": self.model,
             "summary": self.summary,
+            "by_ops": self.by_ops,
             "config": self.config,
             "timings": self.timings,
             "meta": self.meta,
@@ -162,6 +190,33 @@ class EvalReport:
             timings=head.get("timings", {}),
             meta=head.get("meta", {}),
         )
+
+
+BY_OPS_METRICS = ("accuracy_strict",)
+"""The per-difficulty numbers that also become metrics (``accuracy_strict/ops_<n>``); report.json has all."""
+
+
+def report_metrics(report: EvalReport) -> dict[str, float]:
+    """The report's summary plus :data:`BY_OPS_METRICS` per difficulty (``accuracy_strict/ops_2``)."""
+    by_ops = {
+        metric_name(metric, ops=ops): values[metric]
+        for ops, values in report.by_ops.items()
+        for metric in BY_OPS_METRICS
+    }
+    return {**report.summary, **by_ops}
+
+
+def format_by_ops(by_ops: Mapping[str, Mapping[str, float]]) -> str:
+    """A plain-text table of accuracy and format per number of operations ("" when there is none)."""
+    if not by_ops:
+        return ""
+    lines = [f"{'ops':>4}  {'n':>5}  {'strict':>7}  {'flexible':>8}  {'format':>7}"]
+    for ops, m in by_ops.items():
+        lines.append(
+            f"{ops:>4}  {int(m['n']):>5}  {m['accuracy_strict']:>7.1%}  {m['accuracy_flexible']:>8.1%}  "
+            f"{m['strict_format_rate']:>7.1%}"
+        )
+    return "\n".join(lines)
 
 
 def _metric_rows(summary: Mapping[str, float]) -> list[tuple[str, str]]:
@@ -199,4 +254,6 @@ def format_summary_table(report: EvalReport) -> str:
         )
     width = max(len(name) for name, _ in rows)
     lines = [title, "-" * (width + 14)] + [f"{name:<{width}}  {value:>10}" for name, value in rows]
+    if by_ops := format_by_ops(report.by_ops):
+        lines += ["", "by number of operations:", by_ops]
     return "\n".join(lines)

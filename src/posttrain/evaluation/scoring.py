@@ -14,11 +14,20 @@ fraction of ``k`` samples that contain a correct one would be biased upward for 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 
 from posttrain.core.scoring import SampleScore, canonical_gold, score_completion
 
-__all__ = ["SampleScore", "canonical_gold", "pass_at_k", "score_completion", "summarize"]
+__all__ = [
+    "BY_OPS_FIELDS",
+    "SampleScore",
+    "canonical_gold",
+    "pass_at_k",
+    "score_completion",
+    "summarize",
+    "summarize_by_ops",
+]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -71,3 +80,36 @@ def summarize(samples: Sequence[Sequence[SampleScore]], k: int = 1) -> dict[str,
                 [pass_at_k(len(g), sum(getattr(s, f"correct_{mode}") for s in g), k) for g in samples]
             )
     return metrics
+
+
+BY_OPS_FIELDS = ("accuracy_strict", "accuracy_flexible", "strict_format_rate")
+"""The metrics reported per difficulty, besides the count ``n`` of questions."""
+
+
+def summarize_by_ops(
+    samples: Sequence[Sequence[SampleScore]], ops: Sequence[int | None]
+) -> dict[str, dict[str, float]]:
+    """Accuracy and format per difficulty: ``{"<ops>": {"n", "accuracy_strict", ...}}``, easiest first.
+
+    ``ops`` is each question's number of arithmetic operations (synthetic problems' own count,
+    GSM8K's calculator annotations); questions without one (None) are left out.
+
+    >>> ok = score_completion("<reasoning>\\nx\\n</reasoning>\\n<answer>\\n1\\n</answer>", "1")
+    >>> bad = score_completion("1", "1")
+    >>> by_ops = summarize_by_ops([[ok], [bad], [ok]], [2, 1, 2])
+    >>> by_ops["1"]
+    {'n': 1, 'accuracy_strict': 0.0, 'accuracy_flexible': 1.0, 'strict_format_rate': 0.0}
+    >>> list(by_ops), by_ops["2"]["n"], by_ops["2"]["accuracy_strict"]
+    (['1', '2'], 2, 1.0)
+    """
+    if len(samples) != len(ops):
+        raise ValueError(f"{len(samples)} questions but {len(ops)} ops values")
+    groups: dict[int, list[Sequence[SampleScore]]] = defaultdict(list)
+    for group, n in zip(samples, ops, strict=True):
+        if n is not None:
+            groups[int(n)].append(group)
+    out = {}
+    for n, group in sorted(groups.items()):
+        metrics = summarize(group)
+        out[str(n)] = {"n": len(group), **{k: metrics[k] for k in BY_OPS_FIELDS}}
+    return out

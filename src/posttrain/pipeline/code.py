@@ -41,8 +41,8 @@ ENTRY_MODULES: dict[str, tuple[str, ...]] = {
 }
 """The modules each step kind runs, besides its function in ``pipeline/steps.py``."""
 STEP_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "data": ("prepare_step", "_external_eval_records"),
-    "eval": ("eval_step", "eval_records", "_external_eval_records", "load_data"),
+    "data": ("prepare_step", "_external_eval_records", "_set_records", "load_data"),
+    "eval": ("eval_step", "_set_records", "load_data"),
     "sft": ("sft_step", "load_data"),
     "dpo": ("dpo_step", "load_data"),
     "grpo": ("grpo_step", "load_data"),

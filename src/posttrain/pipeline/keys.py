@@ -75,11 +75,11 @@ class StepIdentity:
         return cache_key(self.step, self.config_hash, self.inputs)
 
 
-def _source_fingerprint(cfg: PipelineConfig) -> str:
-    """Content hash of local data files (a path string says nothing about what is in the file)."""
-    if cfg.data.source != "local" or not cfg.data.path:
+def _files_fingerprint(path: str | None) -> str:
+    """Content hash of a local .jsonl file or folder (a path string says nothing about its content)."""
+    if not path:
         return "-"
-    root = Path(cfg.data.path)
+    root = Path(path)
     files = sorted(root.glob("*.jsonl")) if root.is_dir() else [root]
     digest = hashlib.sha256()
     for file in files:
@@ -89,12 +89,36 @@ def _source_fingerprint(cfg: PipelineConfig) -> str:
     return digest.hexdigest()[:16]
 
 
+def _source_fingerprint(cfg: PipelineConfig) -> str:
+    return _files_fingerprint(cfg.data.path) if cfg.data.source == "local" else "-"
+
+
+def _eval_files_fingerprint(cfg: PipelineConfig) -> dict[str, str]:
+    """``{"eval_files": hash}`` over the content of every local evaluation file; {} when there is none."""
+    files = [s.path for _, s in cfg.eval.all_sets() if s.data == "local"]
+    if not files:
+        return {}
+    return {"eval_files": stable_hash([_files_fingerprint(f) for f in files])}
+
+
+def _external_eval_sets(cfg: PipelineConfig) -> dict[str, str]:
+    """``{"eval_sets": hash}`` of the evaluation sets not cut from the held-out slice, whose questions
+    the data step removes from training (decontamination); {} when there is none."""
+    sources = ("data", "path", "hub_split", "limit", "min_ops", "max_ops")
+    sets = [
+        {**{f: getattr(s, f) for f in sources}, "content": _files_fingerprint(s.path)}
+        for _, s in cfg.eval.all_sets()
+        if s.data != "heldout"
+    ]
+    return {"eval_sets": stable_hash(sets)} if sets else {}
+
+
 def data_identity(cfg: PipelineConfig, model_fingerprint: str) -> StepIdentity:
     # The tokenizer decides which prompts are too long, so the model's identity is an input.
     return StepIdentity(
         "data",
         stable_hash(cfg.data),
-        {"source": _source_fingerprint(cfg), "tokenizer": model_fingerprint},
+        {"source": _source_fingerprint(cfg), "tokenizer": model_fingerprint, **_external_eval_sets(cfg)},
         code_fingerprint("data"),
     )
 
@@ -142,11 +166,11 @@ def train_key(cfg: PipelineConfig, stage: str, model_fingerprint: str, data_fing
 def eval_identity(
     cfg: PipelineConfig, step: str, model_fingerprint: str, data_fingerprint: str
 ) -> StepIdentity:
-    """Identity of the evaluation step ``step`` (``eval-<stage>``) of a model on the eval split."""
+    """Identity of the evaluation step ``step`` (``eval-<stage>``) of a model on the evaluation sets
+    (``eval:``, extra sets included, and the content of their local files)."""
     config_hash = stable_hash({"eval": stable_hash(cfg.eval), "precision": cfg.model.precision})
-    return StepIdentity(
-        step, config_hash, {"model": model_fingerprint, "data": data_fingerprint}, code_fingerprint("eval")
-    )
+    inputs = {"model": model_fingerprint, "data": data_fingerprint, **_eval_files_fingerprint(cfg)}
+    return StepIdentity(step, config_hash, inputs, code_fingerprint("eval"))
 
 
 def eval_key(cfg: PipelineConfig, step: str, model_fingerprint: str, data_fingerprint: str) -> str:

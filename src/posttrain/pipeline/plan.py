@@ -239,6 +239,7 @@ class EvalStep(Step):
         return steps.eval_step(cfg, self.stage, inputs.model, inputs.data, output_dir)
 
     def output_is_valid(self, result: Any) -> bool:
+        """The report folder is intact: extra sets' reports live inside it, so its hash covers them."""
         return isinstance(result, EvalResult) and _intact(result.report_dir, result.output_fingerprint)
 
     def made_from(self, result: Any, inputs: StepInputs) -> bool:
@@ -250,7 +251,7 @@ class EvalStep(Step):
 
     @staticmethod
     def metrics_of(result: EvalResult) -> dict[str, Any]:
-        return dict(result.summary)
+        return result.metrics()
 
 
 def _intact(directory: str, fingerprint: str) -> bool:

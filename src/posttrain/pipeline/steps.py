@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.atomic import staging_dir, write_result
-from posttrain.core.config import GRPOStageConfig, PipelineConfig
+from posttrain.core.config import EvalConfig, GRPOStageConfig, PipelineConfig
 from posttrain.core.hashing import fingerprint_tree
+from posttrain.core.metric_names import qualify_metrics
 from posttrain.core.prompts import select_few_shot
 from posttrain.data.eval_sets import load_eval_records
 from posttrain.data.prepare import PreparedData, prepare_data
 from posttrain.evaluation.evaluator import evaluate
+from posttrain.evaluation.report import report_metrics
 from posttrain.models.artifacts import StageResult, fingerprint_model
 from posttrain.models.loading import load_stage_model, load_tokenizer
 from posttrain.models.resolve import resolve_model_path
@@ -54,13 +56,29 @@ class EvalResult:
     """The stage whose output was evaluated (`baseline`, `sft`, `grpo-format`, ...)."""
     report_dir: str
     summary: dict[str, float]
+    """The primary set's metrics: its report's summary plus accuracy per number of operations."""
     timings: dict[str, float]
     model_fingerprint: str
     output_fingerprint: str = ""
-    """Content hash of ``report_dir`` when written (:func:`~posttrain.core.hashing.fingerprint_tree`)."""
+    """Content hash of ``report_dir`` (extra sets' reports included) when written
+    (:func:`~posttrain.core.hashing.fingerprint_tree`)."""
+    sets: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Extra set name → its metrics, named as the primary's are; its report is ``report_dir/<name>``."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def metrics(self) -> dict[str, float]:
+        """Every set's metrics under their final names: ``accuracy_strict``, ``accuracy_strict/ops_1``,
+        ``accuracy_strict/<set>``, ... (see :func:`~posttrain.evaluation.report.metric_name`)."""
+        out = dict(self.summary)
+        for name, metrics in self.sets.items():
+            out.update(qualify_metrics(metrics, name))
+        return out
+
+    def set_dirs(self) -> dict[str, str]:
+        """Extra set name → the folder of its report."""
+        return {name: str(Path(self.report_dir) / name) for name in self.sets}
 
 
 # --------------------------------------------------------------------------- steps
@@ -91,38 +109,44 @@ def prepare_step(cfg: PipelineConfig, model: ModelRef, output_dir: str | Path) -
     return result
 
 
-def _external_eval_records(cfg: PipelineConfig) -> list[dict[str, Any]]:
-    """Evaluation records that do not come from the held-out slice (used for decontamination too)."""
-    if cfg.eval.data == "heldout":
-        return []
+def _set_records(
+    cfg: PipelineConfig, eval_cfg: EvalConfig, data: DataResult | None = None
+) -> list[dict[str, Any]]:
+    """The questions of one evaluation set (``heldout`` ones need the prepared ``data``)."""
+    if eval_cfg.data == "heldout":
+        assert data is not None, "a held-out evaluation set needs the prepared data"
+        heldout = load_data(data).eval
+        limit = min(eval_cfg.limit or len(heldout), len(heldout))
+        return [heldout[i] for i in range(limit)]
     return load_eval_records(
-        cfg.eval.data,
-        path=cfg.eval.path,
-        limit=cfg.eval.limit,
+        eval_cfg.data,
+        path=eval_cfg.path,
+        limit=eval_cfg.limit,
         hub_id=cfg.data.hub_id,
         hub_config=cfg.data.hub_config,
-        hub_split=cfg.eval.hub_split,
+        hub_split=eval_cfg.hub_split,
+        synthetic_ops=eval_cfg.synthetic_ops(),
     )
+
+
+def _external_eval_records(cfg: PipelineConfig) -> list[dict[str, Any]]:
+    """Questions of every evaluation set that is not cut from the held-out slice: training must not
+    overlap them (decontamination)."""
+    sets = [set_cfg for _, set_cfg in cfg.eval.all_sets() if set_cfg.data != "heldout"]
+    return [record for set_cfg in sets for record in _set_records(cfg, set_cfg)]
 
 
 def load_data(data: DataResult) -> PreparedData:
     return PreparedData.load(data.data_dir)
 
 
-def eval_records(cfg: PipelineConfig, data: DataResult) -> list[dict[str, Any]]:
-    if cfg.eval.data != "heldout":
-        return _external_eval_records(cfg)
-    heldout = load_data(data).eval
-    limit = min(cfg.eval.limit or len(heldout), len(heldout))
-    return [heldout[i] for i in range(limit)]
-
-
 def eval_step(
     cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult, output_dir: str | Path
 ) -> EvalResult:
-    """Evaluate one model on the configured evaluation set; write report.json + examples.jsonl."""
-    records = eval_records(cfg, data)
-    # Adapter outputs are merged onto their base here; vLLM loads from a path itself.
+    """Evaluate one model on the configured evaluation sets: the primary set's report.json +
+    examples.jsonl in ``output_dir``, each extra set's in ``output_dir/<name>``."""
+    # Adapter outputs are merged onto their base here; vLLM loads from a path itself. Loaded once
+    # for every set.
     loaded = (
         model.path
         if cfg.eval.backend == "vllm"
@@ -130,25 +154,38 @@ def eval_step(
             model.path, cfg.model.precision, cfg.model.cache_dir, revision=cfg.model.revision
         )
     )
-    report = evaluate(
-        loaded,
-        records,
-        cfg.eval,
-        precision=cfg.model.precision,
-        data_name=cfg.eval.data,
-        progress=True,
-        system_prompt=cfg.data.system_prompt or None,
-        few_shot=select_few_shot(cfg.data.few_shot),
-    )
+    reports = {}
+    for name, set_cfg in cfg.eval.all_sets():
+        reports[name] = evaluate(
+            loaded,
+            _set_records(cfg, set_cfg, data),
+            set_cfg,
+            precision=cfg.model.precision,
+            data_name=set_cfg.data if name is None else f"{name} ({set_cfg.data})",
+            progress=True,
+            system_prompt=cfg.data.system_prompt or None,
+            few_shot=select_few_shot(cfg.data.few_shot),
+        )
     with staging_dir(output_dir) as tmp:
-        report.save(tmp)
+        for name, report in reports.items():
+            report.save(Path(tmp, name) if name else tmp)
+        primary = reports[None]
         result = EvalResult(
             stage=stage,
             report_dir=str(Path(output_dir).resolve()),
-            summary=dict(report.summary),
-            timings=dict(report.timings),
+            summary=report_metrics(primary),
+            timings={
+                **primary.timings,
+                **{
+                    k: v
+                    for name, r in reports.items()
+                    if name
+                    for k, v in qualify_metrics(r.timings, name).items()
+                },
+            },
             model_fingerprint=model.fingerprint,
             output_fingerprint=fingerprint_tree(tmp),
+            sets={name: report_metrics(r) for name, r in reports.items() if name},
         )
         write_result(tmp, result)
     return result

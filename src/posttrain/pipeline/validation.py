@@ -44,6 +44,9 @@ def check_paths(cfg: PipelineConfig, source: str = "<config>") -> None:
         wanted.append(("data.path", cfg.data.path))
     if cfg.eval.data == "local" and cfg.eval.path:
         wanted.append(("eval.path", cfg.eval.path))
+    for i, extra in enumerate(cfg.eval.extra_sets):
+        if extra.data == "local" and extra.path:
+            wanted.append((f"eval.extra_sets.{i}.path", extra.path))
     for key, path in wanted:
         if not Path(path).expanduser().exists():
             raise ConfigError(f"{source}: {key}: no such file or folder: {path} (from {Path.cwd()})")

@@ -215,7 +215,8 @@ def _ordered_metrics(summaries: Sequence[RunSummary], rows: Sequence[Mapping[str
             if step:
                 order.setdefault(step, len(order))
     names = {m for s in summaries for m in s.stage_metrics}
-    return sorted(names, key=lambda m: (order.get(m.rsplit("/", 1)[0], len(order)), m))
+    # A metric's name has slashes of its own (accuracy_strict/gsm8k/ops_2); the stage is the first part.
+    return sorted(names, key=lambda m: (order.get(m.split("/", 1)[0], len(order)), m))
 
 
 def _reward_curves(
@@ -365,10 +366,10 @@ def plot_comparison(
     names = comparison.metric_names
     metric = (
         accuracy_metric
-        if any(m.endswith("/" + accuracy_metric) for m in names)
+        if any(m.split("/", 1)[-1] == accuracy_metric for m in names)
         else next((m.split("/", 1)[1] for m in names if "accuracy" in m), accuracy_metric)
     )
-    stages = [m.rsplit("/", 1)[0] for m in names if m.endswith("/" + metric)]
+    stages = [stage for m in names if (stage := m.split("/", 1)[0]) and m == f"{stage}/{metric}"]
     _grouped_bars(
         right,
         stages,

@@ -13,6 +13,7 @@ from typing import Any
 from posttrain.core.config import PipelineConfig, dump_config
 from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import package_versions, stable_hash
+from posttrain.core.metric_names import parse_metric_name
 from posttrain.core.redact import redact_text
 from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
 from posttrain.tracking.mlflow_io import (
@@ -316,12 +317,13 @@ class Tracker:
         return info.model_uri
 
     def plot_accuracy_by_stage(self, metric_filter: str = "accuracy") -> bool:
-        """``accuracy_by_stage.png`` on the parent, from the ``eval/*`` metrics of its stage runs."""
+        """``accuracy_by_stage.png`` on the parent, from the ``eval/*`` metrics of its stage runs
+        (every evaluation set's, not per number of operations)."""
         if not self.enabled:
             return False
         client = mlflow_client(self.tracking_uri)
         per_stage = {
-            s: {k: v for k, v in m.items() if metric_filter in k}
+            s: {k: v for k, v in m.items() if metric_filter in k and parse_metric_name(k)[2] is None}
             for s, m in eval_metrics_by_stage(client, self.experiment_id, self.run_id).items()
         }
         per_stage = {s: m for s, m in per_stage.items() if m}

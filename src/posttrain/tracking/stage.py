@@ -161,14 +161,16 @@ class StageRun:
         *,
         model_id: str | None = None,
         dataset_name: str = "eval",
+        table: str = "eval_examples",
     ) -> None:
         """Summary metrics as ``eval/<m>`` (mirrored to the parent as ``<stage>/<m>``) and per-example rows.
 
         With ``model_id`` the metrics are logged against that LoggedModel (the evaluated stage's)
         and the evaluation set, a dataset named ``dataset_name`` built from the records' ids and
-        questions, so the model view compares models on the same data. Rows go to
-        ``eval_examples.json`` (``log_table``, for the UI; reading it back with ``mlflow.load_table``
-        re-infers types, e.g. ``"4"`` becomes 4) and ``eval_examples.jsonl`` (exact round trip).
+        questions, so the model view compares models on the same data. Rows go to ``<table>.json``
+        (``log_table``, for the UI; reading it back with ``mlflow.load_table`` re-infers types, e.g.
+        ``"4"`` becomes 4) and ``<table>.jsonl`` (exact round trip); ``table`` may name a folder
+        (``gsm8k/eval_examples``), one per evaluation set.
         """
         if not self.enabled:
             return
@@ -181,9 +183,9 @@ class StageRun:
             import pandas as pd
 
             rows = jsonable([dict(r) for r in records])
-            self._client.log_table(self.run_id, pd.DataFrame(rows), "eval_examples.json")
+            self._client.log_table(self.run_id, pd.DataFrame(rows), f"{table}.json")
             self._client.log_text(
-                self.run_id, "\n".join(json.dumps(r) for r in rows) + "\n", "eval_examples.jsonl"
+                self.run_id, "\n".join(json.dumps(r) for r in rows) + "\n", f"{table}.jsonl"
             )
 
     def _log_model_metrics(self, metrics: Mapping[str, Any], model_id: str, dataset: Any) -> None:
