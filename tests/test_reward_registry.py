@@ -152,7 +152,9 @@ def test_unknown_reward_lists_valid_names():
     with pytest.raises(ValueError) as info:
         build_reward("foo")
     message = str(info.value)
-    assert message.startswith("unknown reward 'foo'; valid rewards: accuracy_reward, arithmetic, correctness,")
+    assert message.startswith(
+        "unknown reward 'foo'; valid rewards: accuracy_reward, arithmetic, correctness,"
+    )
     for name in reward_names():
         assert name in message
     assert "package.module:function" in message
