@@ -236,7 +236,7 @@ def data(tiny_tokenizer):
     return prepare_data(cfg, tiny_tokenizer).train
 
 
-def train_stage(tiny_model_dir, data, tmp_path, monkeypatch, reward, precision, **options):
+def train_stage(tiny_model_dir, data, tmp_path, monkeypatch, reward, fast_generation, **options):
     """A 1-step stage of 4 groups of 4 with `reward`; returns the trainer, its monitor and the batches the
     loss saw."""
     from posttrain.training import grpo
@@ -254,9 +254,11 @@ def train_stage(tiny_model_dir, data, tmp_path, monkeypatch, reward, precision, 
         },
         **options,
     )
-    ctx = StageContext(stage="grpo-zs", work_dir=tmp_path, seed=0, report_to="none", precision=precision)
+    ctx = StageContext(stage="grpo-zs", work_dir=tmp_path, seed=0, report_to="none", precision="fp32")
     model_cfg = ModelConfig(name=str(tiny_model_dir), lora={"r": 4, "alpha": 8})
-    trainer, monitor = grpo.make_grpo_trainer(stage, model_cfg, str(tiny_model_dir), data, ctx)
+    trainer, monitor = grpo.make_grpo_trainer(
+        stage, model_cfg, str(tiny_model_dir), data, ctx, fast_generation=fast_generation
+    )
     seen = []
     scored = trainer._generate_and_score_completions
 
@@ -270,18 +272,16 @@ def train_stage(tiny_model_dir, data, tmp_path, monkeypatch, reward, precision, 
     return trainer, monitor, seen
 
 
-@pytest.mark.parametrize(
-    "precision, generation", [("fp32", "TRL"), ("bf16", "shadow")], ids=["trl", "shadow"]
-)
+@pytest.mark.parametrize("shadow", [False, True], ids=["trl-generation", "shadow-rollout"])
 def test_resample_stage_trains_only_on_groups_with_signal(
-    tiny_model_dir, data, tmp_path, monkeypatch, precision, generation
+    tiny_model_dir, data, tmp_path, monkeypatch, shadow
 ):
     from posttrain.generation.rollout import ShadowRollout
 
     trainer, monitor, batches = train_stage(
-        tiny_model_dir, data, tmp_path, monkeypatch, pays_for_one_op, precision, zero_signal="resample"
+        tiny_model_dir, data, tmp_path, monkeypatch, pays_for_one_op, shadow, zero_signal="resample"
     )
-    assert isinstance(trainer.rollout_func, ShadowRollout) is (generation == "shadow")
+    assert isinstance(trainer.rollout_func, ShadowRollout) is shadow
     assert len(batches) == 1
     for batch in batches:
         advantages = batch["advantages"].view(-1, G)
@@ -297,7 +297,7 @@ def test_drop_stage_with_constant_rewards_drops_every_group_and_still_alerts(
     tiny_model_dir, data, tmp_path, monkeypatch
 ):
     trainer, monitor, batches = train_stage(
-        tiny_model_dir, data, tmp_path, monkeypatch, pays_nothing, "bf16", zero_signal="drop"
+        tiny_model_dir, data, tmp_path, monkeypatch, pays_nothing, True, zero_signal="drop"
     )
     assert all(int(b["num_items_in_batch"]) == 0 and b["completion_mask"].sum() == 0 for b in batches)
     rows = [r for r in trainer.state.log_history if "zero_signal/groups_dropped" in r]

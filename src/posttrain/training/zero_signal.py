@@ -27,7 +27,7 @@ resample   DAPO's dynamic sampling (Yu et al. 2025, "DAPO", section 3.2): fresh 
 
 Fresh prompts come from the stage's training data in an order of their own (:class:`FreshPrompts`,
 seeded from the run's seed), independent of TRL's sampler: a resampled prompt may come round again
-later in the epoch. ``reward`` and the other TRL metrics of a step average over every round generated
+later in the epoch, and a stage resumed from a checkpoint starts that order again. ``reward`` and the other TRL metrics of a step average over every round generated
 (the policy's reward on the data, not on the selected groups); what was trained on is logged as
 ``zero_signal/frac_signal`` (share of the trained batch's groups with signal), ``zero_signal/groups_dropped``,
 ``zero_signal/groups_resampled`` and ``zero_signal/rounds`` (extra generation rounds).
