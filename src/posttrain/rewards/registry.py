@@ -385,7 +385,7 @@ def build_reward(name: str, params: Mapping[str, Any] | None = None) -> Callable
     >>> build_reward("nope")
     Traceback (most recent call last):
     ...
-    ValueError: unknown reward 'nope'; valid rewards: accuracy_reward, correctness, \
+    ValueError: unknown reward 'nope'; valid rewards: accuracy_reward, arithmetic, correctness, \
 get_cosine_scaled_reward, get_repetition_penalty_reward, get_soft_overlong_punishment, int_answer, \
 length, reasoning_accuracy_reward, reasoning_steps, repetition, soft_format, strict_format, \
 think_format_reward, xml_count (or a custom 'package.module:function')
