@@ -322,8 +322,7 @@ def test_two_stores_sharing_one_tracking_database_both_finish(tmp_path):
             f"name: {name}\n"
             "model: {name: tiny-random, precision: fp32}\n"
             "data: {source: synthetic, synthetic: {num_examples: 16}, eval_size: 2, max_prompt_tokens: 1024}\n"
-            "sft: {num_examples: 4, trainer: {max_steps: 1, per_device_train_batch_size: 2}}\n"
-            "eval: {limit: 1, max_new_tokens: 2, batch_size: 1, baseline: false}\n"
+            "eval: {limit: 1, max_new_tokens: 2, batch_size: 1}\n"
             f"tracking: {{tracking_uri: '{uri}', log_model: false}}\n"
             f"orchestration: {{store: {tmp_path / name}}}\n"
         )
@@ -339,4 +338,4 @@ def test_two_stores_sharing_one_tracking_database_both_finish(tmp_path):
     parents = {run_id: name for run_id, name, _, parent in runs if parent is None}
     assert len(parents) == 2 and {status for _, _, status, _ in runs} == {"FINISHED"}
     for parent in parents:
-        assert sorted(name for _, name, _, p in runs if p == parent) == ["data", "eval-sft", "sft"]
+        assert sorted(name for _, name, _, p in runs if p == parent) == ["data", "eval-baseline"]

@@ -123,6 +123,11 @@ def test_keys_change_with_the_inputs():
     )
     other = plan_for("sft.trainer.learning_rate=0.5")
     assert other.step("sft").key(other.config, base) != sft.key(plan.config, base)
+    # When checkpoints are written changes nothing a stage produces: a killed stage's checkpoints
+    # stay under its key.
+    for when in ("save_steps=3", "save_total_limit=2", "save_strategy=epoch", "save_strategy='no'"):
+        other = plan_for(f"sft.trainer.{when}")
+        assert other.step("sft").key(other.config, base) == sft.key(plan.config, base), when
 
 
 def damage(out: Path) -> None:

@@ -5,6 +5,7 @@ transformers' MLflow callback from opening runs of its own."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -160,10 +161,41 @@ def global_tracking_uri(uri: str) -> Iterator[None]:
         mlflow.set_tracking_uri(previous)  # type: ignore[arg-type]
 
 
+_OPENED: set[str] = set()
+"""Tracking URIs this process has opened (MLflow caches the store behind each)."""
+
+
 def mlflow_client(uri: str):
     from mlflow import MlflowClient  # heavy: deferred until needed
 
-    return MlflowClient(tracking_uri=uri)
+    if uri in _OPENED:
+        return MlflowClient(tracking_uri=uri)
+    with _first_open(uri):
+        client = MlflowClient(tracking_uri=uri)
+    _OPENED.add(uri)
+    return client
+
+
+@contextlib.contextmanager
+def _first_open(uri: str) -> Iterator[None]:
+    """Hold a lock on a SQLite database's folder while this process first opens it.
+
+    The first client of a new SQLite database creates and migrates its tables. Two runs starting
+    together on one new database (two stores sharing a tracking database) would both create them,
+    and the second fails with ``table ... already exists``; with the lock the second waits a few
+    seconds and finds the database ready. The folder is locked, not a file, so nothing is left
+    beside the database.
+    """
+    db = sqlite_path(uri)
+    if db is None or not db.parent.is_dir():
+        yield
+        return
+    folder = os.open(db.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(folder)  # releases the lock
 
 
 def metric_batch(metrics: Mapping[str, Any], step: int | None = None, stamp: int | None = None) -> list[Any]:
