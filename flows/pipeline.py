@@ -182,11 +182,7 @@ def _log_result(run: Any, result: Any, *, model_id: str | None = None, dataset_n
         run.log_dataset(data.eval, name="heldout", context="evaluation", digest=result.eval_fingerprint)
         return
     if isinstance(result, EvalResult):
-        sets = [
-            (None, result.report_dir, result.summary),
-            *((n, d, result.sets[n]) for n, d in result.set_dirs().items()),
-        ]
-        for name, folder, metrics in sets:
+        for name, folder, metrics in result.reports():
             records = [r.as_dict() for r in EvalReport.load(folder).records]
             run.log_eval(
                 qualify_metrics(metrics, name),

@@ -447,6 +447,8 @@ def test_extra_eval_sets_rerun_only_the_evaluations_and_report_each_set(extra_ru
 
 
 def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, workdir, capsys):
+    import json
+
     import mlflow
 
     from posttrain.cli import eval_table, main
@@ -466,8 +468,17 @@ def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, workdi
     assert parent.data.metrics["eval-sft/accuracy_strict/gsm8k"] == metrics["eval/accuracy_strict/gsm8k"]
     artifacts = {a.path for a in client.list_artifacts(evaluation.info.run_id)}
     assert {"eval_examples.json", "gsm8k", "synth"} <= artifacts
-    table = client.load_table(parent.info.experiment_id, "gsm8k/eval_examples.json", [evaluation.info.run_id])
-    assert list(table["ops"]) == [1, 2, 1] and list(table.columns[:4]) == ["id", "question", "gold", "ops"]
+    # MLflow's table format ({"columns": [...], "data": [[...], ...]}); load_table reads the global URI
+    table = json.loads(
+        Path(
+            client.download_artifacts(evaluation.info.run_id, "gsm8k/eval_examples.json", str(workdir))
+        ).read_text()
+    )
+    assert table["columns"][:4] == ["id", "question", "gold", "ops"] and [r[3] for r in table["data"]] == [
+        1,
+        2,
+        1,
+    ]
     [model] = client.search_logged_models(
         [parent.info.experiment_id],
         filter_string=f"tags.`posttrain.cache_key` = '{next(o['key'] for o in extra_run['outcomes'] if o['step'] == 'sft')}'",

@@ -314,7 +314,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise CLIError("give RUN_IDs or --last N, not both")
     comparison = compare_runs(
         args.experiment,
-        last=None if args.run_ids else args.last,
+        last=None if args.run_ids else (args.last or 5),
         run_ids=args.run_ids,
         tracking_uri=args.tracking_uri,
     )
@@ -452,7 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"])
-    p.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two saved reports by example id")
+    p.add_argument(
+        "--diff",
+        nargs=2,
+        metavar=("A", "B"),
+        help="compare two saved reports by example id (and the extra sets of two pipeline evaluations)",
+    )
     p.add_argument("--mode", default="strict", choices=["strict", "flexible"], help="--diff: which accuracy")
     p.add_argument("--examples", type=int, default=3, help="--diff: examples shown per group")
     p.set_defaults(func=cmd_eval)
@@ -460,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="side-by-side table and plot of pipeline runs in MLflow")
     p.add_argument("run_ids", nargs="*", metavar="RUN_ID")
     p.add_argument("--experiment", help="MLflow experiment (default: all posttrain runs)")
-    p.add_argument("--last", type=int, default=5, help="the N most recent pipeline runs")
+    p.add_argument("--last", type=int, default=None, help="the N most recent pipeline runs (default 5)")
     p.add_argument("--plot", default="compare.png", help="where to write the comparison PNG")
     p.add_argument(
         "--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db"

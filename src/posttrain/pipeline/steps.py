@@ -70,15 +70,16 @@ class EvalResult:
 
     def metrics(self) -> dict[str, float]:
         """Every set's metrics under their final names: ``accuracy_strict``, ``accuracy_strict/ops_1``,
-        ``accuracy_strict/<set>``, ... (see :func:`~posttrain.evaluation.report.metric_name`)."""
-        out = dict(self.summary)
-        for name, metrics in self.sets.items():
+        ``accuracy_strict/<set>``, ... (see :mod:`posttrain.core.metric_names`)."""
+        out = {}
+        for name, _, metrics in self.reports():
             out.update(qualify_metrics(metrics, name))
         return out
 
-    def set_dirs(self) -> dict[str, str]:
-        """Extra set name → the folder of its report."""
-        return {name: str(Path(self.report_dir) / name) for name in self.sets}
+    def reports(self) -> list[tuple[str | None, str, dict[str, float]]]:
+        """(set name, None for the primary; its report folder; its metrics) of every evaluation set."""
+        extra = [(name, str(Path(self.report_dir) / name), m) for name, m in self.sets.items()]
+        return [(None, self.report_dir, self.summary), *extra]
 
 
 # --------------------------------------------------------------------------- steps
