@@ -172,3 +172,20 @@ def test_summarize_keeps_strict_and_flexible_apart():
     assert metrics["accuracy_strict"] == 0.25 and metrics["accuracy_flexible"] == 0.25
     metrics = summarize([[unformatted_right], [unformatted_right], [both_wrong], [formatted_then_rambles]])
     assert metrics["accuracy_strict"] == 0.25 and metrics["accuracy_flexible"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "agree"),
+    [
+        ("so 42", "it is 42", True),  # the same number
+        ("so 42", "so 41", False),  # different numbers
+        (GOOD, "6 * 7 = 42", False),  # same last number, one in the answer block only
+        ("no idea", "so 42", False),  # one side answered
+        ("so 42", "no idea", False),  # the other side answered
+        ("no idea", "still no idea", None),  # neither answered: not comparable, not agreement
+    ],
+)
+def test_answers_agree_only_where_some_side_answered(a, b, agree):
+    from posttrain.evaluation.scoring import answers_agree
+
+    assert answers_agree(score_completion(a, "42"), score_completion(b, "42")) is agree
