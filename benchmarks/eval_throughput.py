@@ -204,7 +204,8 @@ def describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a) 
         ratios["c/b"] = tps_c / tps_b
     answers_a = [parsed(tokenizer, out_a[i], records[i]["answer"]) for i in range(limit_a)]
     agree, comparable = agreement(zip(answers_a, report.records[:limit_a], strict=True))
-    ratios["agreement"] = len(agree) / len(comparable) if comparable else float("nan")
+    if comparable:  # no question with an answer on either side: nothing to agree on
+        ratios["agreement"] = len(agree) / len(comparable)
     extrap = " ((a) timed on a subset)" if limit_a < len(records) else ""
     print(
         f"  c/a = {ratios['c/a']:.1f}x{extrap}"
