@@ -145,6 +145,8 @@ def test_fingerprint_dataset_prefers_the_libraries_own():
     plain = fingerprint_dataset(rows)  # anything iterable without one: a hash of its rows
     assert plain == hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
     assert fingerprint_dataset([{"q": "a"}, {"q": "c"}]) != plain
+    assert fingerprint_dataset([{"a": 1, "b": 2}]) == fingerprint_dataset([{"b": 2, "a": 1}])  # key order
+    assert fingerprint_dataset([{"path": Path("/x")}]) == fingerprint_dataset([{"path": "/x"}])  # str()
 
 
 def test_fingerprint_model_of_a_folder_a_builtin_and_a_hub_id(tmp_path, tiny_model_dir, monkeypatch):
@@ -154,8 +156,15 @@ def test_fingerprint_model_of_a_folder_a_builtin_and_a_hub_id(tmp_path, tiny_mod
     home_model.mkdir(parents=True)
     (home_model / "config.json").write_text("{}")
     assert fingerprint_model("~/models/mine") == fingerprint_dir(home_model)  # ~ expanded
-    monkeypatch.setattr(artifacts, "resolve_model_path", lambda name, cache_dir=None: str(tiny_model_dir))
+    asked = []
+
+    def resolve(name, cache_dir=None):
+        asked.append((name, cache_dir))
+        return str(tiny_model_dir)
+
+    monkeypatch.setattr(artifacts, "resolve_model_path", resolve)
     assert fingerprint_model("tiny-random", tmp_path) == fingerprint_dir(tiny_model_dir)
+    assert asked == [("tiny-random", tmp_path)]  # built-ins are looked up in the configured cache
     monkeypatch.setattr(artifacts, "resolve_model_path", lambda name, cache_dir=None: name)
     hub = fingerprint_model("org/model")
     assert hub == hashlib.sha256(b"hub:org/model@main").hexdigest()[:16]
@@ -238,7 +247,7 @@ def test_tidying_deletes_unfinished_outputs_and_restores_interrupted_swaps(tmp_p
     assert [p.name for p in touched] == ["dpo-2.old-bb", "grpo-3.old-cc", "sft-1.tmp-aa"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dpo-2", "eval-4", "grpo-3"]
     assert (tmp_path / "grpo-3" / "stage.json").exists()
-    assert f"restored {tmp_path / 'grpo-3'} from an interrupted replacement" in caplog.text
+    assert caplog.messages == [f"restored {tmp_path / 'grpo-3'} from an interrupted replacement"]
     assert tidy_interrupted(tmp_path / "missing") == []
 
 

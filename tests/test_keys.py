@@ -85,6 +85,8 @@ def test_local_data_is_keyed_by_file_content_not_path(tmp_path):
     assert _local(moved) == fingerprint  # same content elsewhere
     one.write_text('{"question": "q", "answer": "#### 2"}\n')
     assert _local(one) != fingerprint  # same path, new content
+    synthetic = smoke("data.source=synthetic", f"data.path={one}")  # a path left over from local data
+    assert data_identity(synthetic, "tok").inputs["source"] == "-"
 
 
 def test_a_data_folder_is_keyed_by_its_jsonl_files(tmp_path):

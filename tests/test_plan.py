@@ -65,6 +65,10 @@ def test_steps_are_typed():
 def test_force_names_steps_of_the_plan():
     plan = plan_for()
     plan.check_force(["data", "grpo-correctness"])
+    with pytest.raises(ConfigError, match="--force a, b: not a step"):
+        plan.check_force(["b", "a"])
+    with pytest.raises(KeyError, match="grpo-bogus"):
+        plan.step("grpo-bogus")
     with pytest.raises(ConfigError, match="--force grpo-bogus: not a step of smoke; steps: data, dpo, "):
         plan.check_force(["grpo-bogus"])
     with pytest.raises(ConfigError, match="eval-sft"):
@@ -115,6 +119,19 @@ def test_keys_after_an_unknown_output_are_unknown():
     assert all(
         keys[name] is None for name in ("dpo", "grpo-format", "grpo-correctness", "eval-grpo-correctness")
     )
+
+
+def test_data_and_eval_keys_change_with_their_inputs():
+    plan = plan_for()
+    data, evaluate = plan.step("data"), plan.step("eval-sft")
+    base = _inputs()
+    assert data.key(plan.config, base) != data.key(plan.config, _inputs("fp-other"))  # the tokenizer's model
+    assert evaluate.key(plan.config, base) != evaluate.key(plan.config, _inputs("fp-other"))
+    assert evaluate.key(plan.config, base) != plan.step("eval-dpo").key(plan.config, base)
+    other_eval_split = StepInputs(base.model, DataResult("/data", "train-d", "eval-x"))
+    other_train_split = StepInputs(base.model, DataResult("/data", "train-x", "eval-d"))
+    assert evaluate.key(plan.config, base) != evaluate.key(plan.config, other_eval_split)
+    assert evaluate.key(plan.config, base) == evaluate.key(plan.config, other_train_split)
 
 
 def test_keys_change_with_the_inputs():
@@ -284,6 +301,8 @@ def test_each_step_runs_its_own_step_function(monkeypatch):
     assert calls[4] == ("dpo_step", (cfg, model, data, "/out", "mlflow"), {})
     assert calls[5][1][1] == "dpo"  # eval-dpo evaluates the dpo stage
     assert calls[6] == ("grpo_step", (cfg, cfg.grpo.stages[0], model, data, "/out", "mlflow"), {})
+    plan.step("sft").run(cfg, inputs, "/out")  # untracked unless told otherwise
+    assert calls[-1] == ("sft_step", (cfg, model, data, "/out", "none"), {})
 
 
 def test_planner_serves_a_verified_record_and_says_why_anything_else_runs(tmp_path, caplog):
@@ -304,7 +323,7 @@ def test_planner_serves_a_verified_record_and_says_why_anything_else_runs(tmp_pa
     assert planner.decide(sft, "nothing") == Decision("run", "no cache entry for these inputs/config")
     with caplog.at_level("WARNING"):
         assert planner.decide(sft, "bad") == Decision("run", "cache record unreadable")
-    assert "cache record bad is unreadable (not JSON); recomputing" in caplog.text
+    assert caplog.messages == ["cache record bad is unreadable (not JSON); recomputing"]
 
 
 def test_planner_with_caching_off_runs_everything(tmp_path):
@@ -356,8 +375,14 @@ def test_a_missing_key_says_which_code_changed_since_its_lineage_last_ran():
     assert _why_missing(1, with_inputs=False)[0] == missing
     assert Planner(plan_for(), FakeRecords())._why_missing(plan_for().step("sft"), _inputs()) == missing
 
-    class OldRecords(FakeRecords):  # records that cannot look up lineages
+    class NoLineages(FakeRecords):  # records that cannot look up lineages
         code_of_lineage = None
+
+    assert _why_missing(1, records_cls=NoLineages)[0] == missing
+
+    class OldRecords:  # an older records class: no lineage lookup at all
+        def __init__(self, lineages):
+            pass
 
     assert _why_missing(1, records_cls=OldRecords)[0] == missing
 
@@ -397,3 +422,23 @@ def test_dry_run_reports_cached_steps_and_what_an_upstream_rerun_hides(tmp_path)
     ]
     forced = dry_run(plan, records, base, ["data"])
     assert forced[0] == ("data", "run", "forced") and forced[2] == ("sft", "run", "after data reruns")
+    # A missing key whose lineage ran under other code: the dry run says which file changed.
+    identity = plan.step("sft").identity(
+        plan.config, StepInputs(base, output_for(tmp_path / "d2", DataStep()))
+    )
+    changed = sorted(identity.code.files)[0]
+    records.lineages[identity.lineage] = {**identity.code.files, changed: "old"}
+    assert dry_run(plan, records, base)[2] == ("sft", "run", f"code changed: {changed}")
+
+
+def test_preview_reads_the_store_without_creating_it(tiny_model_dir, tmp_path):
+    from posttrain.pipeline.plan import preview
+
+    store = tmp_path / "store"
+    cfg = load_config(SMOKE, [f"model.name={tiny_model_dir}", f"orchestration.store={store}"])
+    rows = preview(cfg)
+    assert [name for name, _, _ in rows] == build_plan(cfg).names
+    assert rows[0] == ("data", "run", "no cache entry for these inputs/config")
+    assert {why for _, _, why in rows[1:]} == {"after data reruns"}
+    assert preview(cfg, ["data"])[0] == ("data", "run", "forced")
+    assert not store.exists()
