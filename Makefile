@@ -48,6 +48,8 @@ demo: setup
 mutation: setup
 	$(BIN)/python -m pip install -q -c requirements/constraints.txt "mutmut==3.8.1"
 	rm -rf mutants
+	# mutmut imports posttrain from mutants/src; flows/ and tasks/ install as its subpackages.
+	mkdir -p mutants/src/posttrain && cp -r flows mutants/src/posttrain/flows && cp -r tasks mutants/src/posttrain/tasks
 	$(BIN)/mutmut run > /dev/null || true
 	$(BIN)/python tools/mutation_score.py
 

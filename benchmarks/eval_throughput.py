@@ -10,7 +10,8 @@ tokens: generated tokens up to and including the first EOS, never padding or pos
 (a) is slow (~28 tok/s for SmolLM2 on 2 idle cores), so by default it runs on the first
 ``--limit-a`` questions only and its tokens/s is taken as representative; the output says so.
 
-Answer agreement compares parsed answers with (a)'s. In fp32 the evaluator reproduces (a) token for
+Answer agreement compares parsed (strict, flexible) answers with (a)'s, over the questions where at
+least one of the two completions has a number: two answerless completions agree on nothing. In fp32 the evaluator reproduces (a) token for
 token; bf16 changes the numerics, and an untrained model's greedy text then diverges (often within
 the first tokens), so bf16-vs-fp32 agreement measures the precision, not the engine. The
 ``(b) vs (a)`` line shows how much padding alone changes in fp32, for scale.
@@ -32,7 +33,7 @@ from posttrain.core.config import EvalConfig
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt
 from posttrain.data.sources import load_jsonl
 from posttrain.evaluation import evaluate
-from posttrain.evaluation.scoring import score_completion
+from posttrain.evaluation.scoring import SampleScore, answers_agree, score_completion
 from posttrain.generation.engine import encode_prompts, stop_token_ids
 from posttrain.models.loading import load_model_and_tokenizer
 
@@ -81,9 +82,15 @@ def run_generate(
     return outputs, time.perf_counter() - start
 
 
-def parsed(tokenizer, ids: list[int], gold: str) -> tuple[str | None, str | None]:
-    score = score_completion(tokenizer.decode(ids, skip_special_tokens=True), gold)
-    return score.strict, score.flexible
+def parsed(tokenizer, ids: list[int], gold: str) -> SampleScore:
+    return score_completion(tokenizer.decode(ids, skip_special_tokens=True), gold)
+
+
+def agreement(pairs) -> tuple[list[int], list[int]]:
+    """(indices where both answers agree, indices where at least one side has an answer)."""
+    verdicts = [answers_agree(a, b) for a, b in pairs]
+    comparable = [i for i, verdict in enumerate(verdicts) if verdict is not None]
+    return [i for i in comparable if verdicts[i]], comparable
 
 
 def main() -> None:
@@ -160,15 +167,17 @@ def main() -> None:
             f"  (b) batched generate, fp32      : {tps_b:8.1f}  "
             f"({sum(map(len, out_b))} tokens in {sec_b:.1f} s)"
         )
-        b_vs_a = sum(
-            parsed(tokenizer, out_b[i], records[i]["answer"])
-            == parsed(tokenizer, out_a[i], records[i]["answer"])
+        b_vs_a, with_answer = agreement(
+            (
+                parsed(tokenizer, out_b[i], records[i]["answer"]),
+                parsed(tokenizer, out_a[i], records[i]["answer"]),
+            )
             for i in range(limit_a)
         )
         same_tokens = sum(out_b[i] == out_a[i] for i in range(limit_a))
         print(
-            f"      (b) vs (a), both fp32: parsed answers equal on {b_vs_a}/{limit_a}, "
-            f"identical tokens on {same_tokens}/{limit_a}"
+            f"      (b) vs (a), both fp32: parsed answers equal on {len(b_vs_a)}/{len(with_answer)} "
+            f"questions with an answer, identical tokens on {same_tokens}/{limit_a}"
         )
     for (precision, batch_size), report in zip(variants, reports, strict=True):
         print(f"\n(c) precision {precision} ({report.meta.get('dtype')}), batch {batch_size}")
@@ -193,24 +202,29 @@ def describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a) 
     ratios = {"c/a": tps_c / tps_a}
     if tps_b:
         ratios["c/b"] = tps_c / tps_b
-    answers_c = [(r.strict, r.flexible) for r in report.records]
-    agree = [i for i in range(limit_a) if parsed(tokenizer, out_a[i], records[i]["answer"]) == answers_c[i]]
-    ratios["agreement"] = len(agree) / limit_a
+    answers_a = [parsed(tokenizer, out_a[i], records[i]["answer"]) for i in range(limit_a)]
+    agree, comparable = agreement(zip(answers_a, report.records[:limit_a], strict=True))
+    if comparable:  # no question with an answer on either side: nothing to agree on
+        ratios["agreement"] = len(agree) / len(comparable)
     extrap = " ((a) timed on a subset)" if limit_a < len(records) else ""
     print(
         f"  c/a = {ratios['c/a']:.1f}x{extrap}"
         + (f"   c/b = {ratios['c/b']:.1f}x" if "c/b" in ratios else "")
     )
-    differing = [records[i]["id"] for i in range(limit_a) if i not in set(agree)]
+    differing = [records[i]["id"] for i in comparable if i not in set(agree)]
     print(
-        f"  parsed answers (strict, flexible) equal to (a)'s on {len(agree)}/{limit_a} questions"
+        f"  parsed answers (strict, flexible) equal to (a)'s on {len(agree)}/{len(comparable)} questions "
+        f"with an answer on either side ({limit_a - len(comparable)} of {limit_a} without any left out)"
         + (f"; differ: {', '.join(differing)}" if differing else "")
     )
     if out_b is not None:
-        same_b = sum(
-            parsed(tokenizer, out_b[i], records[i]["answer"]) == answers_c[i] for i in range(len(records))
+        same_b, comparable_b = agreement(
+            (parsed(tokenizer, out_b[i], records[i]["answer"]), report.records[i])
+            for i in range(len(records))
         )
-        print(f"  parsed answers equal to (b)'s on {same_b}/{len(records)} questions")
+        print(
+            f"  parsed answers equal to (b)'s on {len(same_b)}/{len(comparable_b)} questions with an answer"
+        )
     print(
         f"  accuracy strict {report.summary['accuracy_strict']:.1%}, flexible "
         f"{report.summary['accuracy_flexible']:.1%}, truncated {report.summary['truncation_rate']:.1%}"

@@ -16,7 +16,8 @@ variant spelled out; ``no-shadow`` generates with TRL as TRL does); ``bf16`` for
 (autocast + bf16 shadow rollouts).
 
 Each variant reports seconds per step, the share spent generating, and tokens generated per step
-with their rate (tokens / generation seconds), since steps that sample longer completions cost more.
+with their rate (tokens / generation seconds), since steps that sample longer completions cost more;
+the comparison with TRL is given per step and per generated token.
 
 The first step of each run is a warm-up and is not timed. ``OMP_WAIT_POLICY`` defaults to PASSIVE for
 both variants: on a CPU shared with other processes, OpenMP threads that spin-wait make every small op
@@ -197,8 +198,8 @@ def run_posttrain(
     return timer, [row["reward"] for row in trainer.state.log_history if "reward" in row]
 
 
-def report(name: str, timer: StepTimer, rewards: list) -> tuple[float, float]:
-    """Print one variant's line; return its mean wall and CPU seconds per timed step."""
+def report(name: str, timer: StepTimer, rewards: list) -> tuple[float, float, float]:
+    """Print one variant's line; return its mean wall and CPU seconds and tokens per timed step."""
     timed, cpu, tokens = timer.steps[1:], timer.cpu[1:], timer.tokens[1:]
     generation = max(sum(timer.generation[1:]), 1e-9)
     generation_cpu = max(sum(timer.generation_cpu[1:]), 1e-9)
@@ -210,7 +211,7 @@ def report(name: str, timer: StepTimer, rewards: list) -> tuple[float, float]:
         f"{sum(tokens) / generation:.1f} tok/s, {sum(tokens) / generation_cpu:.1f} tok per CPU-s; "
         f"warm-up {timer.steps[0]:.1f} s)  reward per step: {trend}"
     )
-    return mean, mean_cpu
+    return mean, mean_cpu, sum(tokens) / len(tokens)
 
 
 def main() -> None:
@@ -255,10 +256,15 @@ def main() -> None:
                 timer, rewards = run_posttrain(model_path, data, shapes, opts.steps, opts.seed, workdir, name)
         results[name] = report(name, timer, rewards)
     if "trl" in results:
-        wall, cpu = results["trl"]
-        for name, (seconds, cpu_seconds) in results.items():
+        # The variants sample different completions: per generated token is the like-for-like ratio.
+        wall, cpu, tokens = results["trl"]
+        for name, (seconds, cpu_seconds, n) in results.items():
             if name != "trl":
-                print(f"{name} / TRL = {seconds / wall:.2f}x (CPU time {cpu_seconds / cpu:.2f}x)")
+                print(
+                    f"{name} / TRL = {seconds / wall:.2f}x per step (CPU time {cpu_seconds / cpu:.2f}x), "
+                    f"{(seconds / max(n, 1)) / (wall / max(tokens, 1)):.2f}x per generated token "
+                    f"({n:.0f} vs {tokens:.0f} tokens/step)"
+                )
     print(f"load average now {os.getloadavg()[0]:.2f}")
 
 

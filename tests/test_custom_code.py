@@ -68,19 +68,22 @@ def test_build_reward_refuses_custom_code_without_the_opt_in(tmp_path):
 
 
 def test_a_custom_module_is_not_even_imported_without_the_opt_in(tmp_path, monkeypatch):
+    import uuid
+
+    module = f"sneaky_reward_{uuid.uuid4().hex}"  # a new name each time, even when rerun in one process
     planted = tmp_path / "imported"
-    (tmp_path / "sneaky_reward_mod.py").write_text(
+    (tmp_path / f"{module}.py").write_text(
         f"open({str(planted)!r}, 'w').close()\ndef reward(completions, **kw):\n    return [0.0] * len(completions)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(CustomCodeRefused):
-        check_reward("sneaky_reward_mod:reward")
-    assert not planted.exists() and "sneaky_reward_mod" not in sys.modules
+        check_reward(f"{module}:reward")
+    assert not planted.exists() and module not in sys.modules
 
     monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
-    check_reward("sneaky_reward_mod:reward")  # opted in: imported, signature fits
+    check_reward(f"{module}:reward")  # opted in: imported, signature fits
     assert planted.exists()
-    monkeypatch.delitem(sys.modules, "sneaky_reward_mod")
+    del sys.modules[module]
 
 
 @pytest.mark.parametrize(

@@ -206,3 +206,11 @@ def test_load_records_dispatch(tmp_path, monkeypatch):
     assert len(synthetic) == 7 and synthetic.records[0]["id"] == "synthetic-s0-0"
     monkeypatch.setattr(datasets, "load_dataset", _fake_hub([GOOD] * 4))
     assert len(load_records(DataConfig(source="hub", limit=2))) == 2
+
+
+def test_a_blank_question_is_named_exactly():
+    from posttrain.core.gsm8k import make_record
+
+    with pytest.raises(DataError) as error:
+        make_record({"question": " ", "answer": "#### 1"}, record_id="r", source="s")
+    assert str(error.value) == "field 'question' is empty"

@@ -262,3 +262,68 @@ def test_diff_shows_a_per_difficulty_table():
     assert "     2      3    0.0%   66.7%      2       0" in text
     flexible = diff_reports(before, after, mode="flexible").by_ops()
     assert flexible[1] == {"n": 2, "accuracy_a": 0.5, "accuracy_b": 0.5, "fixed": 0, "broken": 0}
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "agree"),
+    [
+        ("so 42", "it is 42", True),  # the same number
+        ("so 42", "so 41", False),  # different numbers
+        (GOOD, "6 * 7 = 42", False),  # same last number, one in the answer block only
+        ("no idea", "so 42", False),  # one side answered
+        ("so 42", "no idea", False),  # the other side answered
+        ("no idea", "still no idea", None),  # neither answered: not comparable, not agreement
+    ],
+)
+def test_answers_agree_only_where_some_side_answered(a, b, agree):
+    from posttrain.evaluation.scoring import answers_agree
+
+    assert answers_agree(score_completion(a, "42"), score_completion(b, "42")) is agree
+
+
+def test_summarize_reports_every_metric_exactly():
+    ok = score_completion(GOOD, "42", tokens=10)
+    wrong = score_completion("41", "42", tokens=20, truncated=True)
+    assert summarize([[ok, wrong], [wrong, wrong]], k=1) == {
+        "num_examples": 2,
+        "samples_per_example": 2,
+        "accuracy_strict": 0.25,
+        "accuracy_flexible": 0.25,
+        "strict_format_rate": 0.25,
+        "mean_completion_tokens": 17.5,
+        "truncation_rate": 0.75,
+    }  # k=1: no pass@1 beside the accuracies
+    assert summarize([]) == {
+        "num_examples": 0,
+        "samples_per_example": 0,
+        "accuracy_strict": 0.0,
+        "accuracy_flexible": 0.0,
+        "strict_format_rate": 0.0,
+        "mean_completion_tokens": 0.0,
+        "truncation_rate": 0.0,
+    }
+
+
+def test_score_and_gold_helpers():
+    from posttrain.evaluation.scoring import canonical_gold
+
+    assert canonical_gold("#### 1,234") == "1234" and canonical_gold(7) == "7"
+    assert canonical_gold("n/a") == "n/a"  # not a number: kept as written
+    score = score_completion(GOOD, "42")
+    assert (score.tokens, score.truncated) == (0, False)
+    assert score.as_dict() == {
+        "completion": GOOD,
+        "strict": "42",
+        "flexible": "42",
+        "correct_strict": True,
+        "correct_flexible": True,
+        "strict_format": True,
+        "tokens": 0,
+        "truncated": False,
+    }
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    with pytest.raises(ValueError) as error:
+        pass_at_k(2, 3, 1)
+    assert str(error.value) == "need 0 <= c <= n and k >= 1, got n=2, c=3, k=1"

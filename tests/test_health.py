@@ -222,3 +222,148 @@ def test_reward_hacking_message_names_the_trends_and_the_steps():
 def test_no_signal_remedy_names_dynamic_sampling_and_easier_data():
     remedy = REMEDIES["no_signal"]
     assert "zero_signal: resample" in remedy and "data_filter.max_ops" in remedy
+
+
+# --------------------------------------------------------------------------- exact values and messages
+# (issue 15: each check at its boundary, the alert's value and message, the callback's failure path)
+
+from types import SimpleNamespace  # noqa: E402
+
+from posttrain.core.errors import StageError  # noqa: E402
+from posttrain.training.health import _fitted_change  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "values, change",
+    [
+        ([0.0, 1.0, 2.0], 2.0),  # a straight line: its rise
+        ([0.0, 0.0, 3.0], 3.0),  # slope 1.5 over a span of 2
+        ([2.0, 1.0], -1.0),  # falling
+        ([5.0, 5.0, 5.0, 5.0], 0.0),  # flat
+        ([1.0, 3.0, 2.0, 4.0], 2.4),  # noisy rise: slope 0.8 over 3 steps
+    ],
+)
+def test_fitted_change_is_the_least_squares_rise_over_the_span(values, change):
+    assert _fitted_change(values) == pytest.approx(change)
+
+
+def one_alert(stream, **cfg):
+    [alert] = run(stream, **cfg)
+    return alert
+
+
+def test_non_finite_metrics_alert_with_what_diverged():
+    alert = one_alert([{"loss": float("nan"), "grad_norm": float("inf"), "reward": 0.5}])
+    assert (alert.kind, alert.value) == ("non_finite", 1.0)
+    assert alert.message == "non-finite loss=nan, grad_norm=inf: training has diverged"
+    assert alert.remedy == REMEDIES["non_finite"]
+    nan = {"loss": float("nan")}
+    # Once per episode; a step without any of the metrics leaves it open, a finite one closes it.
+    assert [a.step for a in run([nan, {"kl": 0.1}, nan, {"loss": 1.0}, nan])] == [1, 5]
+
+
+def test_invalid_reward_fractions_come_from_the_guarded_rewards_metrics():
+    monitor = HealthMonitor(MonitorConfig())
+    logs = {
+        "rewards/correctness_reward/invalid_frac": 0.25,
+        "rewards/correctness_reward/mean": 0.5,
+        "completions/invalid_frac": 1.0,  # not a reward's
+        "rewards/xml/invalid_frac": "n/a",  # not a number
+    }
+    assert monitor.invalid_fractions(logs) == {"correctness_reward": 0.25}
+
+
+def test_invalid_reward_alert_names_each_reward_and_its_worst_fraction():
+    logs = {"rewards/b/invalid_frac": 0.5, "rewards/a/invalid_frac": 0.125, "rewards/c/invalid_frac": 0.0}
+    alert = one_alert([logs])
+    assert (alert.kind, alert.value) == ("invalid_reward", 0.5)
+    assert alert.message == "rewards returned NaN/None for part of the completions: a 12%, b 50%"
+    clean = {"rewards/a/invalid_frac": 0.0}
+    assert run([clean]) == []
+    assert [a.step for a in run([logs, logs, clean, logs])] == [1, 4]
+
+
+def test_no_signal_from_reward_std_at_the_fp_noise_boundary():
+    def alerts(std):
+        return [a.kind for a in run([{"reward_std": std, "reward": 0.3}])]
+
+    assert alerts(1e-9) == ["no_signal"]
+    assert alerts(1e-8) == [] and alerts(0.5) == []
+    alert = one_alert([{"reward_std": 0.0}])
+    assert alert.value == 1.0
+    assert alert.message == (
+        "no learning signal: 100% of prompt groups had identical rewards over the last 1 reward step(s), "
+        "so advantages and gradients are zero"
+    )
+
+
+def test_no_signal_message_says_what_all_scored_only_when_all_groups_tied():
+    partial = one_alert([{"frac_reward_zero_std": 0.95, "reward": 0.2}])
+    assert partial.value == 0.95 and "all scored" not in partial.message
+    assert partial.message.startswith("no learning signal: 95% of prompt groups had identical rewards over")
+    assert "(all scored 0.2)" in one_alert([{"frac_reward_zero_std": 1.0, "reward": 0.2}]).message
+
+
+def test_values_are_rounded_and_messages_state_the_thresholds():
+    kl = one_alert([{"kl": 1.23456789}])
+    assert kl.value == 1.234568
+    assert kl.message == "KL to the reference policy is 1.23 > 1: the policy is running away"
+    entropy = one_alert([{"entropy": 0.01}])
+    assert entropy.message == (
+        "token entropy 0.01 < 0.05: generations are collapsing to a single output, so groups stop differing"
+    )
+    assert run([{"entropy": 0.05}]) == []  # at the minimum is still fine
+
+
+def test_flat_reward_at_exactly_the_tolerance_alerts_with_the_mean():
+    alert = one_alert([{"reward": 0.0}, {"reward": 0.5}], window=2, flat_reward_tolerance=0.5)
+    assert (alert.kind, alert.step, alert.value) == ("flat_reward", 2, 0.5)
+    assert (
+        alert.message
+        == "reward has not improved over the last 2 reward steps (fitted change +0.5, mean 0.25)"
+    )
+    assert run([{"reward": 0.0}, {"reward": 0.5}], window=2, flat_reward_tolerance=0.49) == []
+
+
+def _log(callback, logs, step=3):
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = step
+    return callback.on_log(None, state, control, logs=logs)
+
+
+def test_callback_logs_each_alert_with_its_stage_and_remedy(caplog):
+    callback = HealthCallback(HealthMonitor(MonitorConfig()), on_alert="stop", stage="grpo-format")
+    with caplog.at_level("WARNING"):
+        control = _log(callback, {"kl": 5.0})
+    assert control.should_training_stop
+    assert caplog.messages == [
+        "[grpo-format] step 3 health alert kl_blowup: KL to the reference policy is 5 > 1: the policy is "
+        f"running away. Remedy: {REMEDIES['kl_blowup']}",
+        "[grpo-format] stopping training (monitor.on_alert: stop)",
+    ]
+    caplog.clear()
+    default = HealthCallback(HealthMonitor(MonitorConfig()))
+    with caplog.at_level("WARNING"):
+        assert not _log(default, {"kl": 5.0}).should_training_stop
+    assert caplog.messages[0].startswith("[grpo] step 3 health alert kl_blowup")
+    assert _log(default, {}) is not None and _log(default, None) is not None  # nothing logged: no-op
+
+
+def test_callback_fails_the_stage_when_a_reward_mostly_cannot_score():
+    callback = HealthCallback(HealthMonitor(MonitorConfig(max_invalid_rewards=0.5)), stage="grpo-x")
+    _log(callback, {"rewards/ok/invalid_frac": 0.5})  # at the limit: an alert, not a failure
+    with pytest.raises(StageError) as failed:
+        _log(callback, {"rewards/b/invalid_frac": 0.75, "rewards/a/invalid_frac": 0.625}, step=7)
+    assert str(failed.value) == (
+        "[grpo-x] step 7: rewards could not score most completions (a 62%, b 75% NaN/None > "
+        f"monitor.max_invalid_rewards 0.5); {REMEDIES['invalid_reward']}"
+    )
+
+
+def test_callback_without_a_limit_in_its_config_fails_nothing():
+    cfg = SimpleNamespace(
+        **{k: v for k, v in MonitorConfig().model_dump().items() if k != "max_invalid_rewards"}
+    )
+    callback = HealthCallback(HealthMonitor(cfg))
+    _log(callback, {"rewards/a/invalid_frac": 1.0})  # the default limit is 1.0: never exceeded
+    assert callback.alerts[0]["kind"] == "invalid_reward"

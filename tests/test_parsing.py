@@ -243,3 +243,47 @@ def test_parse_answers(completion, expected):
         "strict_format": expected.strict_format,
         "soft_format": expected.soft_format,
     }
+
+
+# --------------------------------------------------------------------------- every completion form, exactly
+# (issue 15: the shapes TRL and chat templates hand over, each mapped to its text)
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        (["a", {"role": "assistant", "content": "b"}], "ab"),  # bare strings in a message list
+        ([{"role": "assistant"}], ""),  # a message without content
+        (
+            [
+                {
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+            "ab",
+        ),
+        ([{"role": "assistant", "content": ["a", {"type": "text", "text": "b"}]}], "ab"),  # mixed parts
+        (
+            [{"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": None}]}],
+            "",
+        ),  # no text
+        ([{"role": "assistant", "content": 42}], "42"),  # a non-text content
+        (42, "42"),  # anything else: its str
+    ],
+)
+def test_completion_text_of_every_message_shape(completion, expected):
+    assert completion_text(completion) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("42X", None),  # trailing letters: not a number
+        ("X42", None),  # leading letters: not a number
+        ("100.50", "100.5"),  # trailing zeros of the fraction dropped
+        ("-0.0", "0"),  # no negative zero
+    ],
+)
+def test_normalize_number_edges(text, expected):
+    assert normalize_number(text) == expected

@@ -10,7 +10,16 @@ import pytest
 
 from posttrain.core.config import ConfigError
 from posttrain.pipeline import load_config
-from posttrain.pipeline.plan import DataStep, EvalStep, GRPOStep, SFTStep, StepInputs, build_plan
+from posttrain.pipeline.plan import (
+    DataStep,
+    Decision,
+    EvalStep,
+    GRPOStep,
+    Planner,
+    SFTStep,
+    StepInputs,
+    build_plan,
+)
 from posttrain.pipeline.steps import DataResult, ModelRef
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
@@ -56,6 +65,10 @@ def test_steps_are_typed():
 def test_force_names_steps_of_the_plan():
     plan = plan_for()
     plan.check_force(["data", "grpo-correctness"])
+    with pytest.raises(ConfigError, match="--force a, b: not a step"):
+        plan.check_force(["b", "a"])
+    with pytest.raises(KeyError, match="grpo-bogus"):
+        plan.step("grpo-bogus")
     with pytest.raises(ConfigError, match="--force grpo-bogus: not a step of smoke; steps: data, dpo, "):
         plan.check_force(["grpo-bogus"])
     with pytest.raises(ConfigError, match="eval-sft"):
@@ -106,6 +119,19 @@ def test_keys_after_an_unknown_output_are_unknown():
     assert all(
         keys[name] is None for name in ("dpo", "grpo-format", "grpo-correctness", "eval-grpo-correctness")
     )
+
+
+def test_data_and_eval_keys_change_with_their_inputs():
+    plan = plan_for()
+    data, evaluate = plan.step("data"), plan.step("eval-sft")
+    base = _inputs()
+    assert data.key(plan.config, base) != data.key(plan.config, _inputs("fp-other"))  # the tokenizer's model
+    assert evaluate.key(plan.config, base) != evaluate.key(plan.config, _inputs("fp-other"))
+    assert evaluate.key(plan.config, base) != plan.step("eval-dpo").key(plan.config, base)
+    other_eval_split = StepInputs(base.model, DataResult("/data", "train-d", "eval-x"))
+    other_train_split = StepInputs(base.model, DataResult("/data", "train-x", "eval-d"))
+    assert evaluate.key(plan.config, base) != evaluate.key(plan.config, other_eval_split)
+    assert evaluate.key(plan.config, base) == evaluate.key(plan.config, other_train_split)
 
 
 def test_keys_change_with_the_inputs():
@@ -254,3 +280,296 @@ def test_each_extra_set_gets_its_own_questions_and_generation_limit():
     assert hard.max_new_tokens == 5 and mixed.max_new_tokens == 16  # the primary's unless given
     assert {r["ops"] for r in _set_records(cfg, hard)} == {3}
     assert len(_set_records(cfg, mixed)) == 6 and {r["ops"] for r in _set_records(cfg, mixed)} <= {1, 2, 3, 4}
+
+
+# --------------------------------------------------------------------------- steps, planner, dry run
+# The flow's caching decisions without Prefect: records in memory, real output folders.
+
+
+class FakeRecords:
+    """Cache records in memory (the CacheRecords protocol); keys in ``corrupt`` fail to read."""
+
+    def __init__(self, results=None, lineages=None, corrupt=()):
+        self.results, self.lineages, self.corrupt = dict(results or {}), dict(lineages or {}), set(corrupt)
+        self.reads: list[tuple[str, str | None]] = []
+
+    def exists(self, key):
+        return key in self.results or key in self.corrupt
+
+    def read(self, key, kind=None):
+        self.reads.append((key, kind))
+        if key in self.corrupt:
+            raise ValueError("not JSON")
+        return self.results[key]
+
+    def code_of_lineage(self, lineage):
+        return self.lineages.get(lineage)
+
+
+def _folder(path: Path, *files: str) -> Path:
+    path.mkdir(parents=True)
+    for name in files:
+        (path / name).write_text(json.dumps({"file": f"{name} of {path.name}"}))
+    return path
+
+
+def data_output(root: Path) -> DataResult:
+    from posttrain.core.hashing import fingerprint_tree
+
+    folder = _folder(root / "data", "train.jsonl", "stats.json")
+    return DataResult(str(folder), "train-d", "eval-d", {"n_train": 4}, fingerprint_tree(folder))
+
+
+def stage_output(root: Path, name: str):
+    from posttrain.models.artifacts import StageResult, fingerprint_dir
+
+    folder = _folder(root / name, "config.json", "model.safetensors", "stage.json")
+    return StageResult(name, str(folder), {"loss": 0.5}, {"output": fingerprint_dir(folder)})
+
+
+def eval_output(root: Path, stage: str):
+    from posttrain.core.hashing import fingerprint_tree
+    from posttrain.pipeline.steps import EvalResult
+
+    folder = _folder(root / f"eval-{stage}", "summary.json")
+    return EvalResult(stage, str(folder), {"accuracy_strict": 0.5}, {}, "fp", fingerprint_tree(folder))
+
+
+def output_for(root: Path, step):
+    if isinstance(step, DataStep):
+        return data_output(root)
+    if isinstance(step, EvalStep):
+        return eval_output(root, step.stage)
+    return stage_output(root, step.name)
+
+
+def _inputs(model_fp: str = "fp-base") -> StepInputs:
+    return StepInputs(ModelRef("/base", model_fp), _data())
+
+
+def _flip_a_byte(path: Path) -> None:
+    path.write_text(path.read_text().replace("of", "0f", 1))
+
+
+@pytest.mark.parametrize("make", [data_output, lambda root: eval_output(root, "sft")], ids=["data", "eval"])
+def test_a_data_or_eval_output_stands_while_its_folder_is_unmodified(tmp_path, make):
+    import dataclasses
+    import shutil
+
+    result = make(tmp_path)
+    step = DataStep() if isinstance(result, DataResult) else EvalStep("sft")
+    assert step.output_is_valid(result)
+    assert not step.output_is_valid(dataclasses.replace(result, output_fingerprint=""))  # an old record
+    assert not step.output_is_valid(stage_output(tmp_path, "sft"))  # another kind of result
+    folder = Path(step.output_of(result))
+    _flip_a_byte(next(folder.iterdir()))
+    assert not step.output_is_valid(result)
+    shutil.rmtree(folder)
+    assert not step.output_is_valid(result)
+
+
+def test_a_stage_output_stands_while_complete_and_unmodified(tmp_path):
+    step = plan_for().step("sft")
+    result = stage_output(tmp_path, "sft")
+    assert step.output_is_valid(result)
+    assert not step.output_is_valid(data_output(tmp_path))
+    _flip_a_byte(Path(result.output_dir) / "model.safetensors")
+    assert not step.output_is_valid(result)
+    fresh = stage_output(tmp_path / "again", "sft")
+    (Path(fresh.output_dir) / "config.json").unlink()  # no loadable policy: unfinished
+    assert not step.output_is_valid(fresh)
+
+
+def test_each_step_writes_into_its_store_folder_and_reports_its_result(tmp_path):
+    from posttrain.pipeline.store import Store
+
+    store, key, plan = Store.at(tmp_path / "store"), "0123456789abcdef01234567", plan_for()
+    assert plan.step("data").output_dir(store, key) == store.root / "data" / "0123456789ab"
+    assert (
+        plan.step("grpo-format").output_dir(store, key) == store.root / "stages" / "grpo-format-0123456789ab"
+    )
+    assert plan.step("eval-dpo").output_dir(store, key) == store.root / "evals" / "dpo-0123456789ab"
+    data, stage, report = data_output(tmp_path), stage_output(tmp_path, "sft"), eval_output(tmp_path, "sft")
+    assert (DataStep.output_of(data), DataStep.metrics_of(data)) == (data.data_dir, {"n_train": 4})
+    assert (SFTStep.output_of(stage), SFTStep.metrics_of(stage)) == (stage.output_dir, {"loss": 0.5})
+    assert (EvalStep.output_of(report), EvalStep.metrics_of(report)) == (report.report_dir, report.summary)
+    after_data = DataStep().advance(StepInputs(ModelRef("/base", "fp")), data)
+    assert after_data == StepInputs(ModelRef("/base", "fp"), data)
+    assert plan.step("sft").advance(after_data, stage) == StepInputs(
+        ModelRef(stage.output_dir, stage.fingerprints["output"]), data
+    )
+    assert EvalStep("sft").advance(after_data, report) == after_data
+    assert [plan.step(n).section(plan.config) for n in ("data", "sft", "eval-sft")] == [
+        plan.config.data,
+        plan.config.sft,
+        plan.config.eval,
+    ]
+
+
+def test_each_step_runs_its_own_step_function(monkeypatch):
+    import posttrain.pipeline.steps as steps
+
+    calls = []
+    for name in ("prepare_step", "sft_step", "dpo_step", "grpo_step", "eval_step"):
+        monkeypatch.setattr(
+            steps, name, lambda *args, _name=name, **kw: calls.append((_name, args, kw)) or _name
+        )
+    plan, inputs = plan_for(), _inputs()
+    cfg = plan.config
+    assert [plan.step(n).run(cfg, inputs, "/out", report_to="mlflow") for n in plan.names[:7]] == [
+        "prepare_step",
+        "eval_step",
+        "sft_step",
+        "eval_step",
+        "dpo_step",
+        "eval_step",
+        "grpo_step",
+    ]
+    model, data = inputs.model, inputs.data
+    assert calls[0] == ("prepare_step", (cfg, model, "/out"), {})
+    assert calls[1] == ("eval_step", (cfg, "baseline", model, data, "/out"), {})
+    assert calls[2] == ("sft_step", (cfg, model, data, "/out", "mlflow"), {})
+    assert calls[4] == ("dpo_step", (cfg, model, data, "/out", "mlflow"), {})
+    assert calls[5][1][1] == "dpo"  # eval-dpo evaluates the dpo stage
+    assert calls[6] == ("grpo_step", (cfg, cfg.grpo.stages[0], model, data, "/out", "mlflow"), {})
+    plan.step("sft").run(cfg, inputs, "/out")  # untracked unless told otherwise
+    assert calls[-1] == ("sft_step", (cfg, model, data, "/out", "none"), {})
+
+
+def test_planner_serves_a_verified_record_and_says_why_anything_else_runs(tmp_path, caplog):
+    plan = plan_for()
+    sft = plan.step("sft")
+    key = sft.key(plan.config, _inputs())
+    result = stage_output(tmp_path, "sft")
+    records = FakeRecords({key: result, "gone": stage_output(tmp_path / "gone", "sft")}, corrupt={"bad"})
+    planner = Planner(plan, records)
+
+    assert planner.decide(sft, key, _inputs()) == Decision("cached", f"cache hit {key[:12]}")
+    assert planner.decide(sft, key).result is result
+    assert records.reads[0] == (key, "sft")  # read as the step's kind
+    assert planner.cached_result(sft, key) is result
+    (Path(records.results["gone"].output_dir) / "config.json").unlink()
+    assert planner.decide(sft, "gone") == Decision("run", "cached output missing or modified")
+    assert planner.cached_result(sft, "gone") is None
+    assert planner.decide(sft, "nothing") == Decision("run", "no cache entry for these inputs/config")
+    with caplog.at_level("WARNING"):
+        assert planner.decide(sft, "bad") == Decision("run", "cache record unreadable")
+    assert caplog.messages == ["cache record bad is unreadable (not JSON); recomputing"]
+
+
+def test_planner_with_caching_off_runs_everything(tmp_path):
+    plan = plan_for("orchestration.cache=false")
+    key = plan.step("data").key(plan.config, _inputs())
+    decision = Planner(plan, FakeRecords({key: data_output(tmp_path)})).decide(plan.step("data"), key)
+    assert decision == Decision("run", "caching disabled (orchestration.cache: false)")
+
+
+def test_force_reruns_the_named_step_and_everything_after_it(tmp_path):
+    plan = plan_for()
+    records = FakeRecords({name: output_for(tmp_path / name, plan.step(name)) for name in plan.names})
+    with pytest.raises(ConfigError, match="--force nope: not a step"):
+        Planner(plan, records, ["nope"])
+    planner = Planner(plan, records, ["dpo"])
+    got = {name: planner.decide(plan.step(name), name) for name in plan.names}
+    after = plan.names[plan.names.index("dpo") + 1 :]
+    assert {n: d.reason for n, d in got.items() if d.status == "run"} == {
+        "dpo": "forced",
+        **dict.fromkeys(after, "after forced dpo"),
+    }
+    assert {d.status for n, d in got.items() if n not in after and n != "dpo"} == {"cached"}
+    assert planner.forced_from == "dpo"
+    both = Planner(plan, records, ["sft", "grpo-format"])  # the first forced step in plan order wins
+    assert [both.decide(plan.step(n), n).reason for n in ("sft", "grpo-format")] == [
+        "forced",
+        "after forced sft",
+    ]
+
+
+def _why_missing(changed: int, records_cls=None, with_inputs=True) -> tuple[str, list[str]]:
+    plan = plan_for()
+    step = plan.step("grpo-format")
+    identity = step.identity(plan.config, _inputs())
+    files = sorted(identity.code.files)
+    before = {**identity.code.files, **{name: "old" for name in files[:changed]}}
+    records = (records_cls or FakeRecords)(lineages={identity.lineage: before})
+    return Planner(plan, records)._why_missing(step, _inputs() if with_inputs else None), files
+
+
+def test_a_missing_key_says_which_code_changed_since_its_lineage_last_ran():
+    missing = "no cache entry for these inputs/config"
+    why, files = _why_missing(1)
+    assert why == f"code changed: {files[0]}"
+    assert _why_missing(3)[0] == f"code changed: {', '.join(files[:3])}"
+    assert _why_missing(4)[0] == f"code changed: {', '.join(files[:3])} (+1 more)"
+    assert _why_missing(5)[0] == f"code changed: {', '.join(files[:3])} (+2 more)"
+    assert _why_missing(0)[0] == missing  # same code: the config or inputs changed
+    assert _why_missing(1, with_inputs=False)[0] == missing
+    assert Planner(plan_for(), FakeRecords())._why_missing(plan_for().step("sft"), _inputs()) == missing
+
+    class NoLineages(FakeRecords):  # records that cannot look up lineages
+        code_of_lineage = None
+
+    assert _why_missing(1, records_cls=NoLineages)[0] == missing
+
+    class OldRecords:  # an older records class: no lineage lookup at all
+        def __init__(self, lineages):
+            pass
+
+    assert _why_missing(1, records_cls=OldRecords)[0] == missing
+
+
+def test_decide_passes_the_inputs_on_to_say_why_a_key_is_missing():
+    plan = plan_for()
+    step = plan.step("grpo-format")
+    identity = step.identity(plan.config, _inputs())
+    name = sorted(identity.code.files)[0]
+    records = FakeRecords(lineages={identity.lineage: {**identity.code.files, name: "old"}})
+    assert Planner(plan, records).decide(step, identity.key, _inputs()).reason == f"code changed: {name}"
+
+
+def test_dry_run_reports_cached_steps_and_what_an_upstream_rerun_hides(tmp_path):
+    from posttrain.pipeline.plan import dry_run
+
+    plan = plan_for("eval.after_each_stage=false")
+    base = ModelRef("/base", "fp-base")
+    keys = {}
+
+    def produce(step, key, inputs):
+        keys[step.name] = key
+        return output_for(tmp_path / step.name, step)
+
+    plan.walk(base, produce)
+    kept = [n for n in plan.names if n not in ("sft", "eval-baseline")]  # their records are missing
+    records = FakeRecords({keys[n]: output_for(tmp_path / "records" / n, plan.step(n)) for n in kept})
+    rows = dry_run(plan, records, base)
+    assert rows == [
+        ("data", "cached", f"cache hit {keys['data'][:12]}"),
+        ("eval-baseline", "run", "no cache entry for these inputs/config"),  # an eval hides nothing
+        ("sft", "run", "no cache entry for these inputs/config"),
+        ("dpo", "run", "after sft reruns"),
+        ("grpo-format", "run", "after sft reruns"),
+        ("grpo-correctness", "run", "after sft reruns"),
+        ("eval-grpo-correctness", "run", "after sft reruns"),
+    ]
+    forced = dry_run(plan, records, base, ["data"])
+    assert forced[0] == ("data", "run", "forced") and forced[2] == ("sft", "run", "after data reruns")
+    # A missing key whose lineage ran under other code: the dry run says which file changed.
+    identity = plan.step("sft").identity(
+        plan.config, StepInputs(base, output_for(tmp_path / "d2", DataStep()))
+    )
+    changed = sorted(identity.code.files)[0]
+    records.lineages[identity.lineage] = {**identity.code.files, changed: "old"}
+    assert dry_run(plan, records, base)[2] == ("sft", "run", f"code changed: {changed}")
+
+
+def test_preview_reads_the_store_without_creating_it(tiny_model_dir, tmp_path):
+    from posttrain.pipeline.plan import preview
+
+    store = tmp_path / "store"
+    cfg = load_config(SMOKE, [f"model.name={tiny_model_dir}", f"orchestration.store={store}"])
+    rows = preview(cfg)
+    assert [name for name, _, _ in rows] == build_plan(cfg).names
+    assert rows[0] == ("data", "run", "no cache entry for these inputs/config")
+    assert {why for _, _, why in rows[1:]} == {"after data reruns"}
+    assert preview(cfg, ["data"])[0] == ("data", "run", "forced")
+    assert not store.exists()

@@ -391,3 +391,149 @@ def test_arithmetic_reward_checks_each_worked_calculation(text, score):
     from posttrain.rewards.accuracy import arithmetic_reward
 
     assert arithmetic_reward([text]) == [pytest.approx(score)]
+
+
+# --------------------------------------------------------------------------- boundaries, messages, exact statistics
+# (issue 15: the values at each boundary and the error each bad setting gives)
+
+
+def test_correctness_reward_warns_how_many_golds_are_not_numbers(caplog):
+    with caplog.at_level("WARNING"):
+        out = correctness_reward([GOOD, GOOD, GOOD, GOOD], answer=["42", "", "n/a", "42"])
+    assert out == [1.0, None, None, 1.0]
+    assert caplog.messages == [
+        "correctness_reward: 2 of 4 gold answers are not numbers (first: ''); those completions get no "
+        "correctness reward"
+    ]
+
+
+def test_reasoning_steps_count_distinct_lines_whatever_their_case_or_blank_lines_between():
+    text = "<reasoning>\nStep 1: add\n\nstep 1: ADD\n\nThen 2 + 2 = 4\n</reasoning>"
+    assert reasoning_steps_reward([text]) == pytest.approx([2 / 3])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "n_words", "expected"),
+    [
+        ({"min_tokens": 2, "max_tokens": 4}, 4, 1.0),  # at max_tokens: still in range
+        ({"min_tokens": 2, "max_tokens": 2}, 2, 1.0),  # a one-length range is allowed
+        ({"min_tokens": 0, "max_tokens": 1}, 2, 0.0),  # default decay = max_tokens = 1 word
+        ({"min_tokens": 0, "max_tokens": 4, "decay_tokens": 1}, 5, 0.0),  # the shortest decay
+    ],
+)
+def test_length_reward_boundaries(kwargs, n_words, expected):
+    assert make_length_reward(**kwargs)(["w " * n_words]) == [expected]
+
+
+def test_length_reward_defaults():
+    assert repr(make_length_reward()) == "LengthReward(min_tokens=20, max_tokens=300, decay_tokens=300)"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_tokens": -1}, "min_tokens must be a non-negative integer, got -1"),
+        ({"max_tokens": 2.5}, "max_tokens must be a non-negative integer, got 2.5"),
+        (
+            {"min_tokens": 20, "max_tokens": 10},
+            "need 0 < max_tokens >= min_tokens, got min_tokens=20, max_tokens=10",
+        ),
+        ({"decay_tokens": True}, "decay_tokens must be a positive integer or None, got True"),
+        ({"decay_tokens": 0}, "decay_tokens must be a positive integer or None, got 0"),
+    ],
+)
+def test_length_reward_bad_params_are_named(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        make_length_reward(**kwargs)
+    assert str(error.value) == message
+
+
+def test_repetition_penalty_limits_are_valid():
+    assert make_repetition_penalty(ngram_size=1)(["a a"]) == [-0.5]  # unigrams: one of two repeats
+    assert make_repetition_penalty(max_penalty=0)(["a b a b"]) == [0.0]  # a disabled penalty
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ngram_size": 0}, "ngram_size must be a positive integer, got 0"),
+        ({"max_penalty": 0.5}, "max_penalty must be a number <= 0, got 0.5"),
+    ],
+)
+def test_repetition_penalty_bad_params_are_named(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        make_repetition_penalty(**kwargs)
+    assert str(error.value) == message
+
+
+def _constant(value):
+    def reward(completions, **kwargs):
+        return [value(i) for i in range(len(completions))]
+
+    return reward
+
+
+def test_adaptive_scaler_mixes_the_spread_of_batch_means_into_its_variance():
+    scaler = make_adaptive_scaler(_constant(lambda i: [0.0, 2.0][i]), momentum=0.5)
+    assert (scaler.mean, scaler.std, scaler.calls) == (0.0, 0.0, 0)
+    scaler(["a", "b"])
+    assert (scaler.mean, scaler.std) == (1.0, 1.0)
+    scaler.reward_fn = _constant(lambda i: 4.0)
+    scaler(["a", "b"])
+    # mean 0.5 * 1 + 0.5 * 4; var 0.5 * (1 + 1.5**2) + 0.5 * (0 + 1.5**2)
+    assert scaler.mean == 2.5 and scaler.std == pytest.approx(math.sqrt(2.75))
+    scaler.reset()
+    assert (scaler.mean, scaler.std, scaler.calls) == (0.0, 0.0, 0)
+
+
+def test_adaptive_scaler_divides_by_std_plus_eps_and_clips_at_five_by_default():
+    scaler = make_adaptive_scaler(_constant(lambda i: [0.0, 2.0][i]), eps=1.0)
+    assert scaler(["a", "b"]) == [-0.5, 0.5]  # (r - 1) / (1 + 1)
+    rare = make_adaptive_scaler(_constant(lambda i: float(i == 99)))
+    assert max(rare(["x"] * 100)) == 5.0
+
+
+def test_adaptive_scaler_accepts_the_edges_of_its_ranges():
+    make_adaptive_scaler(correctness_reward, momentum=0.0, clip=0.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"momentum": 1.0}, "momentum must be in [0, 1), got 1.0"),
+        ({"momentum": "0.5"}, "momentum must be in [0, 1), got '0.5'"),
+        ({"eps": True}, "eps must be a positive number, got True"),
+        ({"eps": 0}, "eps must be a positive number, got 0"),
+        ({"clip": True}, "clip must be a positive number or None, got True"),
+        ({"clip": 0}, "clip must be a positive number or None, got 0"),
+        ({"suffix": ""}, "suffix must be a non-empty string, got ''"),
+    ],
+)
+def test_adaptive_scaler_bad_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        make_adaptive_scaler(correctness_reward, **kwargs)
+    assert str(error.value) == message
+
+
+def test_adaptive_scaler_names_and_refuses_async_callables_in_any_wrapping():
+    import functools
+
+    from posttrain.rewards.scaling import reward_name
+
+    async def graded(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    class AsyncReward:
+        async def __call__(self, completions, **kwargs):
+            return [0.0] * len(completions)
+
+    for wrapped in (functools.partial(graded, extra=1), AsyncReward()):
+        with pytest.raises(ValueError, match="cannot wrap async reward"):
+            make_adaptive_scaler(wrapped)
+    assert reward_name(functools.partial(functools.partial(graded))) == "graded"
+    assert reward_name(AsyncReward()) == "AsyncReward"
+    with pytest.raises(ValueError, match="cannot wrap async reward 'graded'"):
+        make_adaptive_scaler(functools.partial(graded))
+    length = make_adaptive_scaler(make_length_reward(min_tokens=1, max_tokens=2))  # a callable object
+    assert length.__name__ == "length_reward_scaled"
+    assert length(["a", "a b c d"]) == pytest.approx([1.0, -1.0], rel=1e-4)

@@ -16,18 +16,36 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from posttrain.core.scoring import SampleScore, canonical_gold, score_completion
 
 __all__ = [
     "BY_OPS_FIELDS",
     "SampleScore",
+    "answers_agree",
     "canonical_gold",
     "pass_at_k",
     "score_completion",
     "summarize",
     "summarize_by_ops",
 ]
+
+
+def answers_agree(a: Any, b: Any) -> bool | None:
+    """Whether two scored completions of one question (:class:`SampleScore` or an evaluation report's
+    record) gave the same (strict, flexible) answers; None when neither has any number, since two
+    non-answers agree on nothing (an agreement rate over them would reward two runs failing alike).
+
+    >>> right, wrong, silent = (score_completion(t, "42") for t in ("so 42", "so 41", "no idea"))
+    >>> answers_agree(right, right), answers_agree(right, wrong), answers_agree(silent, right)
+    (True, False, False)
+    >>> answers_agree(silent, score_completion("still no idea", "42")) is None
+    True
+    """
+    if a.flexible is None and b.flexible is None:  # no number at all (a strict answer is a number too)
+        return None
+    return (a.strict, a.flexible) == (b.strict, b.flexible)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -1,0 +1,145 @@
+"""Cache keys without Prefect: each step's key changes exactly with what its output depends on.
+
+The pipeline tests check this end to end through the flow (minutes); these check every ingredient
+of every kind of key directly (milliseconds), which is also what mutation testing runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import posttrain
+from posttrain.core.config import GRPOSection, GRPOStageConfig
+from posttrain.core.hashing import stable_hash
+from posttrain.pipeline import load_config
+from posttrain.pipeline.keys import (
+    cache_key,
+    data_identity,
+    data_key,
+    eval_identity,
+    eval_key,
+    stage_section,
+    train_identity,
+    train_key,
+)
+
+SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+
+
+def smoke(*overrides: str):
+    return load_config(SMOKE, list(overrides))
+
+
+def test_cache_key_format_is_pinned(monkeypatch):
+    """Keys are stored in every store's records: a change to how they are built silently reruns every
+    cached step of every user, so it must be deliberate (update these values when it is)."""
+    monkeypatch.setattr(posttrain, "__version__", "0.0.0")
+    inputs = {"model": "m", "data": "d"}
+    assert cache_key("sft", "h", inputs, "c") == "38bda2b6eb9b2157fb19ce86"
+    assert cache_key("sft", "h", inputs) == "7afd355820f36207a1341001"
+
+
+def test_cache_key_includes_code_and_version(monkeypatch):
+    inputs = {"model": "m"}
+    with_code = cache_key("sft", "h", inputs, "code-a")
+    assert with_code != cache_key("sft", "h", inputs, "code-b") != cache_key("sft", "h", inputs)
+    assert cache_key("sft", "h", inputs, "") == cache_key("sft", "h", inputs)  # the lineage: no code
+    monkeypatch.setattr(posttrain, "__version__", "999")
+    assert cache_key("sft", "h", inputs, "code-a") != with_code
+
+
+def test_stage_section_finds_each_training_stage_by_step_name():
+    cfg = smoke()
+    assert stage_section(cfg, "sft") is cfg.sft and stage_section(cfg, "dpo") is cfg.dpo
+    assert stage_section(cfg, "grpo-correctness") is cfg.grpo.stages[1]
+    with pytest.raises(KeyError, match="grpo-nope"):
+        stage_section(cfg, "grpo-nope")
+    assert stage_section(smoke("dpo=null"), "grpo-format").name == "format"
+
+
+def test_data_identity_names_its_step_config_and_inputs():
+    cfg = smoke()
+    identity = data_identity(cfg, "tok")
+    assert identity.step == "data" and identity.config_hash == stable_hash(cfg.data)
+    assert identity.inputs == {"source": "-", "tokenizer": "tok"}  # synthetic data: no file to hash
+    assert data_key(cfg, "tok") == identity.key != data_key(cfg, "other-tok")
+    assert data_key(smoke("data.eval_size=4"), "tok") != identity.key
+    assert identity.code.files and identity.key != identity.lineage
+
+
+def _local(path: Path) -> str:
+    return data_identity(smoke("data.source=local", f"data.path={path}"), "tok").inputs["source"]
+
+
+def test_local_data_is_keyed_by_file_content_not_path(tmp_path):
+    one = tmp_path / "a" / "train.jsonl"
+    one.parent.mkdir()
+    one.write_text('{"question": "q", "answer": "#### 1"}\n')
+    fingerprint = _local(one)
+    assert len(fingerprint) == 16 and fingerprint != "-"
+    moved = tmp_path / "b" / "train.jsonl"
+    moved.parent.mkdir()
+    moved.write_bytes(one.read_bytes())
+    assert _local(moved) == fingerprint  # same content elsewhere
+    one.write_text('{"question": "q", "answer": "#### 2"}\n')
+    assert _local(one) != fingerprint  # same path, new content
+    synthetic = smoke("data.source=synthetic", f"data.path={one}")  # a path left over from local data
+    assert data_identity(synthetic, "tok").inputs["source"] == "-"
+
+
+def test_a_data_folder_is_keyed_by_its_jsonl_files(tmp_path):
+    (tmp_path / "part-1.jsonl").write_text("1\n")
+    before = _local(tmp_path)
+    (tmp_path / "notes.txt").write_text("not data")
+    assert _local(tmp_path) == before
+    (tmp_path / "part-2.jsonl").write_text("2\n")
+    with_two = _local(tmp_path)
+    assert with_two != before
+    (tmp_path / "part-2.jsonl").rename(tmp_path / "part-3.jsonl")
+    assert _local(tmp_path) != with_two  # renamed: another file of the folder
+
+
+def test_train_identity_depends_on_its_section_trainer_model_seed_and_inputs():
+    cfg = smoke()
+    identity = train_identity(cfg, "grpo-format", "model-fp", "data-fp")
+    assert identity.step == "grpo-format" and identity.inputs == {"model": "model-fp", "data": "data-fp"}
+    key = train_key(cfg, "grpo-format", "model-fp", "data-fp")
+    assert key == identity.key
+    for changed in (
+        smoke("grpo.stages.0.rewards.1.weight=0.25"),  # the stage's own section
+        smoke("grpo.stages.0.trainer.learning_rate=0.5"),  # its trainer options
+        smoke("model.lora.r=4"),  # the model section
+        smoke("seed=1"),
+    ):
+        assert train_key(changed, "grpo-format", "model-fp", "data-fp") != key
+    assert train_key(cfg, "grpo-format", "other", "data-fp") != key
+    assert train_key(cfg, "grpo-format", "model-fp", "other") != key
+    # Another stage's section, the data and eval sections are not its inputs.
+    for unchanged in (smoke("grpo.stages.1.rewards.1.weight=0.25"), smoke("eval.limit=3")):
+        assert train_key(unchanged, "grpo-format", "model-fp", "data-fp") == key
+    assert train_key(cfg, "grpo-correctness", "model-fp", "data-fp") != key
+
+
+def test_a_custom_reward_module_is_part_of_the_stage_code():
+    cfg = smoke()
+    stage = GRPOStageConfig(name="own", rewards=[{"name": "my_rewards.scoring:score"}])
+    cfg = cfg.model_copy(update={"grpo": GRPOSection(stages=[stage])})
+    files = train_identity(cfg, "grpo-own", "m", "d").code.files
+    assert "custom:my_rewards.scoring" in files
+    assert "custom:my_rewards.scoring" not in train_identity(cfg, "sft", "m", "d").code.files
+
+
+def test_eval_identity_depends_on_eval_section_precision_and_inputs():
+    cfg = smoke()
+    identity = eval_identity(cfg, "eval-sft", "model-fp", "eval-fp")
+    assert identity.step == "eval-sft" and identity.inputs == {"model": "model-fp", "data": "eval-fp"}
+    key = eval_key(cfg, "eval-sft", "model-fp", "eval-fp")
+    assert key == identity.key != eval_key(cfg, "eval-dpo", "model-fp", "eval-fp")
+    assert eval_key(cfg, "eval-sft", "other", "eval-fp") != key
+    assert eval_key(cfg, "eval-sft", "model-fp", "other") != key
+    assert eval_key(smoke("eval.max_new_tokens=12"), "eval-sft", "model-fp", "eval-fp") != key
+    assert eval_key(smoke("model.precision=bf16"), "eval-sft", "model-fp", "eval-fp") != key
+    for unchanged in (smoke("sft.trainer.learning_rate=0.5"), smoke("model.lora.r=4")):  # weights say it
+        assert eval_key(unchanged, "eval-sft", "model-fp", "eval-fp") == key
