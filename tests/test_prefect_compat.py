@@ -167,3 +167,19 @@ def test_a_flow_run_created_with_secrets_has_them_replaced_as_it_starts():
             "config": "x.yaml",
             "overrides": ["a.password=***"],
         }
+
+
+def test_prefect_yaml_is_valid_for_prefect_and_queues_runs_of_a_deployment():
+    """`prefect deploy` reads prefect.yaml through this (private) model; a run that arrives while the
+    previous one of its deployment still holds the store's lock waits (ENQUEUE) instead of failing."""
+    from pathlib import Path
+
+    import yaml
+    from prefect.cli.deploy._models import PrefectYamlModel  # private: pinned with PREFECT_VERSIONS
+
+    spec = Path(__file__).resolve().parents[1] / "prefect.yaml"
+    model = PrefectYamlModel.model_validate(yaml.safe_load(spec.read_text()))
+    assert model.deployments
+    for deployment in model.deployments:
+        limit = deployment.concurrency_limit
+        assert (limit.limit, limit.collision_strategy) == (1, "ENQUEUE"), deployment.name
