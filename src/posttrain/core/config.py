@@ -289,7 +289,7 @@ class GRPOStageConfig(_StageWithTrainer):
     have signal (DAPO's dynamic sampling), dropping what is still flat after the budget.
     See posttrain.training.zero_signal."""
     zero_signal_max_rounds: int = Field(4, ge=1)
-    """resample: extra generation rounds per step at most (each as large as the step's batch)."""
+    """resample: extra generation rounds per generation batch at most (each at most the batch's size)."""
     eval_every: int | None = Field(None, ge=1)
     """Evaluate greedily on the held-out slice at the start and every N steps (``eval/accuracy``,
     ``eval/accuracy_flexible``, ``eval/format`` next to the reward); null: no in-training evaluation."""
