@@ -117,15 +117,19 @@ def test_the_watchdog_ends_its_process_when_the_parent_is_killed(tmp_path):
         text=True,
     )
     child = psutil.Process(int(parent.stdout.readline()))
-    assert child.is_running()
-    time.sleep(1)  # the child is up and watching
-    assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
-        time.sleep(0.1)
-    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    try:
+        time.sleep(1)  # the child is up and watching
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.1)
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    finally:  # a failing watchdog must not leave its child behind
+        parent.kill()
+        if child.is_running():
+            child.kill()
 
 
 def test_run_config_keeps_secrets_out_of_prefects_parameters():
