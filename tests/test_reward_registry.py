@@ -308,3 +308,127 @@ def test_check_calls_trl_rewards_as_the_trainer_does():
     """Conversational completions, as the trainer passes them: TRL's rewards index ``[0]["content"]``."""
     rows = score_examples([("accuracy_reward", 1.0, build_reward("accuracy_reward"))])
     assert {row.scores["accuracy_reward"] for row in rows} == {0.0}  # no \\boxed{} answer in the examples
+
+
+# --------------------------------------------------------------------------- exact messages for custom rewards
+# (issue 15: each signature problem named as such; TRL rewards get only the columns they take)
+
+
+def _sig_cases():
+    import types
+
+    module = types.ModuleType("sig_cases")
+
+    def no_kwargs(completions):
+        return [0.0]
+
+    def no_completions(texts, **kwargs):
+        return [0.0]
+
+    def needs_gold(completions, gold, tone, **kwargs):
+        return [0.0]
+
+    def gold_optional(completions, gold=None, **kwargs):
+        return [0.0]
+
+    def takes_answer(completions, answer, **kwargs):
+        return [0.0]
+
+    def positional_answer(answer, /, completions, **kwargs):
+        return [0.0]
+
+    module.__dict__.update(
+        no_kwargs=no_kwargs,
+        no_completions=no_completions,
+        needs_gold=needs_gold,
+        gold_optional=gold_optional,
+        takes_answer=takes_answer,
+        positional_answer=positional_answer,
+        builtin=min,
+    )
+    return module
+
+
+@pytest.mark.parametrize(
+    ("function", "problem"),
+    [
+        ("builtin", "its signature cannot be read"),
+        ("no_kwargs", "it does not take **kwargs (TRL passes every dataset column as a keyword)"),
+        ("no_completions", "it has no `completions` parameter"),
+        ("needs_gold", "it requires 'gold', 'tone', which TRL never passes"),
+        ("positional_answer", "it requires 'answer', which TRL never passes"),  # TRL passes keywords only
+        ("gold_optional", None),
+        ("takes_answer", None),  # a dataset column TRL passes
+    ],
+)
+def test_custom_reward_signature_problems_are_named(function, problem, monkeypatch):
+    import sys
+
+    from posttrain.rewards.registry import check_reward
+
+    monkeypatch.setitem(sys.modules, "sig_cases", _sig_cases())
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    if problem is None:
+        check_reward(f"sig_cases:{function}")
+        return
+    with pytest.raises(ValueError) as error:
+        check_reward(f"sig_cases:{function}")
+    assert str(error.value) == (
+        f"custom reward 'sig_cases:{function}' is not a reward function f(completions, **kwargs): {problem} "
+        "(give `params` to use it as a factory)"
+    )
+
+
+def test_custom_factory_with_bad_params_is_named(monkeypatch):
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    with pytest.raises(ValueError) as error:
+        build_reward(f"{SHAPING_MOD}:make_length_reward", {"max_tokens": -1})
+    assert str(error.value).startswith(
+        f"custom reward factory '{SHAPING_MOD}:make_length_reward': invalid params {{'max_tokens': -1}}: "
+    )
+
+
+def test_trl_reward_without_params_lists_what_it_got():
+    with pytest.raises(ValueError) as error:
+        build_reward("think_format_reward", {"x": 1, "y": 2})
+    assert (
+        str(error.value) == "TRL reward 'think_format_reward' takes no params (only 'adaptive'), got 'x', 'y'"
+    )
+
+
+def test_unknown_scaler_settings_are_listed():
+    with pytest.raises(ValueError) as error:
+        build_reward("correctness", {"adaptive": {"speed": 1, "colour": 2}})
+    assert str(error.value) == (
+        f"reward 'correctness': unknown adaptive setting(s) 'colour', 'speed'; {SCALER_OK}"
+    )
+
+
+def test_a_trl_reward_gets_the_gold_as_solution_only_if_it_takes_one():
+    from posttrain.rewards.registry import TrlReward
+
+    seen = {}
+
+    def plain(completions, **kwargs):
+        seen.update(kwargs)
+        return [0.0] * len(completions)
+
+    def graded(completions, solution, **kwargs):
+        seen["solution"] = solution
+        return [0.0] * len(completions)
+
+    TrlReward(plain)(["c"], answer=["42"])
+    assert seen == {"answer": ["42"]}
+    seen.clear()
+    TrlReward(graded)(["c"], answer=["42"])
+    assert seen == {"solution": ["42"]}
+
+
+def test_a_factory_without_a_readable_signature_is_simply_called(monkeypatch):
+    """Builtins have no signature to check params against: the call itself decides."""
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    with pytest.raises(ValueError) as error:
+        build_reward("builtins:min", {"default": 0})
+    assert str(error.value).startswith(
+        "custom reward factory 'builtins:min': invalid params {'default': 0}: "
+    )
