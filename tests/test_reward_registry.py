@@ -432,3 +432,119 @@ def test_a_factory_without_a_readable_signature_is_simply_called(monkeypatch):
     assert str(error.value).startswith(
         "custom reward factory 'builtins:min': invalid params {'default': 0}: "
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "allowed"),
+    [("1", True), ("true", True), (" TRUE ", True), ("Yes", True), ("0", False), ("no", False), ("", False)],
+)
+def test_the_custom_code_opt_in_values(value, allowed, monkeypatch):
+    from posttrain.rewards.registry import custom_code_allowed
+
+    monkeypatch.setenv(CUSTOM_CODE_ENV, value)
+    assert custom_code_allowed() is allowed
+
+
+def _message(call, *args) -> str:
+    with pytest.raises(ValueError) as error:
+        call(*args)
+    return str(error.value)
+
+
+def test_validation_checks_params_and_scaler_settings_like_building_does(monkeypatch):
+    import sys
+
+    from posttrain.rewards.registry import check_reward
+
+    assert _message(check_reward, "correctness", {"adaptive": {"momentum": 2.0}}) == (
+        "reward 'correctness': invalid adaptive settings {'momentum': 2.0}: momentum must be in [0, 1), got 2.0"
+    )
+    assert _message(check_reward, "length", {"max_tokens": -1}).startswith(
+        "reward 'length': invalid params {'max_tokens': -1}: "
+    )
+    check_reward("length", {"max_tokens": 40, "adaptive": True})
+    monkeypatch.setitem(sys.modules, "sig_cases", _sig_cases())
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    check_reward("sig_cases:takes_answer", {"adaptive": {"clip": 2.0}})  # a custom reward can be scaled
+    assert _message(check_reward, "sig_cases:takes_answer", {"adaptive": {"bogus": 1}}) == (
+        f"reward 'sig_cases:takes_answer': unknown adaptive setting(s) 'bogus'; {SCALER_OK}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("correctness", ["x"], "reward 'correctness': params must be a mapping, got list"),
+        (
+            "correctness",
+            {"adaptive": "yes"},
+            "reward 'correctness': param 'adaptive' must be true/false or a mapping of scaler settings "
+            "(momentum, eps, clip, suffix), got 'yes'",
+        ),
+        (
+            "correctness",
+            {"a": 1, "b": 2},
+            "reward 'correctness' takes no params (only 'adaptive'), got 'a', 'b'",
+        ),
+        (
+            "format",
+            None,
+            "unknown reward 'format' (did you mean 'soft_format', 'strict_format'?); valid rewards: "
+            + ", ".join(reward_names())
+            + " (or a custom 'package.module:function')",
+        ),
+    ],
+)
+def test_build_and_check_name_the_problem_exactly(name, params, message):
+    from posttrain.rewards.registry import check_reward
+
+    assert _message(build_reward, name, params) == message
+    assert _message(check_reward, name, params) == message
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("math:pi", None, "custom reward 'math:pi' is not callable (it is a float)"),
+        (
+            f"{ACCURACY_MOD}:correctness_reward:extra",
+            None,
+            f"custom reward '{ACCURACY_MOD}:correctness_reward:extra': module '{ACCURACY_MOD}' has no attribute "
+            "'correctness_reward:extra'",
+        ),
+        (
+            "sig_cases:two_params",
+            {"b": 1, "a": 2},
+            "custom reward factory 'sig_cases:two_params' got unknown param(s) 'a', 'b'; "
+            "accepted params: low, high",
+        ),
+        (
+            "sig_cases:no_params",
+            {"a": 1},
+            "custom reward factory 'sig_cases:no_params' got unknown param(s) 'a'; accepted params: (none)",
+        ),
+        (
+            "sig_cases:two_params",
+            {"low": 1},
+            "custom reward factory 'sig_cases:two_params': params ['low'] do not fit: missing a required "
+            "argument: 'high'",
+        ),
+    ],
+)
+def test_custom_reward_validation_messages(name, params, message, monkeypatch):
+    import sys
+
+    from posttrain.rewards.registry import check_reward
+
+    cases = _sig_cases()
+    cases.no_params = lambda: None
+    cases.two_params = lambda low, high: None
+    monkeypatch.setitem(sys.modules, "sig_cases", cases)
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    assert _message(check_reward, name, params) == message
+
+
+def test_building_a_reward_is_logged_at_debug_level(caplog):
+    with caplog.at_level("DEBUG", logger="posttrain.rewards.registry"):
+        build_reward("length", {"max_tokens": 40})
+    assert "built reward 'length' as length_reward" in caplog.messages
