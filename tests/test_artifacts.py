@@ -216,7 +216,9 @@ def test_full_finetuning_saves_the_whole_model_whatever_the_policy(tiny_model_di
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     with caplog.at_level(logging.WARNING):
         assert save_policy(model, tokenizer, tmp_path / "a", adapter_policy="adapter") == "full"
-    assert "adapter_policy: adapter needs LoRA" in caplog.text
+    assert caplog.messages == [
+        "adapter_policy: adapter needs LoRA (model.lora); full fine-tuning saves the whole model"
+    ]
     caplog.clear()
     assert save_policy(model, tokenizer, tmp_path / "m", adapter_policy="merge") == "full"
     assert caplog.text == ""

@@ -274,10 +274,10 @@ def test_invalid_reward_fractions_come_from_the_guarded_rewards_metrics():
 
 
 def test_invalid_reward_alert_names_each_reward_and_its_worst_fraction():
-    logs = {"rewards/b/invalid_frac": 0.5, "rewards/a/invalid_frac": 0.125, "rewards/c/invalid_frac": 0.0}
+    logs = {"rewards/b/invalid_frac": 0.125, "rewards/a/invalid_frac": 0.5, "rewards/c/invalid_frac": 0.0}
     alert = one_alert([logs])
-    assert (alert.kind, alert.value) == ("invalid_reward", 0.5)
-    assert alert.message == "rewards returned NaN/None for part of the completions: a 12%, b 50%"
+    assert (alert.kind, alert.value) == ("invalid_reward", 0.5)  # the worst reward's fraction
+    assert alert.message == "rewards returned NaN/None for part of the completions: a 50%, b 12%"
     clean = {"rewards/a/invalid_frac": 0.0}
     assert run([clean]) == []
     assert [a.step for a in run([logs, logs, clean, logs])] == [1, 4]

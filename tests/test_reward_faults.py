@@ -155,3 +155,99 @@ def test_a_grpo_stage_stops_in_one_line_on_a_broken_reward(
     with pytest.raises(StageError, match=pattern):
         run_grpo_stage(stage, model, str(tiny_model_dir), data, tmp_path / "out")
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []  # nothing half-written left
+
+
+# --------------------------------------------------------------------------- exact messages, edges of the guard
+# (issue 15: what the guard says and scores, checked without training)
+
+import logging  # noqa: E402
+
+from posttrain.rewards.guard import _preview  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("a" * 60, "a" * 60),  # exactly the preview length: whole
+        ("a" * 61, "a" * 60 + "..."),  # longer: cut and marked
+        ("two\n  lines", "two lines"),  # whitespace collapsed
+    ],
+)
+def test_the_completion_preview(text, shown):
+    assert _preview([{"role": "assistant", "content": text}]) == shown
+
+
+def test_a_raising_reward_message_in_full():
+    def fails(completions, **kwargs):
+        raise ValueError("no\n  tag")
+
+    with pytest.raises(RewardError) as info:
+        GuardedReward(fails, "fail", "my-label")(completions=["short"], answer=["1"])
+    assert str(info.value) == (
+        "reward 'my-label' raised ValueError: no tag on example 0 (completion starts 'short'); set on_error: "
+        "zero or skip on this reward to score such examples instead of stopping"
+    )
+
+
+def test_positional_calls_are_scored_and_a_raising_one_is_not_sliced():
+    assert GuardedReward(lambda completions: [1.0] * len(completions))(COMPLETIONS) == [1.0] * 4
+    with pytest.raises(
+        RewardError, match=r"reward 'flaky' raised KeyError: .* on example 0 \(completion starts 'answer"
+    ):
+        GuardedReward(flaky, "zero")(COMPLETIONS)
+    with pytest.raises(
+        RewardError, match=r"raised ValueError: reward service said no on example 0 \(completion starts ''\)"
+    ):
+        GuardedReward(always_raises, "zero")([])  # nothing to show from an empty batch
+
+
+def test_skipped_examples_are_logged_once_per_call_with_their_score(caplog):
+    guarded = GuardedReward(flaky, "skip")
+    with caplog.at_level(logging.WARNING):
+        call(guarded)
+        call(guarded)
+    skipped = [m for m in caplog.messages if "on_error: skip" in m]
+    assert len(skipped) == 2 and skipped[0].endswith("; scored None (on_error: skip)")
+    assert skipped[0].startswith("reward 'flaky' raised KeyError: \"missing 'answer' tag\" on example 2 ")
+    invalid = [m for m in caplog.messages if "returned NaN/None" in m]
+    assert invalid == [
+        "reward flaky returned NaN/None for 1 of 4 completions (metric rewards/flaky/invalid_frac)"
+    ]
+    assert guarded.failures == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        call(GuardedReward(flaky, "zero"))
+    assert caplog.messages[0].endswith("; scored 0.0 (on_error: zero)")
+
+
+def test_scores_are_plain_floats_and_bad_settings_are_named():
+    import numpy as np
+    import torch
+
+    def scalars(completions, **kwargs):
+        return [np.float32(0.5), 1, np.float64("nan"), 0.0]
+
+    assert call(GuardedReward(scalars)) == [0.5, 1.0, None, 0.0]
+
+    def tensors(completions, **kwargs):
+        return [torch.tensor(0.25), torch.tensor(1), torch.tensor(float("nan")), torch.tensor(0.0)]
+
+    assert call(GuardedReward(tensors)) == [0.25, 1.0, None, 0.0]  # 0-d tensors read as numbers
+    with pytest.raises(RewardError, match=r"returned tensor\(\[0.5000\]\) for example 0, not a number"):
+        call(
+            GuardedReward(lambda completions, **kw: [torch.tensor([0.5])] * 4)
+        )  # a 1-d tensor is not a score
+    with pytest.raises(
+        RewardError, match=r"reward 'bools' returned True for example 0, not a number or None"
+    ):
+        call(GuardedReward(lambda completions, **kw: [True] * 4, label="bools"))
+    with pytest.raises(
+        RewardError, match=r"reward 'odd' returned a object instead of one score per completion"
+    ):
+        call(GuardedReward(lambda completions, **kw: object(), label="odd"))
+    with pytest.raises(ValueError) as error:
+        GuardedReward(flaky, "ignore")
+    assert str(error.value) == "on_error must be one of fail, zero, skip, got 'ignore'"
+    assert repr(GuardedReward(flaky, "zero")).startswith("GuardedReward(<function flaky") and repr(
+        GuardedReward(flaky, "zero")
+    ).endswith(", on_error='zero')")

@@ -311,3 +311,243 @@ def test_check_calls_trl_rewards_as_the_trainer_does():
     """Conversational completions, as the trainer passes them: TRL's rewards index ``[0]["content"]``."""
     rows = score_examples([("accuracy_reward", 1.0, build_reward("accuracy_reward"))])
     assert {row.scores["accuracy_reward"] for row in rows} == {0.0}  # no \\boxed{} answer in the examples
+
+
+# --------------------------------------------------------------------------- exact messages for custom rewards
+# (issue 15: each signature problem named as such; TRL rewards get only the columns they take)
+
+
+def _sig_cases():
+    import types
+
+    module = types.ModuleType("sig_cases")
+
+    def no_kwargs(completions):
+        return [0.0]
+
+    def no_completions(texts, **kwargs):
+        return [0.0]
+
+    def needs_gold(completions, gold, tone, **kwargs):
+        return [0.0]
+
+    def gold_optional(completions, gold=None, **kwargs):
+        return [0.0]
+
+    def takes_answer(completions, answer, **kwargs):
+        return [0.0]
+
+    def positional_answer(answer, /, completions, **kwargs):
+        return [0.0]
+
+    module.__dict__.update(
+        no_kwargs=no_kwargs,
+        no_completions=no_completions,
+        needs_gold=needs_gold,
+        gold_optional=gold_optional,
+        takes_answer=takes_answer,
+        positional_answer=positional_answer,
+        builtin=min,
+    )
+    return module
+
+
+@pytest.mark.parametrize(
+    ("function", "problem"),
+    [
+        ("builtin", "its signature cannot be read"),
+        ("no_kwargs", "it does not take **kwargs (TRL passes every dataset column as a keyword)"),
+        ("no_completions", "it has no `completions` parameter"),
+        ("needs_gold", "it requires 'gold', 'tone', which TRL never passes"),
+        ("positional_answer", "it requires 'answer', which TRL never passes"),  # TRL passes keywords only
+        ("gold_optional", None),
+        ("takes_answer", None),  # a dataset column TRL passes
+    ],
+)
+def test_custom_reward_signature_problems_are_named(function, problem, monkeypatch):
+    import sys
+
+    from posttrain.rewards.registry import check_reward
+
+    monkeypatch.setitem(sys.modules, "sig_cases", _sig_cases())
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    if problem is None:
+        check_reward(f"sig_cases:{function}")
+        return
+    with pytest.raises(ValueError) as error:
+        check_reward(f"sig_cases:{function}")
+    assert str(error.value) == (
+        f"custom reward 'sig_cases:{function}' is not a reward function f(completions, **kwargs): {problem} "
+        "(give `params` to use it as a factory)"
+    )
+
+
+def test_custom_factory_with_bad_params_is_named(monkeypatch):
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    with pytest.raises(ValueError) as error:
+        build_reward(f"{SHAPING_MOD}:make_length_reward", {"max_tokens": -1})
+    assert str(error.value).startswith(
+        f"custom reward factory '{SHAPING_MOD}:make_length_reward': invalid params {{'max_tokens': -1}}: "
+    )
+
+
+def test_trl_reward_without_params_lists_what_it_got():
+    with pytest.raises(ValueError) as error:
+        build_reward("think_format_reward", {"x": 1, "y": 2})
+    assert (
+        str(error.value) == "TRL reward 'think_format_reward' takes no params (only 'adaptive'), got 'x', 'y'"
+    )
+
+
+def test_unknown_scaler_settings_are_listed():
+    with pytest.raises(ValueError) as error:
+        build_reward("correctness", {"adaptive": {"speed": 1, "colour": 2}})
+    assert str(error.value) == (
+        f"reward 'correctness': unknown adaptive setting(s) 'colour', 'speed'; {SCALER_OK}"
+    )
+
+
+def test_a_trl_reward_gets_the_gold_as_solution_only_if_it_takes_one():
+    from posttrain.rewards.registry import TrlReward
+
+    seen = {}
+
+    def plain(completions, **kwargs):
+        seen.update(kwargs)
+        return [0.0] * len(completions)
+
+    def graded(completions, solution, **kwargs):
+        seen["solution"] = solution
+        return [0.0] * len(completions)
+
+    TrlReward(plain)(["c"], answer=["42"])
+    assert seen == {"answer": ["42"]}
+    seen.clear()
+    TrlReward(graded)(["c"], answer=["42"])
+    assert seen == {"solution": ["42"]}
+
+
+def test_a_factory_without_a_readable_signature_is_simply_called(monkeypatch):
+    """Builtins have no signature to check params against: the call itself decides."""
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    with pytest.raises(ValueError) as error:
+        build_reward("builtins:min", {"default": 0})
+    assert str(error.value).startswith(
+        "custom reward factory 'builtins:min': invalid params {'default': 0}: "
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "allowed"),
+    [("1", True), ("true", True), (" TRUE ", True), ("Yes", True), ("0", False), ("no", False), ("", False)],
+)
+def test_the_custom_code_opt_in_values(value, allowed, monkeypatch):
+    from posttrain.rewards.registry import custom_code_allowed
+
+    monkeypatch.setenv(CUSTOM_CODE_ENV, value)
+    assert custom_code_allowed() is allowed
+
+
+def _message(call, *args) -> str:
+    with pytest.raises(ValueError) as error:
+        call(*args)
+    return str(error.value)
+
+
+def test_validation_checks_params_and_scaler_settings_like_building_does(monkeypatch):
+    import sys
+
+    from posttrain.rewards.registry import check_reward
+
+    assert _message(check_reward, "correctness", {"adaptive": {"momentum": 2.0}}) == (
+        "reward 'correctness': invalid adaptive settings {'momentum': 2.0}: momentum must be in [0, 1), got 2.0"
+    )
+    assert _message(check_reward, "length", {"max_tokens": -1}).startswith(
+        "reward 'length': invalid params {'max_tokens': -1}: "
+    )
+    check_reward("length", {"max_tokens": 40, "adaptive": True})
+    monkeypatch.setitem(sys.modules, "sig_cases", _sig_cases())
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    check_reward("sig_cases:takes_answer", {"adaptive": {"clip": 2.0}})  # a custom reward can be scaled
+    assert _message(check_reward, "sig_cases:takes_answer", {"adaptive": {"bogus": 1}}) == (
+        f"reward 'sig_cases:takes_answer': unknown adaptive setting(s) 'bogus'; {SCALER_OK}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("correctness", ["x"], "reward 'correctness': params must be a mapping, got list"),
+        (
+            "correctness",
+            {"adaptive": "yes"},
+            "reward 'correctness': param 'adaptive' must be true/false or a mapping of scaler settings "
+            "(momentum, eps, clip, suffix), got 'yes'",
+        ),
+        (
+            "correctness",
+            {"a": 1, "b": 2},
+            "reward 'correctness' takes no params (only 'adaptive'), got 'a', 'b'",
+        ),
+        (
+            "format",
+            None,
+            "unknown reward 'format' (did you mean 'soft_format', 'strict_format'?); valid rewards: "
+            + ", ".join(reward_names())
+            + " (or a custom 'package.module:function')",
+        ),
+    ],
+)
+def test_build_and_check_name_the_problem_exactly(name, params, message):
+    from posttrain.rewards.registry import check_reward
+
+    assert _message(build_reward, name, params) == message
+    assert _message(check_reward, name, params) == message
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("math:pi", None, "custom reward 'math:pi' is not callable (it is a float)"),
+        (
+            f"{ACCURACY_MOD}:correctness_reward:extra",
+            None,
+            f"custom reward '{ACCURACY_MOD}:correctness_reward:extra': module '{ACCURACY_MOD}' has no attribute "
+            "'correctness_reward:extra'",
+        ),
+        (
+            "sig_cases:two_params",
+            {"b": 1, "a": 2},
+            "custom reward factory 'sig_cases:two_params' got unknown param(s) 'a', 'b'; "
+            "accepted params: low, high",
+        ),
+        (
+            "sig_cases:no_params",
+            {"a": 1},
+            "custom reward factory 'sig_cases:no_params' got unknown param(s) 'a'; accepted params: (none)",
+        ),
+        (
+            "sig_cases:two_params",
+            {"low": 1},
+            "custom reward factory 'sig_cases:two_params': params ['low'] do not fit: missing a required "
+            "argument: 'high'",
+        ),
+    ],
+)
+def test_custom_reward_validation_messages(name, params, message, monkeypatch):
+    import sys
+
+    from posttrain.rewards.registry import check_reward
+
+    cases = _sig_cases()
+    cases.no_params = lambda: None
+    cases.two_params = lambda low, high: None
+    monkeypatch.setitem(sys.modules, "sig_cases", cases)
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    assert _message(check_reward, name, params) == message
+
+
+def test_building_a_reward_is_logged_at_debug_level(caplog):
+    with caplog.at_level("DEBUG", logger="posttrain.rewards.registry"):
+        build_reward("length", {"max_tokens": 40})
+    assert "built reward 'length' as length_reward" in caplog.messages

@@ -425,8 +425,9 @@ def test_length_reward_boundaries(kwargs, n_words, expected):
     assert make_length_reward(**kwargs)(["w " * n_words]) == [expected]
 
 
-def test_length_reward_defaults():
+def test_length_and_repetition_defaults():
     assert repr(make_length_reward()) == "LengthReward(min_tokens=20, max_tokens=300, decay_tokens=300)"
+    assert repr(make_repetition_penalty()) == "RepetitionPenalty(ngram_size=3, max_penalty=-1.0)"
 
 
 @pytest.mark.parametrize(
