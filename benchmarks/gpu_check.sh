@@ -14,6 +14,9 @@
 #   optim-8bit      one SFT step with bitsandbytes' 8-bit AdamW (`optim: adamw_bnb_8bit`)
 #   vllm-colocate   one GRPO step whose rollouts come from vLLM in colocate mode, then a vLLM eval
 #   ddp-2gpu        one SFT step on two GPUs with `training.launcher: accelerate` (only with 2+ GPUs)
+#
+# GPU_CHECK_DRY_RUN=1 runs every check as `posttrain run --dry-run` whatever the hardware: the
+# overrides are validated against the config schema and the plan is printed (tests/test_gpu_check.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-$(mktemp -d -t posttrain-gpu-check-XXXX)}}
@@ -32,6 +35,10 @@ SUMMARY=()
 check() {  # check NAME SKIP_REASON -- posttrain run arguments...
     local name=$1 skip=$2
     shift 3
+    if [ -n "${GPU_CHECK_DRY_RUN:-}" ] && [ "$skip" != "$NO_LAUNCHER" ]; then
+        skip=""
+        set -- "$@" --dry-run
+    fi
     if [ -n "$skip" ]; then
         SUMMARY+=("$(printf '%-14s skip  %s' "$name" "$skip")")
         return
@@ -49,7 +56,7 @@ NO_BNB=$NO_GPU; [ -n "$NO_BNB" ] || [ "$HAS_BNB" = 1 ] || NO_BNB="bitsandbytes n
 NO_VLLM=$NO_GPU; [ -n "$NO_VLLM" ] || [ "$HAS_VLLM" = 1 ] || NO_VLLM="vllm not installed (pip install -e '.[vllm]')"
 NO_DDP=$NO_GPU; [ -n "$NO_DDP" ] || [ "$NGPU" -ge 2 ] || NO_DDP="one GPU only"
 NO_LAUNCHER=""; grep -q "launcher" src/posttrain/core/config.py || NO_LAUNCHER="training.launcher not in this version"
-[ -n "$NO_DDP" ] || NO_DDP=$NO_LAUNCHER
+NO_DDP=${NO_LAUNCHER:-$NO_DDP}
 
 ONLY_SFT=(--set dpo=null --set "grpo.stages=[]" --set sft.trainer.max_steps=1)
 ONE_GRPO=(--set sft=null --set dpo=null --set grpo.stages.0.trainer.max_steps=1
