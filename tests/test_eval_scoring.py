@@ -327,3 +327,21 @@ def test_pass_at_k_rejects_impossible_counts():
     with pytest.raises(ValueError) as error:
         pass_at_k(2, 3, 1)
     assert str(error.value) == "need 0 <= c <= n and k >= 1, got n=2, c=3, k=1"
+
+
+def test_by_ops_groups_questions_by_difficulty_easiest_first_and_skips_unknown():
+    from posttrain.evaluation.scoring import summarize_by_ops
+
+    ok = score_completion("<reasoning>\nx\n</reasoning>\n<answer>\n1\n</answer>", "1")
+    bad = score_completion("<reasoning>\nx\n</reasoning>\n<answer>\n2\n</answer>", "1")
+    by_ops = summarize_by_ops([[ok], [bad], [ok], [bad], [ok]], [10, 2, 2, None, 10])
+    assert list(by_ops) == ["2", "10"]  # by number, not by text
+    assert by_ops["2"] == {
+        "n": 2,
+        "accuracy_strict": 0.5,
+        "accuracy_flexible": 0.5,
+        "strict_format_rate": 1.0,
+    }
+    assert by_ops["10"]["n"] == 2 and by_ops["10"]["accuracy_strict"] == 1.0
+    with pytest.raises(ValueError, match="^2 questions but 1 ops values$"):
+        summarize_by_ops([[ok], [bad]], [1])

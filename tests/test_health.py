@@ -217,6 +217,7 @@ def test_reward_hacking_message_names_the_trends_and_the_steps():
     assert alert.value == pytest.approx(-0.1) and "reward rose by +0.2" in alert.message
     assert "fell by 10.0 points" in alert.message
     assert "steps 5, 10, 15" in alert.message  # the step-0 evaluation has no reward to pair with
+    assert alert.message.endswith("the policy is paid for something other than right answers")
 
 
 def test_no_signal_remedy_names_dynamic_sampling_and_easier_data():
@@ -367,3 +368,12 @@ def test_callback_without_a_limit_in_its_config_fails_nothing():
     callback = HealthCallback(HealthMonitor(cfg))
     _log(callback, {"rewards/a/invalid_frac": 1.0})  # the default limit is 1.0: never exceeded
     assert callback.alerts[0]["kind"] == "invalid_reward"
+
+
+def test_reward_hacking_fires_at_exactly_its_thresholds():
+    rise = _fitted_change([0.2, 0.3, 0.4])  # the rewards and accuracies of RISING's evaluations
+    drop = -_fitted_change([0.40, 0.35, 0.30])
+    at = run_steps(evals(RISING), hacking_reward_rise=rise, hacking_accuracy_drop=drop)
+    assert [(a.step, a.kind) for a in at] == [(15, "reward_hacking")]
+    assert run_steps(evals(RISING), hacking_reward_rise=rise + 1e-9, hacking_accuracy_drop=drop) == []
+    assert run_steps(evals(RISING), hacking_reward_rise=rise, hacking_accuracy_drop=drop + 1e-9) == []

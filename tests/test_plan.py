@@ -224,6 +224,45 @@ def test_an_output_without_its_record_is_adopted_only_if_it_verifies(tmp_path, c
     assert Planner(plan, StoreRecords(store)).decide(step, key, inputs).status == "run"
 
 
+@pytest.mark.parametrize(
+    ("name", "model_fp", "expected"),
+    [
+        ("sft", "fp-base", ADOPTED),
+        ("sft", "fp-other", NOT_ADOPTED),  # trained from another model: its key prefix matched by chance
+        ("data", "fp-other", ADOPTED),  # a data result does not record the model it was made for
+    ],
+)
+def test_a_stage_or_data_output_without_its_record_is_adopted_only_if_made_from_these_inputs(
+    tmp_path, name, model_fp, expected
+):
+    from posttrain.core.atomic import write_result
+    from posttrain.core.hashing import fingerprint_tree
+    from posttrain.models.artifacts import StageResult, fingerprint_dir
+    from posttrain.pipeline.plan import dry_run
+    from posttrain.pipeline.records import StoreRecords
+    from posttrain.pipeline.store import Store
+
+    plan = plan_for(f"orchestration.store={tmp_path / 'store'}")
+    store = Store.at(tmp_path / "store")
+    step = plan.step(name)
+    made = StepInputs(ModelRef("/base", "fp-base"), _data())
+    key = step.key(plan.config, made)
+    out = _folder(step.output_dir(store, key), "config.json", "model.safetensors", "stage.json").resolve()
+    if name == "data":
+        result = DataResult(str(out), "train-d", "eval-d", {"n_train": 4}, fingerprint_tree(out))
+    else:
+        fingerprints = {"output": fingerprint_dir(out), "input_model": "fp-base"}
+        result = StageResult(name, str(out), {"loss": 0.5}, fingerprints)
+    write_result(out, result)
+
+    asked = StepInputs(ModelRef("/base", model_fp), _data())
+    decision = Planner(plan, StoreRecords(store), store=store).decide(step, key, asked)
+    assert (decision.status, decision.reason) == expected
+    if name == "data":  # the dry run shows the adoption too, and only when it is given the store
+        assert dry_run(plan, StoreRecords(store), made.model, store=store)[0] == ("data", *ADOPTED)
+        assert dry_run(plan, StoreRecords(store), made.model)[0][1] == "run"
+
+
 GSM8K_SET = "{name: gsm8k, data: local, path: %s, limit: 2}"
 
 # (extra sets, does the data step's key change too): every change of an extra set changes the

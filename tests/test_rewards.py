@@ -383,6 +383,12 @@ def test_every_reward_returns_one_value_per_completion(reward):
         ("$1,200 / 4 = $300", 1.0),
         ("10 / 4 = 2.5 but 10 / 3 = 3.33", 0.5),  # exact values: a rounded third is not a third
         ("5 / 0 = 0", 0.0),  # not checkable: no score from it, none at all here
+        ("5 / 0 = 0 and 2 + 2 = 4", 1.0),  # ... and it does not count against the checkable ones
+        ("7 \u00d7 16 = 112", 1.0),  # each way of writing an operation, alone
+        ("7 x 16 = 112", 1.0),
+        ("12 \u00f7 4 = 3", 1.0),
+        ("6 / 1 = 6", 1.0),
+        ("<reasoning>\n2+2 = 4\n</reasoning>\n<answer>\n2+2 = 5\n</answer>", 1.0),  # the reasoning only
         ("3 boxes * 4 = 12 and x = 12", 0.0),  # words in between: not a calculation
         ("42", 0.0),
     ],
@@ -391,6 +397,13 @@ def test_arithmetic_reward_checks_each_worked_calculation(text, score):
     from posttrain.rewards.accuracy import arithmetic_reward
 
     assert arithmetic_reward([text]) == [pytest.approx(score)]
+
+
+@pytest.mark.parametrize("expression", ["2**3", "a+1", "f(2)", "-3", "2 < 3", "1 if 2 else 3"])
+def test_arithmetic_evaluates_only_the_four_operations_on_numbers(expression):
+    from posttrain.rewards.accuracy import _evaluate
+
+    assert _evaluate(expression) is None
 
 
 # --------------------------------------------------------------------------- boundaries, messages, exact statistics
