@@ -4,6 +4,9 @@
 (b) ``model.generate`` on padded batches of 32, fp32 (the usual "batched" eval);
 (c) posttrain's evaluator: continuous batching, precision ``auto`` (bf16 where the CPU has AMX);
     ``--c auto,auto:64,fp32`` runs it once per precision[:batch] item.
+(d) transformers' own continuous batching, ``model.generate_batch`` (paged KV cache, sdpa), in the
+    precision of the first (c) item; ``--d default,256,1024`` runs it once per ``max_batch_tokens``
+    setting (``default`` = transformers' own sizing). The anchor a user would otherwise pick.
 
 All three decode greedily with the same prompts and ``max_new_tokens``. Throughput counts *useful*
 tokens: generated tokens up to and including the first EOS, never padding or post-EOS tokens.
@@ -37,7 +40,7 @@ from posttrain.evaluation.scoring import SampleScore, answers_agree, score_compl
 from posttrain.generation.engine import encode_prompts, stop_token_ids
 from posttrain.models.loading import load_model_and_tokenizer
 
-TARGETS = {"c/a": 20.0, "c/b": 3.0, "agreement": 0.95}
+TARGETS = {"c/a": 20.0, "c/b": 4.0, "c/d": 1.5, "agreement": 0.95}
 
 
 class LoadWatch:
@@ -82,6 +85,32 @@ def run_generate(
     return outputs, time.perf_counter() - start
 
 
+def run_generate_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, stop: set[int], max_batch_tokens: int | None
+) -> tuple[list[list[int]], float]:
+    """Greedy ``model.generate_batch`` (transformers' continuous batching); (useful ids in order, seconds)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(stop), pad_token_id=min(stop)
+    )
+    batching = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        results = model.generate_batch(
+            prompts,
+            generation_config=config,
+            continuous_batching_config=batching,
+            progress_bar=True,
+            warmup=False,
+        )  # warmup pre-captures CUDA graphs: nothing to capture on a CPU
+    seconds = time.perf_counter() - start
+    ordered = sorted(results.values(), key=lambda r: int(r.request_id.rsplit("_", 1)[1]))
+    assert [r.prompt_ids for r in ordered] == prompts, "generate_batch returned requests out of order"
+    return [useful_tokens(list(r.generated_tokens), stop) for r in ordered], seconds
+
+
 def parsed(tokenizer, ids: list[int], gold: str) -> SampleScore:
     return score_completion(tokenizer.decode(ids, skip_special_tokens=True), gold)
 
@@ -106,6 +135,12 @@ def main() -> None:
         default="auto",
         help="evaluator runs as precision[:batch] items, comma-separated, e.g. auto,auto:32,fp32 "
         "(batch defaults to the evaluator's default, eval.batch_size)",
+    )
+    parser.add_argument(
+        "--d",
+        default="default",
+        help="generate_batch runs as max_batch_tokens items, comma-separated (default = transformers' "
+        "sizing); empty to skip (d)",
     )
     parser.add_argument("--refill-at", type=float, default=None, help="engine refill fraction for (c)")
     parser.add_argument("--skip-b", action="store_true", help="skip (b) (minutes on SmolLM2)")
@@ -157,6 +192,19 @@ def main() -> None:
         reports.append(evaluate(args.model, records, cfg, precision=precision, progress=True, **extra))
     print(f"    load average so far <= {watch.mark():.1f}")
 
+    d_runs = []  # (setting, useful ids, seconds)
+    if args.d:
+        precision = variants[0][0]
+        model_d, _ = load_model_and_tokenizer(args.model, precision=precision)
+        model_d.set_attn_implementation("sdpa")
+        for setting in args.d.split(","):
+            max_batch_tokens = None if setting == "default" else int(setting)
+            print(f"(d) transformers generate_batch, precision {precision}, max_batch_tokens {setting}")
+            out_d, sec_d = run_generate_batch(model_d, prompts, args.max_new_tokens, stop, max_batch_tokens)
+            d_runs.append((setting, out_d, sec_d))
+        del model_d
+        print(f"    load average so far <= {watch.mark():.1f}")
+
     print("\nuseful tokens/s (generated up to and including EOS; padding and post-EOS tokens excluded)")
     print(
         f"  (a) per-question generate, fp32 : {tps_a:8.1f}  ({sum(map(len, out_a))} tokens in {sec_a:.1f} s "
@@ -179,9 +227,26 @@ def main() -> None:
             f"      (b) vs (a), both fp32: parsed answers equal on {len(b_vs_a)}/{len(with_answer)} "
             f"questions with an answer, identical tokens on {same_tokens}/{limit_a}"
         )
+    tps_d = None
+    for setting, out_d, sec_d in d_runs:
+        tps = sum(map(len, out_d)) / sec_d
+        tps_d = max(tps_d or 0.0, tps)  # (c) is compared with (d)'s best setting
+        same, comparable = agreement(
+            (
+                parsed(tokenizer, out_d[i], records[i]["answer"]),
+                parsed(tokenizer, out_a[i], records[i]["answer"]),
+            )
+            for i in range(limit_a)
+        )
+        print(
+            f"  (d) generate_batch {variants[0][0]}, max_batch_tokens {setting}: {tps:8.1f}  "
+            f"({sum(map(len, out_d))} tokens in {sec_d:.1f} s); parsed answers equal to (a)'s on "
+            f"{len(same)}/{len(comparable)} questions with an answer, identical tokens on "
+            f"{sum(out_d[i] == out_a[i] for i in range(limit_a))}/{limit_a}"
+        )
     for (precision, batch_size), report in zip(variants, reports, strict=True):
         print(f"\n(c) precision {precision} ({report.meta.get('dtype')}), batch {batch_size}")
-        describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a)
+        describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a, tps_d)
     cores = os.cpu_count() or 1
     if watch.mark() > cores + 0.5:
         print(
@@ -191,7 +256,7 @@ def main() -> None:
         )
 
 
-def describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a) -> None:
+def describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a, tps_d=None) -> None:
     """Throughput, ratios, answer agreement and target verdicts of one evaluator run."""
     tps_c = report.timings["tokens_per_second"]
     print(
@@ -202,6 +267,8 @@ def describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a) 
     ratios = {"c/a": tps_c / tps_a}
     if tps_b:
         ratios["c/b"] = tps_c / tps_b
+    if tps_d:
+        ratios["c/d"] = tps_c / tps_d
     answers_a = [parsed(tokenizer, out_a[i], records[i]["answer"]) for i in range(limit_a)]
     agree, comparable = agreement(zip(answers_a, report.records[:limit_a], strict=True))
     if comparable:  # no question with an answer on either side: nothing to agree on
@@ -210,6 +277,7 @@ def describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a) 
     print(
         f"  c/a = {ratios['c/a']:.1f}x{extrap}"
         + (f"   c/b = {ratios['c/b']:.1f}x" if "c/b" in ratios else "")
+        + (f"   c/d = {ratios['c/d']:.1f}x (best (d) setting)" if "c/d" in ratios else "")
     )
     differing = [records[i]["id"] for i in comparable if i not in set(agree)]
     print(
