@@ -255,17 +255,30 @@ def main() -> None:
             else:
                 timer, rewards = run_posttrain(model_path, data, shapes, opts.steps, opts.seed, workdir, name)
         results[name] = report(name, timer, rewards)
-    if "trl" in results:
-        # The variants sample different completions: per generated token is the like-for-like ratio.
-        wall, cpu, tokens = results["trl"]
-        for name, (seconds, cpu_seconds, n) in results.items():
-            if name != "trl":
-                print(
-                    f"{name} / TRL = {seconds / wall:.2f}x per step (CPU time {cpu_seconds / cpu:.2f}x), "
-                    f"{(seconds / max(n, 1)) / (wall / max(tokens, 1)):.2f}x per generated token "
-                    f"({n:.0f} vs {tokens:.0f} tokens/step)"
-                )
+    for line in versus_trl(results):
+        print(line)
     print(f"load average now {os.getloadavg()[0]:.2f}")
+
+
+def versus_trl(results: dict[str, tuple[float, float, float]]) -> list[str]:
+    """One line per variant comparing it with TRL (``results``: name → what :func:`report` returns).
+
+    The variants sample different completions, so seconds per generated token is the like-for-like
+    ratio; seconds per step are given too.
+
+    >>> versus_trl({"trl": (4.0, 8.0, 100.0), "posttrain": (4.0, 6.0, 200.0)})
+    ['posttrain / TRL = 1.00x per step (CPU time 0.75x), 0.50x per generated token (200 vs 100 tokens/step)']
+    """
+    if "trl" not in results:
+        return []
+    wall, cpu, tokens = results["trl"]
+    return [
+        f"{name} / TRL = {seconds / wall:.2f}x per step (CPU time {cpu_seconds / cpu:.2f}x), "
+        f"{(seconds / max(n, 1)) / (wall / max(tokens, 1)):.2f}x per generated token "
+        f"({n:.0f} vs {tokens:.0f} tokens/step)"
+        for name, (seconds, cpu_seconds, n) in results.items()
+        if name != "trl"
+    ]
 
 
 if __name__ == "__main__":

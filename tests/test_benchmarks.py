@@ -1,0 +1,73 @@
+"""The benchmarks' own arithmetic: tokens generated per step and their rate, comparisons per generated
+token (two variants sample different completions), agreement only where some completion answered."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    """A benchmark script as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_grpo_step_counts_the_tokens_each_step_generates_and_reports_their_rate(capsys):
+    bench = load("grpo_step")
+    timer = bench.StepTimer()
+    lengths = iter([[4, 4], [5, 3, 2], [1, 1, 1, 1]])  # completions generated at steps 0, 1, 2
+
+    def rollout(prompts, trainer):
+        return {"completion_ids": [[7] * n for n in next(lengths)], "prompt_ids": [], "logprobs": None}
+
+    trainer = SimpleNamespace(rollout_func=rollout)
+    bench.time_generation(trainer, timer)
+    for _ in range(3):
+        timer.on_step_begin(None, None, None)
+        trainer.rollout_func(["p"], trainer)
+        timer.on_step_end(None, None, None)
+    assert timer.tokens == [8, 10, 4]
+    _, _, per_step = bench.report("posttrain", timer, [0.5])
+    assert per_step == 7.0  # the warm-up step is not counted
+    line = capsys.readouterr().out
+    assert " 7 tokens/step at " in line and " tok/s" in line
+
+
+@pytest.mark.parametrize(
+    ("posttrain", "per_step", "per_token"),
+    [
+        ((4.0, 6.0, 200.0), "1.00x per step", "0.50x per generated token"),  # same time, twice the tokens
+        ((2.0, 4.0, 50.0), "0.50x per step", "1.00x per generated token"),  # faster only by sampling less
+    ],
+)
+def test_grpo_step_compares_variants_per_generated_token(posttrain, per_step, per_token):
+    bench = load("grpo_step")
+    (line,) = bench.versus_trl({"trl": (4.0, 8.0, 100.0), "posttrain": posttrain})
+    assert line.startswith(f"posttrain / TRL = {per_step}") and per_token in line
+
+
+def test_eval_throughput_agreement_counts_only_questions_someone_answered():
+    pytest.importorskip("torch")
+    bench = load("eval_throughput")
+    from posttrain.evaluation.scoring import score_completion
+
+    def pair(a: str, b: str):
+        return score_completion(a, "42"), score_completion(b, "42")
+
+    pairs = [
+        pair("so 42", "so 42"),  # agree
+        pair("no idea", "still no idea"),  # neither answered: not comparable
+        pair("so 42", "so 41"),  # disagree
+        pair("no idea", "so 42"),  # one side answered: comparable, disagree
+    ]
+    assert bench.agreement(pairs) == ([0], [0, 2, 3])
