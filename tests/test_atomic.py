@@ -49,3 +49,28 @@ def test_write_result_leaves_a_readable_sorted_json_of_the_dataclass(tmp_path):
     }
     assert list(data) == sorted(data) and list(data["metrics"]) == ["epoch", "loss"]  # stable, diffable
     assert len(text.splitlines()) > 3  # one field per line, for a person reading the store
+
+
+def test_discard_checkpoints_is_best_effort_a_file_that_will_not_go_does_not_fail_the_step(
+    tmp_path, monkeypatch
+):
+    """The output is already in place when checkpoints are discarded: a stuck file (another process holding
+    it, a read-only mount) must not turn a finished step into a failure."""
+    import os
+
+    output = tmp_path / "stages" / "sft-0123456789ab"
+    ckpt = checkpoints_dir(output) / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "optimizer.pt").write_text("state")
+    (ckpt / "model.safetensors").write_text("weights")
+    unlink = os.unlink
+
+    def stuck(path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", stuck)
+    assert discard_checkpoints(output) is True
+    assert not (ckpt / "model.safetensors").exists()  # what could go, went
+    assert (ckpt / "optimizer.pt").exists()

@@ -13,9 +13,13 @@ import torch
 from posttrain.core.config import DataConfig, GRPOStageConfig, ModelConfig, SyntheticConfig
 from posttrain.training.zero_signal import (
     METRICS,
+    ZERO_STD,
     DynamicSampler,
     FreshPrompts,
+    ZeroSignalCounts,
     group_signal,
+    recount_tokens,
+    round_size,
     take_rows,
 )
 
@@ -62,6 +66,28 @@ SIGNAL_CASES = [
         "normalize_then_sum",
         [True],
     ),
+    (
+        "normalised first: each reward constant within the group, though they differ from each other",
+        torch.tensor([[1.0, 0.0]] * 4 + [[1.0, 0.0], [1.0, 1.0], [1.0, 0.0], [1.0, 0.0]]),
+        [1.0, 1.0],
+        "normalize_then_sum",
+        [False, True],
+    ),
+    # a weight scales the differences, so a tiny one puts them under the noise floor
+    ("tiny weight", rewards_of([0, 1, 0, 1]), [1e-9], "sum_then_normalize", [False]),
+    ("tiny weight, normalised first", rewards_of([0, 1, 0, 1]), [1e-9], "normalize_then_sum", [False]),
+    # the threshold: sample std (Bessel, n - 1) strictly above ZERO_STD. [0, 0, 0, x] has std x/2 (x*0.43
+    # without Bessel's correction); [nan, nan, 0, x] has std x/sqrt(2) over its two scored completions
+    ("std 1.05e-8 (x = 2.1e-8)", rewards_of([0, 0, 0, 2.1e-8]), [1.0], "sum_then_normalize", [True]),
+    ("std 0.95e-8 (x = 1.9e-8)", rewards_of([0, 0, 0, 1.9e-8]), [1.0], "sum_then_normalize", [False]),
+    ("two scored, std 1.06e-8", rewards_of([NAN, NAN, 0, 1.5e-8]), [1.0], "sum_then_normalize", [True]),
+    ("two scored, std 0.92e-8", rewards_of([NAN, NAN, 0, 1.3e-8]), [1.0], "sum_then_normalize", [False]),
+    ("std 1.05e-8, normalised first", rewards_of([0, 0, 0, 2.1e-8]), [1.0], "normalize_then_sum", [True]),
+    ("std 0.95e-8, normalised first", rewards_of([0, 0, 0, 1.9e-8]), [1.0], "normalize_then_sum", [False]),
+    ("two scored, normalised first", rewards_of([NAN, NAN, 0, 1.5e-8]), [1.0], "normalize_then_sum", [True]),
+    # exactly at the threshold: float32 std of [0, 0, 0, 2e-8] is float32(1e-8) itself
+    ("std == ZERO_STD is no signal", rewards_of([0, 0, 0, 2e-8]), [1.0], "sum_then_normalize", [False]),
+    ("std == ZERO_STD, normalised first", rewards_of([0, 0, 0, 2e-8]), [1.0], "normalize_then_sum", [False]),
 ]
 
 
@@ -75,6 +101,62 @@ def test_group_signal(rewards, weights, aggregation, expected):
 def test_group_signal_refuses_rows_that_do_not_form_groups():
     with pytest.raises(ValueError, match="groups of 4"):
         group_signal(torch.zeros(6, 1), [1.0], G)
+
+
+def test_group_signal_at_zero_std_agrees_with_trls_frac_reward_zero_std():
+    """TRL counts a group as flat when `torch.isclose(std, 0)` (atol 1e-8, inclusive); a group exactly at
+    ZERO_STD must be flat for both, or the no-signal alert and dynamic sampling would disagree on it."""
+    rewards = rewards_of([0, 0, 0, 2e-8], [0, 0, 0, 2.1e-8])
+    std = rewards.view(-1, G).std(dim=1)
+    assert std[0] == torch.tensor(ZERO_STD)  # the case really sits on the threshold
+    flat_for_trl = torch.isclose(std, torch.zeros_like(std))
+    assert group_signal(rewards, [1.0], G).tolist() == (~flat_for_trl).tolist() == [False, True]
+
+
+def test_group_signal_refuses_an_unknown_aggregation_by_name():
+    with pytest.raises(ValueError, match=r"^unknown multi_objective_aggregation 'mean'$"):
+        group_signal(rewards_of([0, 1, 0, 1]), [1.0], G, "mean")
+
+
+def test_recount_tokens_counts_only_tokens_in_the_loss():
+    """A tool call's tokens (tool_mask 0) are not trained on, as TRL leaves them out of its count."""
+    batch = {
+        "completion_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]),
+        "tool_mask": torch.tensor([[1, 0, 1, 1], [0, 1, 1, 1]]),
+    }
+    recount_tokens(batch)
+    assert int(batch["num_items_in_batch"]) == 3
+    batch["tool_mask"] = None  # TRL's batch without tools
+    recount_tokens(batch)
+    assert int(batch["num_items_in_batch"]) == 5
+    del batch["tool_mask"]
+    recount_tokens(batch, gather=lambda t: torch.stack([t, torch.tensor(7)]))  # another process has 7
+    assert int(batch["num_items_in_batch"]) == 12
+
+
+@pytest.mark.parametrize(
+    "missing, with_signal, generated, groups, expected",
+    [
+        (2, 4, 8, 8, 4),  # half had signal: twice the places left
+        (2, 0, 8, 8, 8),  # none had signal yet: a whole batch
+        (7, 1, 8, 8, 8),  # never more than a batch
+        (1, 8, 8, 8, 1),  # every group had signal: one prompt per place
+        (1, 3, 4, 4, 2),  # ceil(4 / 3)
+        (3, 5, 12, 16, 8),  # ceil(36 / 5)
+    ],
+)
+def test_round_size(missing, with_signal, generated, groups, expected):
+    assert round_size(missing, with_signal, generated, groups) == expected
+
+
+def test_metrics_name_each_count():
+    counts = ZeroSignalCounts(groups=8, with_signal=6, dropped=2, resampled=3, rounds=4)
+    assert counts.metrics() == {
+        "zero_signal/frac_signal": 0.75,
+        "zero_signal/groups_dropped": 2.0,
+        "zero_signal/groups_resampled": 3.0,
+        "zero_signal/rounds": 4.0,
+    }
 
 
 # --------------------------------------------------------------------------- a fake TRL
@@ -204,6 +286,153 @@ def test_resample_round_size_follows_the_signal_rate():
     assert [len(r) for r in rounds] == [4, 2]
 
 
+def test_resample_default_budget_is_four_rounds_then_drop():
+    rounds: list = []
+    generate = fake_generate(rounds)
+
+    def bounded(inputs):
+        assert len(rounds) < 6, "the round budget is not enforced"
+        return generate(inputs)
+
+    signal = lambda rewards: group_signal(rewards, [1.0], G)  # noqa: E731
+    fresh = FreshPrompts([{"id": 10 + i, "pays": False} for i in range(3)], seed=0)
+    batch, counts = DynamicSampler("resample", G, signal, fresh=fresh)(prompts([1, 2], paying=set()), bounded)
+    assert len(rounds) == 5 and counts.rounds == 4
+    assert counts.metrics() == dict(zip(METRICS, (0.0, 2.0, 0.0, 4.0), strict=True))
+    assert trained_groups(batch) == [] and int(batch["num_items_in_batch"]) == 0
+
+
+class ListedPrompts:
+    """Fresh prompts in a fixed order (FreshPrompts shuffles), to steer which round finds what."""
+
+    def __init__(self, rows):
+        self.rows = list(rows)
+
+    def take(self, count):
+        taken, self.rows = self.rows[:count], self.rows[count:]
+        return [{"id": i, "pays": pays} for i, pays in taken]
+
+
+def test_resample_round_sizes_follow_the_signal_rate_of_every_round_so_far():
+    """2 of 4 groups pay: 2 places over rate 2/4 -> 4 prompts; 1 of those pays: 1 place over 3/8 -> 3."""
+    rounds: list = []
+    fresh = ListedPrompts([(10, False), (11, True), (12, False), (13, False), (14, False), (15, False)] * 2)
+    signal = lambda rewards: group_signal(rewards, [1.0], G)  # noqa: E731
+    batch, counts = DynamicSampler("resample", G, signal, max_rounds=2, fresh=fresh)(
+        prompts([1, 2, 3, 4], paying={1, 3}), fake_generate(rounds)
+    )
+    assert [len(r) for r in rounds] == [4, 4, 3]
+    assert trained_groups(batch) == [1, 11, 3] and counts.resampled == 1 and counts.dropped == 1
+    check_rows_consistent(batch)
+
+
+def test_resample_pads_merged_rounds_with_the_pad_id():
+    """Each round is wider than the last (fake_generate): the first round's rows are padded to the widest,
+    prompts on the left with the tokenizer's pad id, completions on the right."""
+    for pad_id, sampler_kwargs in ((0, {}), (7, {"pad_id": 7})):  # 0 is the default
+        rounds: list = []
+        signal = lambda rewards: group_signal(rewards, [1.0], G)  # noqa: E731
+        fresh = ListedPrompts([(11, True)])
+        batch, _ = DynamicSampler("resample", G, signal, fresh=fresh, **sampler_kwargs)(
+            prompts([1, 2], paying={1}), fake_generate(rounds)
+        )
+        assert len(rounds) == 2 and trained_groups(batch) == [1, 11]
+        assert batch["prompt_ids"][0].tolist() == [pad_id, 1, 1]  # round 0: width 2 of 3
+        assert batch["prompt_mask"][0].tolist() == [0, 1, 1]
+        # round 0 is 3 wide (fake_generate writes 0 past a completion's end), padded to 5
+        assert batch["completion_ids"][0].tolist() == [1, 0, 0, pad_id, pad_id]
+        assert batch["prompt_ids"][G].tolist() == [11, 11, 11]  # round 1 as generated
+        assert batch["old_per_token_logps"][0].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_resample_leaves_a_batch_with_signal_everywhere_as_generated():
+    """No round, no merge: even keys a merge would refuse (images) pass."""
+    extra = torch.arange(2 * G * 3).view(2 * G, 3)
+
+    def generate(inputs):
+        batch, rewards = fake_generate([])(inputs)
+        batch["pixel_values"] = extra
+        return batch, rewards
+
+    batch, counts = sampler("resample", [(10, True)])(prompts([1, 2], paying={1, 2}), generate)
+    assert counts.rounds == 0 and batch["pixel_values"] is extra
+
+
+def test_drop_sums_the_token_count_over_processes():
+    """The loss divides by every process's tokens: `gather` collects them."""
+    gathered = []
+
+    def gather(t):
+        gathered.append(int(t))
+        return torch.stack([t, torch.tensor(100)])  # another process kept 100 tokens
+
+    batch, _ = sampler("drop")(prompts([1, 2], paying={2}), fake_generate([]), gather=gather)
+    assert gathered == [int(batch["completion_mask"].sum())] and gathered[0] > 0
+    assert int(batch["num_items_in_batch"]) == gathered[0] + 100
+
+
+def test_drop_masks_the_slice_of_a_later_process():
+    def two_process_generate(inputs):
+        batch, _ = fake_generate([])(inputs)
+        everyone = prompts([8, 9], paying={8}) + inputs  # this is process 1: its rows come second
+        return batch, fake_generate([])(everyone)[1]
+
+    batch, counts = sampler("drop")(prompts([1, 2], paying={2}), two_process_generate, process_index=1)
+    assert trained_groups(batch) == [2] and counts.groups == 4 and counts.with_signal == 2
+
+
+def test_sampler_refuses_a_mode_it_does_not_know_and_resample_without_fresh_prompts():
+    signal = lambda rewards: group_signal(rewards, [1.0], G)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^zero_signal mode 'keep' is not drop or resample$"):
+        DynamicSampler("keep", G, signal)
+    with pytest.raises(ValueError, match=r"^zero_signal: resample needs a source of fresh prompts$"):
+        DynamicSampler("resample", G, signal)
+    with pytest.raises(
+        ValueError, match=r"^zero_signal: resample needs training data to draw fresh prompts from$"
+    ):
+        FreshPrompts([], seed=0)
+
+
+def _round(width_p, width_c, ids, *, tool=False):
+    n = len(ids)
+    t = torch.tensor(ids)
+    batch = {
+        "prompt_ids": t[:, None].repeat(1, width_p),
+        "prompt_mask": torch.ones(n, width_p, dtype=torch.long),
+        "completion_ids": t[:, None].repeat(1, width_c),
+        "completion_mask": torch.ones(n, width_c, dtype=torch.long),
+        "advantages": t.float(),
+        "importance_sampling_ratio": torch.full((n, width_c), 0.5),
+        "num_items_in_batch": torch.tensor(n * width_c),
+    }
+    if tool:
+        batch["tool_mask"] = torch.zeros(n, width_c, dtype=torch.long)
+    return batch
+
+
+def test_take_rows_pads_each_tensor_with_its_own_value_and_side():
+    """Rows from three rounds of different widths, in the order picked; pad id 9."""
+    a, b, c = _round(1, 2, [1, 2], tool=True), _round(3, 1, [3, 4], tool=True), _round(2, 3, [5], tool=True)
+    out = take_rows([a, b, c], [(2, 0), (0, 1), (1, 0)], pad_id=9)
+    assert out["advantages"].tolist() == [5.0, 2.0, 3.0]
+    assert out["prompt_ids"].tolist() == [[9, 5, 5], [9, 9, 2], [3, 3, 3]]
+    assert out["prompt_mask"].tolist() == [[0, 1, 1], [0, 0, 1], [1, 1, 1]]
+    assert out["completion_ids"].tolist() == [[5, 5, 5], [2, 2, 9], [3, 9, 9]]
+    assert out["completion_mask"].tolist() == [[1, 1, 1], [1, 1, 0], [1, 0, 0]]
+    assert out["tool_mask"].tolist() == [[0, 0, 0], [0, 0, 1], [0, 1, 1]]  # padding is not a tool call
+    assert out["importance_sampling_ratio"].tolist() == [[0.5] * 3, [0.5, 0.5, 1.0], [0.5, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize("odd", [0, 1, 2])
+def test_take_rows_refuses_rounds_with_different_keys(odd):
+    batches = [_round(1, 1, [1]), _round(1, 1, [2]), _round(1, 1, [3])]
+    batches[odd]["tool_mask"] = torch.ones(1, 1)
+    with pytest.raises(ValueError, match=r"^rounds returned different keys: \['tool_mask'\]$"):
+        take_rows(batches, [(0, 0)], PAD)
+    with pytest.raises(ValueError, match=r"^rounds returned different keys: \['tool_mask'\]$"):
+        take_rows([batches[odd], batches[(odd + 1) % 3]], [(0, 0)], PAD)
+
+
 def test_take_rows_refuses_what_it_cannot_merge():
     batch = {"advantages": torch.zeros(1), "pixel_values": torch.zeros(1, 3)}
     with pytest.raises(ValueError, match="pixel_values"):
@@ -214,6 +443,22 @@ def test_fresh_prompts_cover_the_data_before_repeating():
     fresh = FreshPrompts([{"id": i} for i in range(5)], seed=3)
     first, second = fresh.take(5), fresh.take(5)
     assert sorted(r["id"] for r in first) == sorted(r["id"] for r in second) == list(range(5))
+
+
+def test_fresh_prompts_order_comes_from_the_seed_alone():
+    """The order is the run's seed's, whatever else drew from torch's global generator in between."""
+    data = [{"id": i} for i in range(12)]
+
+    def drawn(seed, global_seed):
+        fresh = FreshPrompts(data, seed=seed)
+        torch.manual_seed(global_seed)
+        first = fresh.take(7)
+        torch.manual_seed(global_seed + 1)
+        return [r["id"] for r in first + fresh.take(10)]  # past the end: a second pass
+
+    order = drawn(3, 0)
+    assert drawn(3, 1) == order
+    assert sorted(order[:12]) == list(range(12)) and drawn(4, 0) != order
 
 
 # --------------------------------------------------------------------------- real stages, tiny model
