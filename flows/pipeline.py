@@ -25,7 +25,7 @@ from posttrain.core.redact import redact, redact_override
 from posttrain.evaluation.report import EvalReport
 from posttrain.flows.prefect_compat import redact_stored_parameters, store_parameters_redacted
 from posttrain.flows.prefect_ui import emit_health_alerts, posttrain_logs_to_prefect
-from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_stage_json
+from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_log_history, read_stage_json
 from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import EvalStep, Plan, Planner, Step, StepInputs, TrainStep, build_plan, dry_run
 from posttrain.pipeline.records import StoreRecords
@@ -117,6 +117,9 @@ class _Runner:
                 self._record(step, key, inputs, result)
                 _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
                 if isinstance(step, TrainStep):
+                    if self.cfg.launch_of(step.section(self.cfg)).launcher == "accelerate":
+                        # Its processes report to no tracker: the history rank 0 kept, logged here.
+                        run.log_history(read_log_history(result.output_dir))
                     self._stage_model(step, run, key, result, cached=False)
                     emit_health_alerts(
                         self.cfg.name,

@@ -56,6 +56,8 @@ __all__ = [
     "RewardSpec",
     "SFTStageConfig",
     "TrackingConfig",
+    "TrainingConfig",
+    "TrainingOverride",
     "apply_override",
     "dump_config",
     "parse_config",
@@ -72,9 +74,54 @@ class StrictModel(BaseModel):
         return redact(handler(self))
 
 
+class TrainingOverride(StrictModel):
+    """A stage's ``training:``: any of the top-level ``training:`` keys, for this stage only (unset
+    keys fall back to the top-level section)."""
+
+    launcher: Literal["inprocess", "accelerate"] | None = None
+    accelerate_config: str | None = None
+    num_processes: int | None = Field(None, ge=1)
+
+
+class TrainingConfig(StrictModel):
+    """``training:``: how training stages are started (each stage may override it in ``training:``).
+
+    inprocess: in the pipeline's own process (the Prefect task's). accelerate: as a child process
+    tree, ``accelerate launch --config_file <accelerate_config> -m posttrain.pipeline.launcher``,
+    which writes the stage output like an in-process stage; the parent reads the result back from
+    the output directory. See posttrain.pipeline.launcher.
+    """
+
+    launcher: Literal["inprocess", "accelerate"] = "inprocess"
+    accelerate_config: str | None = None
+    """An accelerate config file (relative to the working directory). Default:
+    ``configs/accelerate/ddp.yaml`` on a machine with CUDA, ``configs/accelerate/cpu.yaml``
+    (2 processes, gloo) without."""
+    num_processes: int | None = Field(None, ge=1)
+    """Overrides the accelerate config's ``num_processes`` (the world size)."""
+
+    def merged(self, override: TrainingOverride | None) -> TrainingConfig:
+        """This section with a stage's ``training:`` keys in place of the ones it sets."""
+        if override is None:
+            return self
+        return self.model_copy(update=override.model_dump(exclude_none=True))
+
+
 class _StageWithTrainer(StrictModel):
     trl_kind: ClassVar[str]
     trainer: dict[str, Any] = Field(default_factory=dict, description="TRL options, passed through")
+    training: TrainingOverride | None = None
+    """How this stage is launched, over the top-level ``training:`` section; only the number of
+    processes enters the stage's cache key (see posttrain.pipeline.keys)."""
+
+    @model_serializer(mode="wrap", when_used="json")
+    def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """The JSON form without secrets, and without ``training`` when unset: a stage's config hash
+        (cache key, ``stage.json``) stays what it was before stages could override it."""
+        data = redact(handler(self))
+        if isinstance(data, dict) and data.get("training") is None:
+            data.pop("training", None)
+        return data
 
     @field_validator("trainer")
     @classmethod
@@ -445,6 +492,11 @@ class PipelineConfig(StrictModel):
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
+    training: TrainingConfig = TrainingConfig()
+
+    def launch_of(self, section: Any) -> TrainingConfig:
+        """The resolved ``training:`` settings of one stage section (its override over the global)."""
+        return self.training.merged(getattr(section, "training", None))
 
     def stages(self) -> list[tuple[str, str]]:
         """``(kind, step name)`` of each enabled training stage, in execution order."""

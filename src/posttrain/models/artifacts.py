@@ -221,6 +221,12 @@ def write_log_history(directory: Path, log_history: list[Mapping[str, Any]]) -> 
             fh.write(json.dumps(jsonable(row)) + "\n")
 
 
+def read_log_history(directory: str | Path) -> list[dict[str, Any]]:
+    """The trainer's log history a stage output keeps (rank 0's, when several processes trained)."""
+    text = (Path(directory) / LOG_HISTORY_FILE).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 # --------------------------------------------------------------------------- saving and loading
 
 

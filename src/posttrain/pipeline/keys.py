@@ -27,6 +27,7 @@ from posttrain.core.config import DPOStageConfig, GRPOStageConfig, PipelineConfi
 from posttrain.core.hashing import sha256_file, stable_hash
 from posttrain.core.trainer_options import CHECKPOINT_OPTIONS
 from posttrain.pipeline.code import CodeFingerprint, code_fingerprint
+from posttrain.pipeline.launcher import world_size
 
 __all__ = [
     "StepIdentity",
@@ -141,13 +142,18 @@ def train_identity(
 ) -> StepIdentity:
     section = stage_section(cfg, stage)
     trainer = {k: v for k, v in section.trainer.items() if k not in CHECKPOINT_OPTIONS}
+    # How the stage is launched is not what it trains on, but the number of processes is: each
+    # takes its own per-device batch, so it multiplies the global batch. One process adds nothing,
+    # so in-process keys are those of before launchers existed.
+    processes = world_size(cfg, section)
     # trainer_options() includes posttrain's code-side defaults, which the section hash does not.
     config_hash = stable_hash(
         {
-            "stage": stable_hash(section.model_copy(update={"trainer": trainer})),
+            "stage": stable_hash(section.model_copy(update={"trainer": trainer, "training": None})),
             "trainer": {k: v for k, v in section.trainer_options().items() if k not in CHECKPOINT_OPTIONS},
             "model": stable_hash(cfg.model),
             "seed": cfg.seed,
+            **({"processes": processes} if processes > 1 else {}),
         }
     )
     rewards = [spec.name for spec in getattr(section, "rewards", ())]

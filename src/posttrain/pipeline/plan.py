@@ -26,6 +26,7 @@ from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import fingerprint_tree
 from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete_stage
 from posttrain.pipeline import keys, steps
+from posttrain.pipeline.launcher import launch_stage
 from posttrain.pipeline.records import RecordError, StoreRecords, read_output_result
 from posttrain.pipeline.steps import DataResult, EvalResult, ModelRef
 from posttrain.pipeline.store import Store
@@ -155,7 +156,11 @@ class TrainStep(Step):
         return store.stage_dir(self.name, key)
 
     def run(self, cfg, inputs, output_dir, report_to="none") -> StageResult:
+        """Train in this process, or under ``accelerate launch`` (``training.launcher``), whose
+        processes run :meth:`train` themselves (posttrain.pipeline.stage_main)."""
         assert inputs.data is not None
+        if cfg.launch_of(self.section(cfg)).launcher == "accelerate":
+            return launch_stage(cfg, self.name, self.kind, self.section(cfg), inputs, str(output_dir))
         return self.train(cfg, inputs.model, inputs.data, output_dir, report_to)
 
     def train(self, cfg, model: ModelRef, data: DataResult, output_dir: str, report_to: Any) -> StageResult:

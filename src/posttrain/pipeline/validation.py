@@ -13,9 +13,10 @@ from typing import Any
 
 from posttrain.core.config import PipelineConfig, parse_config, read_config_mapping
 from posttrain.core.errors import ConfigError
+from posttrain.pipeline.launcher import accelerate_setup
 from posttrain.rewards.registry import check_reward
 
-__all__ = ["check_paths", "check_rewards", "load_config", "validate_config"]
+__all__ = ["check_launchers", "check_paths", "check_rewards", "load_config", "validate_config"]
 
 
 def check_rewards(cfg: PipelineConfig, source: str = "<config>") -> None:
@@ -52,11 +53,32 @@ def check_paths(cfg: PipelineConfig, source: str = "<config>") -> None:
             raise ConfigError(f"{source}: {key}: no such file or folder: {path} (from {Path.cwd()})")
 
 
+def check_launchers(cfg: PipelineConfig, source: str = "<config>") -> None:
+    """Every stage launched by accelerate names an accelerate config file that exists (relative to
+    the working directory) with a usable ``num_processes``. Whether the machine has the GPUs it
+    asks for is the stage's check when it starts: a GPU config validates on a laptop."""
+    sections = [("sft", cfg.sft), ("dpo", cfg.dpo)]
+    sections += [(f"grpo.stages.{i}", stage) for i, stage in enumerate(cfg.grpo.stages)]
+    for where, section in sections:
+        if section is None or not getattr(section, "enabled", True):
+            continue
+        launch = cfg.launch_of(section)
+        if launch.launcher != "accelerate":
+            continue
+        own = section.training is not None and section.training.accelerate_config is not None
+        key = f"{where}.training.accelerate_config" if own else "training.accelerate_config"
+        try:
+            accelerate_setup(launch, key)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+
 def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
     """A config mapping checked against the schema, the reward registry and the file system."""
     cfg = parse_config(raw, source)
     check_rewards(cfg, source)
     check_paths(cfg, source)
+    check_launchers(cfg, source)
     return cfg
 
 

@@ -28,6 +28,7 @@ from posttrain.core.parsing import answers_match, parse_strict
 from posttrain.generation.sampling import Samples, sample_completions
 from posttrain.models.artifacts import StageResult
 from posttrain.models.loading import load_stage_model
+from posttrain.training import distributed
 from posttrain.training.runner import (
     StageContext,
     TrainOutcome,
@@ -172,6 +173,11 @@ def run_dpo(
 
         compact_fused_head_on_cpu()
         saved = _saved_pairs(ctx.work_dir) if ctx.resume_from is not None else None
+        if saved is None and not distributed.is_main_process():
+            distributed.barrier()  # rank 0 samples the pairs; every rank trains on them
+            saved = _saved_pairs(ctx.work_dir)
+            if saved is None:
+                raise StageError(f"DPO: rank {distributed.rank()} found no pairs in {ctx.work_dir}")
         if saved is not None:
             pairs, pair_metrics = saved
             logger.info("DPO: resuming on the %d pairs the interrupted run sampled", len(pairs))
@@ -180,6 +186,7 @@ def run_dpo(
             pairs, pair_metrics = _build_pairs(
                 dpo_cfg, model_cfg, str(model_path), rows, ctx.seed, ctx.work_dir
             )
+            distributed.barrier()
         model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
         args = DPOConfig(**trainer_arguments(ctx, options))
         ref = {"ref_model": frozen_reference(model)} if peft_config is None else {}

@@ -74,7 +74,7 @@ def prune_samples(directory: Path, every: int) -> list[str]:
     keep = {min(files), max(files)} | {step for step in files if step % every == 0}
     for step, path in files.items():
         if step not in keep:
-            path.unlink()
+            path.unlink(missing_ok=True)  # another rank may have pruned it first
     return [f"{SAMPLES_DIR}/{files[step].name}" for step in sorted(keep)]
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.atomic import checkpoints_dir, staging_dir, write_result
+from posttrain.core.atomic import RESULT_FILE, checkpoints_dir, staging_dir, write_result
 from posttrain.core.config import ModelConfig
 from posttrain.core.errors import StageError
 from posttrain.core.hashing import stable_hash
@@ -55,6 +55,7 @@ from posttrain.models.loading import build_peft_config, load_stage_model
 from posttrain.models.resolve import resolve_model_path
 from posttrain.rewards.guard import GuardedReward
 from posttrain.rewards.registry import build_reward
+from posttrain.training import distributed
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ def load_policy(model_cfg: ModelConfig, model_path: str):
         revision=model_cfg.revision,
     )
     peft_config = build_peft_config(model_cfg.lora) if model_cfg.lora is not None else None
+    distributed.record_inputs(model)
     return model, tokenizer, peft_config
 
 
@@ -286,8 +288,13 @@ def execute_stage(
     If the run dies or raises, ``<output_dir>.ckpt`` keeps the trainer's last checkpoint and the
     next call with the same ``output_dir`` resumes from it; it is deleted once the output is in
     place (or at once, when training failed before its first checkpoint).
+
+    Under several processes (posttrain.training.distributed) every rank trains; rank 0 alone
+    readies the working folder and writes the output, and the others return its result.
     """
     start = time.perf_counter()
+    distributed.start()
+    main = distributed.is_main_process()
     model_path = str(model_path)
     check_hardware(
         model_cfg.precision,
@@ -303,7 +310,10 @@ def execute_stage(
     options_hash = stable_hash(dict(options))
     final = Path(output_dir).resolve()
     work = checkpoints_dir(final)
-    resume_from, resume_step = prepare_work_dir(work)
+    resume_from, resume_step = prepare_work_dir(work) if main else (None, 0)
+    distributed.barrier()
+    if not main and (found := last_checkpoint(work)) is not None:  # the one rank 0 kept
+        resume_from, resume_step = str(found[0]), found[1]
     logger.info(
         "[%s] starting from %s (fingerprint %s) on %d examples, precision %s, output %s",
         stage,
@@ -328,9 +338,12 @@ def execute_stage(
     try:
         outcome = train_fn(ctx)
     except BaseException:
-        if last_checkpoint(work) is None:  # nothing to resume from: leave nothing behind
+        if main and last_checkpoint(work) is None:  # nothing to resume from: leave nothing behind
             shutil.rmtree(work, ignore_errors=True)
         raise
+    if not main:
+        distributed.barrier()  # rank 0 writes the output
+        return _written_result(final)
     metrics = {**summarize_history(outcome.log_history), **outcome.metrics}
     if resume_from is not None:
         metrics["resumed_from_step"] = resume_step
@@ -380,4 +393,13 @@ def execute_stage(
         write_result(out, result)
     shutil.rmtree(work, ignore_errors=True)
     logger.info("[%s] done in %.1f s: %s (%s)", stage, duration, final, artifact)
+    distributed.barrier()
     return result
+
+
+def _written_result(output: Path) -> StageResult:
+    """The result rank 0 wrote into ``output`` (what the other ranks return)."""
+    from pydantic import TypeAdapter
+
+    data = json.loads((output / RESULT_FILE).read_text(encoding="utf-8"))
+    return TypeAdapter(StageResult).validate_python(data)

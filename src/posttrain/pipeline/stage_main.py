@@ -1,0 +1,48 @@
+"""The process ``accelerate launch`` starts for one training stage (see posttrain.pipeline.launcher).
+
+``python -m posttrain.pipeline.stage_main <request.json>``: every rank rebuilds the plan from the
+request and runs the step's stage function, exactly as the in-process launcher would; the stage
+itself (posttrain.training.runner) lets rank 0 alone prepare and write the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from posttrain.core.config import PipelineConfig
+from posttrain.pipeline.plan import TrainStep, build_plan
+from posttrain.pipeline.steps import DataResult, ModelRef
+
+logger = logging.getLogger(__name__)
+
+
+def run_request(request: dict) -> None:
+    """Train the request's step into its output folder (reporting to no tracker: the parent logs)."""
+    cfg = PipelineConfig.model_validate(request["config"])
+    step = build_plan(cfg).step(request["step"])
+    assert isinstance(step, TrainStep), f"{step.name} is not a training step"
+    data = DataResult(**request["data"])
+    step.train(cfg, ModelRef(**request["model"]), data, request["output_dir"], "none")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m posttrain.pipeline.stage_main REQUEST.json\n")
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    # Rank 0 tells the story; the others only speak up when something is wrong.
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+    )
+    run_request(json.loads(Path(args[0]).read_text(encoding="utf-8")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

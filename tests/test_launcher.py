@@ -1,0 +1,146 @@
+"""`training.launcher`: the shipped accelerate configs, the launch command, how the launcher enters the
+cache key, and what fails before anything starts. The 2-process runs are in test_launcher_multiprocess.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.core.config import PipelineConfig, TrainingConfig
+from posttrain.core.errors import ConfigError, HardwareError
+from posttrain.models.hardware import cuda_available
+from posttrain.pipeline import keys
+from posttrain.pipeline.launcher import (
+    CPU_ACCELERATE_CONFIG,
+    STAGE_MODULE,
+    accelerate_setup,
+    launch_command,
+    launch_stage,
+)
+from posttrain.pipeline.plan import StepInputs
+from posttrain.pipeline.steps import DataResult, ModelRef
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE_CONFIGS = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
+# (file, accelerate's distributed type, needs CUDA)
+SHIPPED = [
+    ("cpu.yaml", "MULTI_GPU", False),  # torchrun launcher, MULTI_CPU/gloo inside (see the file)
+    ("ddp.yaml", "MULTI_GPU", True),
+    ("fsdp2.yaml", "FSDP", True),
+    ("single_gpu.yaml", "NO", False),  # one process: runs anywhere
+    ("zero2.yaml", "DEEPSPEED", True),
+    ("zero3.yaml", "DEEPSPEED", True),
+]
+
+
+def test_every_accelerate_config_is_in_the_table():
+    assert [p.name for p in ACCELERATE_CONFIGS] == [name for name, _, _ in SHIPPED]
+
+
+@pytest.mark.parametrize(("name", "kind", "needs_cuda"), SHIPPED, ids=[s[0] for s in SHIPPED])
+def test_shipped_accelerate_configs_load_with_accelerates_own_loader(name, kind, needs_cuda, monkeypatch):
+    """accelerate's loader builds its config dataclass from the file: an unknown key is a TypeError,
+    an unknown distributed type or precision a ValueError."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = REPO / "configs" / "accelerate" / name
+    loaded = load_config_from_file(str(path))
+    assert str(loaded.distributed_type).split(".")[-1] == kind
+    assert loaded.compute_environment.value == "LOCAL_MACHINE" and loaded.num_machines == 1
+    if kind == "FSDP":
+        assert loaded.fsdp_config["fsdp_version"] == 2
+    if kind == "DEEPSPEED":
+        assert loaded.deepspeed_config["zero_stage"] == int(name[4])
+    monkeypatch.chdir(REPO)
+    setup = accelerate_setup(
+        TrainingConfig(launcher="accelerate", accelerate_config=f"configs/accelerate/{name}")
+    )
+    assert setup.needs_cuda is needs_cuda and setup.num_processes == loaded.num_processes
+
+
+def test_the_cpu_config_runs_two_processes_on_loopback():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(REPO / CPU_ACCELERATE_CONFIG))
+    assert loaded.use_cpu and loaded.num_processes == 2 and loaded.main_process_ip == "127.0.0.1"
+
+
+def test_the_launch_command_takes_a_free_port_unless_the_file_names_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    launch = TrainingConfig(launcher="accelerate", accelerate_config=CPU_ACCELERATE_CONFIG, num_processes=3)
+    cmd = launch_command(accelerate_setup(launch), tmp_path / "r.json")
+    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    assert cmd[cmd.index("--config_file") + 1] == CPU_ACCELERATE_CONFIG
+    assert cmd[cmd.index("--num_processes") + 1] == "3"  # training.num_processes wins over the file's 2
+    assert cmd[cmd.index("--main_process_port") + 1] == "0"
+    assert cmd[-3:] == ["-m", STAGE_MODULE, str(tmp_path / "r.json")]
+    own_port = tmp_path / "port.yaml"
+    own_port.write_text((REPO / CPU_ACCELERATE_CONFIG).read_text() + "main_process_port: 29555\n")
+    cmd = launch_command(
+        accelerate_setup(launch.model_copy(update={"accelerate_config": str(own_port)})), "r"
+    )
+    assert "--main_process_port" not in cmd
+
+
+def test_without_an_accelerate_config_the_machine_picks_one(monkeypatch):
+    monkeypatch.chdir(REPO)
+    setup = accelerate_setup(TrainingConfig(launcher="accelerate"))
+    expected = "configs/accelerate/ddp.yaml" if cuda_available() else CPU_ACCELERATE_CONFIG
+    assert setup.config_file == expected
+
+
+def test_a_missing_accelerate_config_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"^sft.training.accelerate_config: no such accelerate config: x.yaml"
+    ):
+        accelerate_setup(TrainingConfig(accelerate_config="x.yaml"), "sft.training.accelerate_config")
+
+
+def cfg_with(training: dict | None = None, sft_training: dict | None = None) -> PipelineConfig:
+    raw = {
+        "name": "t",
+        "model": {"name": "tiny-random"},
+        "sft": {"trainer": {"max_steps": 1}, **({"training": sft_training} if sft_training else {})},
+        **({"training": training} if training else {}),
+    }
+    return PipelineConfig.model_validate(raw)
+
+
+def sft_key(cfg: PipelineConfig) -> str:
+    return keys.train_key(cfg, "sft", "model-fp", "data-fp")
+
+
+def test_one_process_keeps_the_key_and_more_processes_change_it(monkeypatch):
+    """The in-process key is the key of before launchers existed (no cached stage is lost); the
+    number of processes multiplies the global batch, so it is part of the key."""
+    monkeypatch.chdir(REPO)
+    plain = sft_key(cfg_with())
+    assert sft_key(cfg_with({"launcher": "inprocess", "num_processes": 4})) == plain
+    assert sft_key(cfg_with(sft_training={"launcher": "inprocess"})) == plain
+    assert sft_key(cfg_with({"launcher": "accelerate", "num_processes": 1})) == plain
+    two = sft_key(cfg_with({"launcher": "accelerate", "accelerate_config": CPU_ACCELERATE_CONFIG}))
+    assert two != plain
+    # The same world size, however it is spelt, is the same key.
+    assert sft_key(cfg_with(sft_training={"launcher": "accelerate", "num_processes": 2})) == two
+    assert sft_key(cfg_with({"launcher": "accelerate", "num_processes": 3})) not in (plain, two)
+
+
+def test_a_stage_overrides_the_global_launcher():
+    cfg = cfg_with({"launcher": "accelerate", "num_processes": 2}, sft_training={"launcher": "inprocess"})
+    assert cfg.launch_of(cfg.sft) == TrainingConfig(launcher="inprocess", num_processes=2)
+    assert cfg.launch_of(cfg.dpo) == TrainingConfig(launcher="accelerate", num_processes=2)
+    assert "training" not in cfg_with().sft.model_dump(mode="json")  # unset: not in the stage's hash
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the message on a machine without CUDA")
+def test_a_gpu_accelerate_config_on_a_cpu_fails_in_one_line_before_launching(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = cfg_with({"launcher": "accelerate", "accelerate_config": "configs/accelerate/fsdp2.yaml"})
+    inputs = StepInputs(ModelRef("m", "fp"), DataResult(str(tmp_path), "a", "b"))
+    with pytest.raises(HardwareError) as err:
+        launch_stage(cfg, "sft", "sft", cfg.sft, inputs, str(tmp_path / "out"))
+    assert str(err.value).count("\n") == 0
+    assert "configs/accelerate/fsdp2.yaml needs CUDA GPUs" in str(err.value)
+    assert not (tmp_path / "out").exists()
