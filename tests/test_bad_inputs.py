@@ -422,6 +422,14 @@ CASES = [
         {},
         "{cfg}: orchestration.store: cannot create the store {tmp}/afile/store: Not a directory",
     ),
+    (
+        "shared store of an unknown filesystem",
+        ["orchestration.shared_store=nosuchfs://bucket/posttrain"],
+        None,
+        [],
+        {},
+        "{cfg}: orchestration.shared_store: nosuchfs://bucket/posttrain: Protocol not known: nosuchfs",
+    ),
 ]
 
 
