@@ -29,6 +29,7 @@ from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_log_hi
 from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import EvalStep, Plan, Planner, Step, StepInputs, TrainStep, build_plan, dry_run
 from posttrain.pipeline.records import StoreRecords
+from posttrain.pipeline.shared import SharedStore, open_shared
 from posttrain.pipeline.steps import DataResult, EvalResult, base_model, load_data
 from posttrain.pipeline.store import Store
 from posttrain.pipeline.validation import check_rewards
@@ -74,10 +75,17 @@ class PipelineSummary:
 class _Runner:
     """Runs one plan step as a cached task with the right refresh decision and its MLflow run."""
 
-    def __init__(self, plan: Plan, store: Store, tracker: Tracker, force: Sequence[str]):
-        self.cfg, self.store, self.tracker = plan.config, store, tracker
+    def __init__(
+        self,
+        plan: Plan,
+        store: Store,
+        tracker: Tracker,
+        force: Sequence[str],
+        shared: SharedStore | None = None,
+    ):
+        self.cfg, self.store, self.tracker, self.shared = plan.config, store, tracker, shared
         self.records = StoreRecords(store)
-        self.planner = Planner(plan, self.records, force, store)
+        self.planner = Planner(plan, self.records, force, store, shared)
         self.summary = PipelineSummary(plan.config.name, tracker.run_id)
         self.final_stage = plan.training_steps[-1].name if plan.training_steps else None
         self.models: dict[str, str] = {}
@@ -128,6 +136,9 @@ class _Runner:
                         mlflow_run_id=run.run_id,
                         task_run_id=state.state_details.task_run_id,
                     )
+        if self.shared is not None:
+            # A step that ran replaces the shared copy: it was missing, failed verification or forced.
+            self.shared.push(step.kind, key, output_dir, result, replace=not cached)
         status = "cached" if cached else "ran"
         self.summary.outcomes.append(
             StepOutcome(
@@ -220,7 +231,7 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
         start_pipeline_run(cfg, steps=plan.names, store=str(store.root)) as tracker,
     ):
         store.clean_interrupted_writes()
-        runner = _Runner(plan, store, tracker, force or ())
+        runner = _Runner(plan, store, tracker, force or (), open_shared(cfg.orchestration.shared_store))
         plan.walk(base_model(cfg), runner)
         if leftovers := store.unfinished_checkpoints():  # every stage of this plan finished
             logger.warning(

@@ -51,3 +51,23 @@ def gsm8k_train_path() -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return GSM8K_TRAIN
+
+
+STEP_FUNCTIONS = ("prepare_step", "eval_step", "sft_step", "dpo_step", "grpo_step")
+
+
+@pytest.fixture
+def step_calls(monkeypatch):
+    """Names of the step functions that actually ran (a label saying `cached` proves nothing)."""
+    import posttrain.pipeline.steps as steps
+
+    calls: list[str] = []
+    for name in STEP_FUNCTIONS:
+        real = getattr(steps, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(steps, name, spy)
+    return calls

@@ -63,26 +63,6 @@ def test_first_run_executes_every_step(first_run):
     assert 0.0 <= eval_final["accuracy_strict"] <= 1.0
 
 
-STEP_FUNCTIONS = ("prepare_step", "eval_step", "sft_step", "dpo_step", "grpo_step")
-
-
-@pytest.fixture
-def step_calls(monkeypatch):
-    """Names of the step functions that actually ran (a label saying `cached` proves nothing)."""
-    import posttrain.pipeline.steps as steps
-
-    calls: list[str] = []
-    for name in STEP_FUNCTIONS:
-        real = getattr(steps, name)
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(steps, name, spy)
-    return calls
-
-
 def test_unchanged_rerun_is_all_cached_and_runs_nothing(first_run, workdir, step_calls):
     from posttrain.flows.pipeline import posttrain_pipeline
     from posttrain.flows.pipeline import preview as dry_run

@@ -187,3 +187,70 @@ def test_prefect_yaml_is_valid_for_prefect_and_queues_runs_of_a_deployment():
     for deployment in model.deployments:
         limit = deployment.concurrency_limit
         assert (limit.limit, limit.collision_strategy) == (1, "ENQUEUE"), deployment.name
+
+
+KUBERNETES_TEMPLATE = "configs/prefect/kubernetes-gpu-job-template.json"
+
+
+def test_kubernetes_gpu_template_is_prefect_kubernetes_default_plus_the_gpu_request():
+    """The GPU pool's base job template is prefect-kubernetes' own default with exactly one variable
+    (`gpu`), its `nvidia.com/gpu` limit and a toleration added: an upgrade that changes the default
+    shows up here, and the server accepts the template (its own WorkPoolCreate model checks that
+    every placeholder is a declared variable)."""
+    import json
+    from pathlib import Path
+
+    from prefect.server.schemas.actions import WorkPoolCreate
+    from prefect_kubernetes.worker import KubernetesWorker
+
+    template = json.loads((Path(__file__).resolve().parents[1] / KUBERNETES_TEMPLATE).read_text())
+    ours = json.loads(json.dumps(template))
+    assert ours["variables"]["properties"].pop("gpu")["type"] == "integer"
+    pod = ours["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"].pop("nvidia.com/gpu") == "{{ gpu }}"
+    assert pod.pop("tolerations") == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert ours == json.loads(json.dumps(KubernetesWorker.get_default_base_job_template()))
+    WorkPoolCreate(name="posttrain-k8s-gpu", type="kubernetes", base_job_template=template)
+
+
+def test_kubernetes_deployment_job_variables_render_a_job_requesting_gpus():
+    """prefect.yaml's Kubernetes deployment: its job variables pass the checks the server runs on a
+    deployment (prefect.server.api.validation), and the kubernetes worker's own job configuration
+    renders them into a Job whose container requests `nvidia.com/gpu`."""
+    import asyncio
+    import json
+    from pathlib import Path
+
+    import pytest
+    import yaml
+    from prefect.utilities.schema_tools import ValidationError, is_valid_schema, validate
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    repo = Path(__file__).resolve().parents[1]
+    template = json.loads((repo / KUBERNETES_TEMPLATE).read_text())
+    spec = yaml.safe_load((repo / "prefect.yaml").read_text())
+    (gpu,) = [d for d in spec["deployments"] if d["work_pool"]["name"] == "posttrain-k8s-gpu"]
+    job_variables = {**gpu["work_pool"]["job_variables"], "image": "registry.example.com/posttrain:1"}
+    schema = template["variables"]
+    is_valid_schema(schema, preprocess=False)
+    validate(job_variables, schema, raise_on_error=True, preprocess=True, ignore_required=True)
+    with pytest.raises(ValidationError):  # the schema is strict enough to catch a wrong type
+        validate({**job_variables, "gpu": "one"}, schema, raise_on_error=True, ignore_required=True)
+
+    # client=object(): no block or variable references, so nothing reaches an API
+    job = asyncio.run(
+        KubernetesWorkerJobConfiguration.from_template_and_values(template, job_variables, client=object())
+    )
+    (container,) = job.job_manifest["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert container["image"] == "registry.example.com/posttrain:1"
+    two = asyncio.run(
+        KubernetesWorkerJobConfiguration.from_template_and_values(
+            template, {**job_variables, "gpu": 2}, client=object()
+        )
+    )
+    assert (
+        two.job_manifest["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        == 2
+    )
+    assert gpu["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "/opt/posttrain"

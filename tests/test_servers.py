@@ -209,3 +209,97 @@ print("event_names=" + ",".join(sorted({e["event"] for e in events})))
 wanted = [e for e in events if e["event"] == "posttrain.health.entropy"]
 print("event=" + json.dumps(min(wanted, key=lambda e: e["occurred"]) if wanted else {}))
 """
+
+
+def test_a_process_work_pool_worker_runs_the_smoke_deployment_of_prefect_yaml(servers):
+    """What prefect.yaml's header says, command by command: create the pool, `prefect deploy`,
+    start a worker, trigger a run; the run completes and its MLflow runs are there."""
+    import yaml
+
+    env, tmp = servers
+    env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    (smoke,) = [d for d in spec["deployments"] if d["name"] == "smoke"]
+    pool = smoke["work_pool"]["name"]
+
+    def prefect(*args: str) -> None:
+        out = subprocess.run(
+            [str(BIN / "prefect"), "--no-prompt", *args],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    prefect("work-pool", "create", pool, "--type", "process")
+    prefect("deploy", "--name", "smoke")
+    # The Kubernetes GPU pool and its deployment, as prefect.yaml documents them: the server checks
+    # the base job template and the deployment's job variables against it (no cluster needed).
+    prefect(
+        "work-pool",
+        "create",
+        "posttrain-k8s-gpu",
+        "--type",
+        "kubernetes",
+        "--base-job-template",
+        "configs/prefect/kubernetes-gpu-job-template.json",
+    )
+    env["POSTTRAIN_IMAGE"] = "registry.example.com/posttrain:test"
+    prefect("deploy", "--name", "qwen-gsm8k-gpu")
+    worker = start(
+        [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--limit", "1"], env, tmp / "worker.log"
+    )
+    overrides = [
+        f"orchestration.store={tmp / 'pool-store'}",
+        f"tracking.tracking_uri=sqlite:///{tmp / 'pool-mlflow.db'}",
+        f"model.cache_dir={tmp / 'models'}",
+        "dpo=null",
+        "grpo.stages=[]",
+    ]
+    try:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                RUN_DEPLOYMENT,
+                json.dumps({"config": smoke["parameters"]["config"], "overrides": overrides}),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp,
+        )
+        log = (tmp / "worker.log").read_text()[-3000:]
+        assert result.returncode == 0, result.stderr[-3000:] + log
+        lines = dict(line.split("=", 1) for line in result.stdout.strip().splitlines() if "=" in line)
+        assert lines["state"] == "COMPLETED", result.stdout[-2000:] + log
+        gpu = json.loads(lines["gpu_job_variables"])
+        assert (gpu["gpu"], gpu["image"]) == (1, "registry.example.com/posttrain:test")
+    finally:
+        stop(worker)
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp / 'pool-mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("posttrain.role") == "pipeline"]
+    assert parent.info.status == "FINISHED"
+    children = {r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert children == {"data", "eval-baseline", "sft", "eval-sft"}
+
+
+# In a subprocess, as TRIGGER: the deployment `prefect deploy` registered, run with these parameters.
+RUN_DEPLOYMENT = """
+import json, sys
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+
+with get_client(sync_client=True) as client:
+    gpu = client.read_deployment_by_name("posttrain-run-config/qwen-gsm8k-gpu")
+print("gpu_job_variables=" + json.dumps(gpu.job_variables, sort_keys=True))
+run = run_deployment("posttrain-run-config/smoke", parameters=json.loads(sys.argv[1]), timeout=480)
+print("state=" + run.state.type.value)
+"""

@@ -24,6 +24,7 @@ from posttrain.core.errors import PosttrainError
 from posttrain.core.metric_names import slices_of
 from posttrain.core.prompts import format_sft_target
 from posttrain.core.redact import redact_text
+from posttrain.core.sweep import sweep_points
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.resolve import list_models, pull_builtin, resolve_model_path
@@ -34,6 +35,8 @@ from posttrain.rewards.registry import CUSTOM_CODE_ENV, allow_custom_code, build
 
 # Modules that import torch, datasets, Prefect or MLflow (seconds each) are imported inside the
 # commands that use them, so `posttrain --help`, `validate` and `rewards list` stay quick.
+
+logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 
@@ -272,6 +275,41 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Run the pipeline once per point of the ``--set`` grid (one MLflow parent run each, cached
+    stages shared through the store), then print the comparison of those runs."""
+    points = sweep_points(args.set)
+    if len(points) < 2:
+        raise CLIError("sweep: give at least one --set KEY=V1,V2 with two or more values")
+    configs = [load_config(args.config, point) for point in points]  # every point valid before any runs
+    if len({c.orchestration.store for c in configs}) > 1:
+        raise CLIError("sweep: orchestration.store cannot vary between points (one store, one lock)")
+    _check_servers(configs[0], args.config)
+    store = _open_store(configs[0], args.config)
+    run_ids = []
+    with _locked(store, args.config):
+        server = prestart_embedded_prefect(store)
+        from posttrain.flows.pipeline import posttrain_pipeline
+        from posttrain.flows.server import quiet_run_failures_on_console
+        from posttrain.tracking import open_tracking_store
+
+        quiet_run_failures_on_console()
+        open_tracking_store(configs[0])
+        if server is not None:
+            server.wait()
+        for point, cfg in zip(points, configs, strict=True):
+            logger.info("sweep point %s", " ".join(p for p in point if p not in args.set))
+            run_ids.append(posttrain_pipeline(cfg)["run_id"])
+    if None in run_ids:
+        print(f"{len(points)} points ran (tracking disabled: nothing to compare)")
+        return 0
+    from posttrain.tracking import compare_runs, format_comparison, resolve_tracking_uri
+
+    comparison = compare_runs(run_ids=run_ids, tracking_uri=resolve_tracking_uri(configs[0].tracking))
+    print(format_comparison(comparison))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from posttrain.evaluation import diff_reports, format_diff, format_summary_table, run_eval
     from posttrain.evaluation.report import REPORT_FILE, EvalReport
@@ -442,6 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="print which steps would run or be cached, and why")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
+        "sweep",
+        help="run the pipeline for every combination of --set KEY=V1,V2 values, then compare the runs",
+    )
+    p.add_argument("config")
+    with_set(p)
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("eval", help="evaluate a model on GSM8K-format data, or diff two reports")
     p.add_argument("--model", help="built-in name, hub id, model or stage directory, .gguf file")

@@ -479,6 +479,10 @@ class OrchestrationConfig(StrictModel):
     store: str = ".posttrain"
     """Stage outputs, cache records and the embedded Prefect home live here."""
     cache: bool = True
+    shared_store: str | None = None
+    """An fsspec URL (``file:///mnt/shared/posttrain``, ``s3://bucket/posttrain``) where finished step
+    outputs are shared between workers: pulled into ``store`` when missing, pushed when finished
+    (:mod:`posttrain.pipeline.shared`)."""
 
 
 class PipelineConfig(StrictModel):

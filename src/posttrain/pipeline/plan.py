@@ -28,6 +28,7 @@ from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete
 from posttrain.pipeline import keys, steps
 from posttrain.pipeline.launcher import launch_stage
 from posttrain.pipeline.records import RecordError, StoreRecords, read_output_result
+from posttrain.pipeline.shared import SharedStore
 from posttrain.pipeline.steps import DataResult, EvalResult, ModelRef
 from posttrain.pipeline.store import Store
 
@@ -370,10 +371,17 @@ class Planner:
     """
 
     def __init__(
-        self, plan: Plan, records: CacheRecords, force: Sequence[str] = (), store: Store | None = None
+        self,
+        plan: Plan,
+        records: CacheRecords,
+        force: Sequence[str] = (),
+        store: Store | None = None,
+        shared: SharedStore | None = None,
     ):
         plan.check_force(force)
         self.plan, self.records, self.force, self.store = plan, records, set(force), store
+        self.shared = shared
+        """With a shared store, an output missing here is pulled from it, then adopted (verified)."""
         self.forced_from: str | None = None
 
     def cached_result(self, step: Step, key: str) -> Any | None:
@@ -406,6 +414,13 @@ class Planner:
             return None
         return result if step.output_is_valid(result) else None
 
+    def _pull(self, step: Step, key: str) -> bool:
+        """Download ``key``'s output from the shared store when this store has neither record nor output."""
+        if self.shared is None or self.store is None or self.records.exists(key):
+            return False
+        output_dir = step.output_dir(self.store, key)
+        return not output_dir.exists() and self.shared.pull(step.kind, key, output_dir)
+
     def _unrecorded_output(self, step: Step, key: str) -> str:
         """Why an output without a record is not adopted ("" when there is no such output)."""
         if self.store is None or not step.output_dir(self.store, key).exists():
@@ -436,8 +451,14 @@ class Planner:
             return Decision("run", why)
         if not self.plan.config.orchestration.cache:
             return Decision("run", "caching disabled (orchestration.cache: false)")
+        pulled = inputs is not None and self._pull(step, key)
         if inputs is not None and (adopted := self.adoptable(step, key, inputs)) is not None:
-            return Decision("cached", "complete output adopted (its cache record was missing)", adopted, True)
+            why = (
+                "pulled from the shared store"
+                if pulled
+                else "complete output adopted (its cache record was missing)"
+            )
+            return Decision("cached", why, adopted, True)
         result, why = self._lookup(step, key, inputs)
         if result is None:
             return Decision("run", why)

@@ -16,7 +16,14 @@ from posttrain.core.errors import ConfigError
 from posttrain.pipeline.launcher import accelerate_setup
 from posttrain.rewards.registry import check_reward
 
-__all__ = ["check_launchers", "check_paths", "check_rewards", "load_config", "validate_config"]
+__all__ = [
+    "check_launchers",
+    "check_paths",
+    "check_rewards",
+    "check_shared_store",
+    "load_config",
+    "validate_config",
+]
 
 
 def check_rewards(cfg: PipelineConfig, source: str = "<config>") -> None:
@@ -73,12 +80,28 @@ def check_launchers(cfg: PipelineConfig, source: str = "<config>") -> None:
             raise ConfigError(f"{source}: {exc}") from None
 
 
+def check_shared_store(cfg: PipelineConfig, source: str = "<config>") -> None:
+    """``orchestration.shared_store`` names a filesystem fsspec knows and can load (``s3://`` needs
+    s3fs, ``gs://`` gcsfs, ...), so a typo fails now, not after the first stage trained."""
+    url = cfg.orchestration.shared_store
+    if not url:
+        return
+    import fsspec  # deferred: only configs with a shared store need it
+
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(f"{source}: orchestration.shared_store: {url}: {exc}") from None
+
+
 def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
     """A config mapping checked against the schema, the reward registry and the file system."""
     cfg = parse_config(raw, source)
     check_rewards(cfg, source)
     check_paths(cfg, source)
     check_launchers(cfg, source)
+    check_shared_store(cfg, source)
     return cfg
 
 

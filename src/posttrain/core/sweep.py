@@ -1,0 +1,54 @@
+"""Sweep points: the cartesian product of ``--set KEY=V1,V2`` overrides.
+
+A comma at the top level of a value separates sweep values; commas inside ``[...]`` or ``{...}``
+(YAML flow lists and mappings) do not, so ``--set x=[1,2]`` stays one value.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from posttrain.core.errors import ConfigError
+
+__all__ = ["split_values", "sweep_points"]
+
+
+def split_values(value: str) -> list[str]:
+    """Split ``value`` at commas outside brackets and braces.
+
+    >>> split_values("1e-3,1e-4")
+    ['1e-3', '1e-4']
+    >>> split_values("[1,2],{a: 1, b: 2}")
+    ['[1,2]', '{a: 1, b: 2}']
+    """
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(value):
+        if char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0:
+            parts.append(value[start:i])
+            start = i + 1
+    parts.append(value[start:])
+    return [p.strip() for p in parts]
+
+
+def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
+    """One override list per point: every combination of the swept keys' values, in order, with
+    the single-valued overrides in each.
+
+    >>> sweep_points(["seed=0,1", "sft.trainer.learning_rate=1e-3,1e-4", "x=[1,2]"])[1]
+    ['seed=0', 'sft.trainer.learning_rate=1e-4', 'x=[1,2]']
+    >>> len(sweep_points(["seed=0,1", "sft.trainer.learning_rate=1e-3,1e-4"]))
+    4
+    """
+    choices = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        values = split_values(value) if sep else [value]
+        if sep and any(v == "" for v in values):
+            raise ConfigError(f"--set {override}: an empty sweep value")
+        choices.append([f"{key}={v}" for v in values] if sep else [override])
+    return [list(point) for point in itertools.product(*choices)]
