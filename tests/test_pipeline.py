@@ -293,7 +293,7 @@ def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_c
     posttrain_pipeline(smoke(workdir))  # checks every output, remembering the digests
     sft_dir = Path(next(o["output"] for o in first_run["outcomes"] if o["step"] == "sft"))
     weights = next(sft_dir.glob("*.safetensors"))
-    memo = json.loads((workdir / "store" / "results" / "file-digests.json").read_text())
+    memo = json.loads((workdir / "store" / "results" / "digests" / "files.json").read_text())
     assert str(weights.resolve()) in memo["files"]
     before = weights.stat()
     with weights.open("r+b") as fh:  # in place: the same inode and size

@@ -119,7 +119,7 @@ class StoreRecords:
     @property
     def digests_path(self) -> Path:
         """The file digests remembered for checking outputs (:func:`~posttrain.core.hashing.remembered_digests`)."""
-        return self.folder / "file-digests.json"
+        return self.folder / "digests" / "files.json"
 
     def raw(self, key: str) -> dict[str, Any]:
         """The record under ``key`` as parsed JSON, checked to be a posttrain record for that key."""
