@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from posttrain.core.atomic import discard_checkpoints
 from posttrain.core.config import PipelineConfig
+from posttrain.core.hashing import remembered_digests
 from posttrain.core.metric_names import qualify_metrics, slices_of
 from posttrain.core.redact import redact, redact_override
 from posttrain.evaluation.report import EvalReport
@@ -232,7 +233,8 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
     ):
         store.clean_interrupted_writes()
         runner = _Runner(plan, store, tracker, force or (), open_shared(cfg.orchestration.shared_store))
-        plan.walk(base_model(cfg), runner)
+        with remembered_digests(runner.records.digests_path):
+            plan.walk(base_model(cfg), runner)
         if leftovers := store.unfinished_checkpoints():  # every stage of this plan finished
             logger.warning(
                 "%d checkpoint folder(s) of unfinished stages of other configs or code: %s "
@@ -289,7 +291,9 @@ def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, s
     """``--dry-run``: (step, cached/run, why) for each step of the plan the flow would run (the same
     as :func:`posttrain.pipeline.plan.preview`, which the CLI uses without importing Prefect)."""
     store = Store.at(cfg.orchestration.store, create=False)
-    return dry_run(build_plan(cfg), StoreRecords(store), base_model(cfg), force, store)
+    records = StoreRecords(store)
+    with remembered_digests(records.digests_path, save=False):
+        return dry_run(build_plan(cfg), records, base_model(cfg), force, store)
 
 
 def summary_markdown(summary: PipelineSummary) -> str:

@@ -158,3 +158,30 @@ def test_prefect_yaml_names_the_flow_entrypoints():
     for deployment in spec["deployments"]:
         file, _, flow = deployment["entrypoint"].partition(":")
         assert (REPO / file).is_file() and f"def {flow}(" in (REPO / file).read_text()
+
+
+# What the flow needs to serve a step from cache: plan, records, store, tracking and the flow itself.
+CACHED_RERUN_MODULES = (
+    "posttrain.cli",
+    "posttrain.pipeline.plan",
+    "posttrain.pipeline.records",
+    "posttrain.flows.pipeline",
+    "posttrain.tasks.steps",
+    "posttrain.tracking",
+    "posttrain.evaluation.report",
+)
+HEAVY = ("torch", "transformers", "datasets", "trl", "peft")
+
+
+def test_a_cached_rerun_imports_no_training_library():
+    """The modules a rerun served from cache loads leave torch, transformers, datasets, TRL and
+    peft unimported (seconds of CPU each): the steps import them when they run."""
+    code = (
+        "import importlib, sys\n"
+        f"for name in {CACHED_RERUN_MODULES!r}: importlib.import_module(name)\n"
+        f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.split() == []

@@ -469,6 +469,8 @@ CASES = [
         [],
         {},
         "{cfg}: sft.training.launch: unknown key",
+    ),
+    (
         "shared store of an unknown filesystem",
         ["orchestration.shared_store=nosuchfs://bucket/posttrain"],
         None,

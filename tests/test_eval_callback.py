@@ -130,12 +130,13 @@ def test_heldout_slice_follows_the_stage_data_filter(data_filter, limit, expecte
 def test_grpo_step_hands_the_held_out_split_to_stages_that_evaluate(tiny_tokenizer, tmp_path, monkeypatch):
     from posttrain.data.prepare import prepare_data
     from posttrain.pipeline import steps
+    from posttrain.training import grpo
 
     data_cfg = DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=20), eval_size=5)
     prepare_data(data_cfg, tiny_tokenizer).save(tmp_path / "data")
     data = steps.DataResult(str(tmp_path / "data"), "t", "e")
     calls = []
-    monkeypatch.setattr(steps, "run_grpo_stage", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(grpo, "run_grpo_stage", lambda *args, **kwargs: calls.append(kwargs))
     cfg = PipelineConfig(name="t", model={"name": "m"}, data=data_cfg)
     for every in (None, 2):
         stage = GRPOStageConfig(name="s", rewards=[{"name": "xml_count"}], eval_every=every)

@@ -261,14 +261,30 @@ def test_one_reward_weight_reruns_exactly_that_stage_and_what_follows(first_run,
     assert step_calls == (["grpo_step", "eval_step"] if changed else ["grpo_step"])
 
 
-def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_calls):
+def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_calls, monkeypatch):
+    """Even when the digest of the weights is remembered and the flip keeps their size and mtime."""
+    import json
+    import os
+
+    from posttrain.core import hashing
     from posttrain.flows.pipeline import posttrain_pipeline
 
+    monkeypatch.setattr(hashing, "SETTLE_NS", 0)
+    posttrain_pipeline(smoke(workdir))  # checks every output, remembering the digests
     sft_dir = Path(next(o["output"] for o in first_run["outcomes"] if o["step"] == "sft"))
     weights = next(sft_dir.glob("*.safetensors"))
-    data = bytearray(weights.read_bytes())
-    data[-1] ^= 0xFF  # a byte of the last tensor: the file stays loadable, the model does not
-    weights.write_bytes(bytes(data))
+    memo = json.loads((workdir / "store" / "results" / "digests" / "files.json").read_text())
+    assert str(weights.resolve()) in memo["files"]
+    before = weights.stat()
+    with weights.open("r+b") as fh:  # in place: the same inode and size
+        fh.seek(-1, os.SEEK_END)
+        last = fh.read(1)[0]
+        fh.seek(-1, os.SEEK_END)
+        fh.write(
+            bytes([last ^ 0xFF])
+        )  # a byte of the last tensor: the file stays loadable, the model does not
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    step_calls.clear()
     got = statuses(posttrain_pipeline(smoke(workdir)))
     assert got["sft"] == "ran" and "sft_step" in step_calls
     assert got["data"] == "cached" and got["eval-baseline"] == "cached"

@@ -21,10 +21,11 @@ import ast
 import hashlib
 import importlib.util
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import posttrain
 from posttrain.core.hashing import package_versions, sha256_file
@@ -93,8 +94,15 @@ def _module_file(name: str, root: Path) -> Path | None:
 
 def _imported_modules(file: Path, root: Path) -> set[str]:
     """posttrain modules named by any import in ``file`` (module level or inside functions)."""
+    return set(_imports_in_source(file.read_text(encoding="utf-8"), str(file), root))
+
+
+@cache
+def _imports_in_source(source: str, filename: str, root: Path) -> frozenset[str]:
+    """:func:`_imported_modules` of one source text, parsed once per process: the closures of the
+    step kinds share most modules, and a cached rerun computes all five."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"), str(file))):
+    for node in _statements(ast.parse(source, filename).body):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "posttrain")
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "posttrain":
@@ -103,7 +111,20 @@ def _imported_modules(file: Path, root: Path) -> set[str]:
             found.update(
                 f"{node.module}.{a.name}" for a in node.names if _module_file(f"{node.module}.{a.name}", root)
             )
-    return found
+    return frozenset(found)
+
+
+def _statements(body: list[Any]) -> Iterator[Any]:
+    """Every statement of ``body`` and of the blocks nested in it. Imports are statements, so the
+    expressions (most of a tree's nodes) need no visit; ``except`` handlers and ``match`` cases are
+    not statements but hold blocks."""
+    for node in body:
+        if isinstance(node, ast.stmt):
+            yield node
+        for block in ("body", "orelse", "finalbody", "handlers", "cases"):
+            inner = getattr(node, block, None)
+            if isinstance(inner, list):
+                yield from _statements(inner)
 
 
 def module_closure(

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Protocol
 
 from posttrain.core.config import PipelineConfig
 from posttrain.core.errors import ConfigError
-from posttrain.core.hashing import fingerprint_tree
+from posttrain.core.hashing import fingerprint_tree, remembered_digests
 from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete_stage
 from posttrain.pipeline import keys, steps
 from posttrain.pipeline.launcher import launch_stage
@@ -500,4 +500,6 @@ def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, s
     no store is created, no server started.
     """
     store = Store.at(cfg.orchestration.store, create=False)
-    return dry_run(build_plan(cfg), StoreRecords(store), steps.base_model(cfg), force, store)
+    records = StoreRecords(store)
+    with remembered_digests(records.digests_path, save=False):
+        return dry_run(build_plan(cfg), records, steps.base_model(cfg), force, store)

@@ -116,6 +116,11 @@ class StoreRecords:
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()
 
+    @property
+    def digests_path(self) -> Path:
+        """The file digests remembered for checking outputs (:func:`~posttrain.core.hashing.remembered_digests`)."""
+        return self.folder / "digests" / "files.json"
+
     def raw(self, key: str) -> dict[str, Any]:
         """The record under ``key`` as parsed JSON, checked to be a posttrain record for that key."""
         path = self.path(key)

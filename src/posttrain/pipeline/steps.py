@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.core.atomic import staging_dir, write_result
 from posttrain.core.config import EvalConfig, GRPOStageConfig, PipelineConfig
@@ -19,15 +19,16 @@ from posttrain.core.hashing import fingerprint_tree
 from posttrain.core.metric_names import qualify_metrics
 from posttrain.core.prompts import select_few_shot
 from posttrain.data.eval_sets import load_eval_records
-from posttrain.data.prepare import PreparedData, prepare_data
-from posttrain.evaluation.evaluator import evaluate
-from posttrain.evaluation.report import report_metrics
 from posttrain.models.artifacts import StageResult, fingerprint_model
 from posttrain.models.loading import load_stage_model, load_tokenizer
 from posttrain.models.resolve import resolve_model_path
-from posttrain.training.dpo import run_dpo
-from posttrain.training.grpo import run_grpo_stage
-from posttrain.training.sft import run_sft
+
+if TYPE_CHECKING:
+    from posttrain.data.prepare import PreparedData
+
+# The modules that do a step's work (data preparation, evaluation, each training stage) import
+# torch, transformers, datasets and TRL. They are imported inside the step that needs them, so a
+# rerun served from cache, which only reads records and checks outputs, never loads them.
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ def base_model(cfg: PipelineConfig) -> ModelRef:
 
 def prepare_step(cfg: PipelineConfig, model: ModelRef, output_dir: str | Path) -> DataResult:
     """Load, split, decontaminate and filter the data; save both splits under ``output_dir``."""
+    from posttrain.data.prepare import prepare_data  # heavy: datasets
+
     tokenizer = load_tokenizer(model.path, cfg.model.revision)
     eval_questions = [r["question"] for r in _external_eval_records(cfg)]
     prepared = prepare_data(cfg.data, tokenizer=tokenizer, eval_questions=eval_questions)
@@ -138,6 +141,8 @@ def _external_eval_records(cfg: PipelineConfig) -> list[dict[str, Any]]:
 
 
 def load_data(data: DataResult) -> PreparedData:
+    from posttrain.data.prepare import PreparedData  # heavy: datasets
+
     return PreparedData.load(data.data_dir)
 
 
@@ -146,6 +151,9 @@ def eval_step(
 ) -> EvalResult:
     """Evaluate one model on the configured evaluation sets: the primary set's report.json +
     examples.jsonl in ``output_dir``, each extra set's in ``output_dir/<name>``."""
+    from posttrain.evaluation.evaluator import evaluate  # heavy: torch, transformers
+    from posttrain.evaluation.report import report_metrics
+
     # Adapter outputs are merged onto their base here; vLLM loads from a path itself. Loaded once
     # for every set.
     loaded = (
@@ -196,6 +204,8 @@ def sft_step(
     cfg: PipelineConfig, model: ModelRef, data: DataResult, output_dir: str | Path, report_to: Any = "none"
 ) -> StageResult:
     """Supervised fine-tuning on the prepared train split, from ``model`` into ``output_dir``."""
+    from posttrain.training.sft import run_sft  # heavy: torch, transformers, TRL
+
     train = load_data(data).train
     return run_sft(cfg.sft, cfg.model, model.path, train, output_dir, seed=cfg.seed, report_to=report_to)
 
@@ -204,6 +214,8 @@ def dpo_step(
     cfg: PipelineConfig, model: ModelRef, data: DataResult, output_dir: str | Path, report_to: Any = "none"
 ) -> StageResult:
     """DPO on pairs sampled from ``model`` itself (on-policy), into ``output_dir``."""
+    from posttrain.training.dpo import run_dpo  # heavy: torch, transformers, TRL
+
     train = load_data(data).train
     return run_dpo(cfg.dpo, cfg.model, model.path, train, output_dir, seed=cfg.seed, report_to=report_to)
 
@@ -221,6 +233,8 @@ def grpo_step(
     With ``eval_every`` the stage also reads the held-out split (logged metrics only; it is cut from
     the same records as the train split, whose fingerprint is in the stage's key).
     """
+    from posttrain.training.grpo import run_grpo_stage  # heavy: torch, transformers, TRL
+
     prepared = load_data(data)
     return run_grpo_stage(
         stage_cfg,
