@@ -43,7 +43,7 @@ demo: setup
 	@echo "Prefect UI: PREFECT_HOME=.posttrain/prefect $(BIN)/prefect server start   then open http://127.0.0.1:4200"
 	@echo "Compare runs: $(BIN)/posttrain compare --experiment smollm2-gsm8k-cpu"
 
-# Mutation testing of the core modules ([tool.mutmut] in pyproject.toml); 20-40 min on 2 cores, not in
+# Mutation testing of the core modules ([tool.mutmut] in pyproject.toml); 15-30 min on 2 cores, not in
 # CI. Prints the score per module; `.venv/bin/mutmut results` lists the surviving mutants.
 mutation: setup
 	$(BIN)/python -m pip install -q -c requirements/constraints.txt "mutmut==3.8.1"

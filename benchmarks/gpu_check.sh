@@ -9,7 +9,8 @@
 # why). A failing check does not stop the others. The summary prints what ran, what was skipped and
 # the wall time of each; each check's log is OUT_DIR/<check>.log.
 #
-#   bf16-smoke      the smoke config (SFT -> DPO -> two GRPO stages -> eval) in bf16 on the GPU
+#   bf16-smoke      the smoke config (SFT -> DPO -> two GRPO stages -> eval) in bf16 on the GPU, its GRPO
+#                   stages with `zero_signal: resample` and `drop` (their tensors move to the GPU)
 #   qlora-grpo      one GRPO step of a 4-bit (bitsandbytes NF4) QLoRA model
 #   optim-8bit      one SFT step with bitsandbytes' 8-bit AdamW (`optim: adamw_bnb_8bit`)
 #   vllm-colocate   one GRPO step whose rollouts come from vLLM in colocate mode, then a vLLM eval
@@ -62,7 +63,8 @@ ONLY_SFT=(--set dpo=null --set "grpo.stages=[]" --set sft.trainer.max_steps=1)
 ONE_GRPO=(--set sft=null --set dpo=null --set grpo.stages.0.trainer.max_steps=1
           --set grpo.stages.1.trainer.max_steps=1)
 
-check bf16-smoke "$NO_GPU" -- --set model.precision=bf16
+check bf16-smoke "$NO_GPU" -- --set model.precision=bf16 --set grpo.stages.0.zero_signal=resample \
+    --set grpo.stages.1.zero_signal=drop
 check qlora-grpo "$NO_BNB" -- --set model.precision=bf16 --set model.quantization=4bit "${ONE_GRPO[@]}"
 check optim-8bit "$NO_BNB" -- --set model.precision=bf16 --set sft.trainer.optim=adamw_bnb_8bit "${ONLY_SFT[@]}"
 check vllm-colocate "$NO_VLLM" -- --set model.precision=bf16 "${ONE_GRPO[@]}" \
