@@ -349,16 +349,20 @@ class GRPOStageConfig(_StageWithTrainer):
         return f"grpo-{self.name}"
 
 
+def _unique(names: list[str], what: str) -> None:
+    """Refuse repeated names (their outputs, metrics and runs are named after them)."""
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"{what} must be unique; repeated: {', '.join(dupes)}")
+
+
 class GRPOSection(StrictModel):
     stages: list[GRPOStageConfig] = Field(default_factory=list)
 
     @field_validator("stages")
     @classmethod
     def _unique_names(cls, stages: list[GRPOStageConfig]) -> list[GRPOStageConfig]:
-        names = [s.name for s in stages]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"GRPO stage names must be unique; repeated: {', '.join(dupes)}")
+        _unique([s.name for s in stages], "GRPO stage names")
         return stages
 
 
@@ -441,10 +445,7 @@ class EvalConfig(_EvalSource):
     @field_validator("extra_sets")
     @classmethod
     def _unique_set_names(cls, sets: list[EvalSetConfig]) -> list[EvalSetConfig]:
-        names = [s.name for s in sets]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"extra set names must be unique; repeated: {', '.join(dupes)}")
+        _unique([s.name for s in sets], "extra set names")
         return sets
 
     def all_sets(self) -> list[tuple[str | None, EvalConfig]]:

@@ -90,15 +90,20 @@ def read_output_result(kind: str, directory: str | Path) -> Any:
     Raises :class:`RecordError` when there is none or it does not parse as such a result.
     """
     path = Path(directory) / RESULT_FILE
+    return decode_result(kind, _read_json(path, "result", f"no result in {directory}"))
+
+
+def _read_json(path: Path, what: str, missing: str) -> Any:
+    """``path`` parsed as JSON, at most :data:`_MAX_RECORD_BYTES`; any failure a :class:`RecordError`
+    (``missing`` when there is no file, else naming the file as not ``what``)."""
     try:
         if path.stat().st_size > _MAX_RECORD_BYTES:
-            raise RecordError(f"{path} is too large to be a result")
-        data = json.loads(path.read_bytes().decode("utf-8"))
+            raise RecordError(f"{path} is too large to be a {what}")
+        return json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
-        raise RecordError(f"no result in {directory}") from None
+        raise RecordError(missing) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordError(f"{path} is not a JSON result ({type(exc).__name__})") from None
-    return decode_result(kind, data)
+        raise RecordError(f"{path} is not a JSON {what} ({type(exc).__name__})") from None
 
 
 class StoreRecords:
@@ -124,14 +129,7 @@ class StoreRecords:
     def raw(self, key: str) -> dict[str, Any]:
         """The record under ``key`` as parsed JSON, checked to be a posttrain record for that key."""
         path = self.path(key)
-        try:
-            if path.stat().st_size > _MAX_RECORD_BYTES:
-                raise RecordError(f"{path} is too large to be a cache record")
-            record = json.loads(path.read_bytes().decode("utf-8"))
-        except FileNotFoundError:
-            raise RecordError(f"no cache record {path}") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RecordError(f"{path} is not a JSON cache record ({type(exc).__name__})") from None
+        record = _read_json(path, "cache record", f"no cache record {path}")
         if not isinstance(record, dict) or record.get("posttrain_record") != RECORD_VERSION:
             raise RecordError(f"{path} is not a posttrain cache record (version {RECORD_VERSION})")
         if record.get("key") != key:
