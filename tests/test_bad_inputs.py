@@ -274,7 +274,7 @@ CASES = [
         None,
         [],
         {},
-        "{cfg}: eval.extra_sets.0: min_ops/max_ops apply to data: synthetic only (data is hub)",
+        "{cfg}: eval.extra_sets.0: min_ops/max_ops/numbers apply to data: synthetic only (data is hub)",
     ),
     (
         "eval operations range reversed",

@@ -38,9 +38,9 @@ def evaluate(expression: str) -> Fraction:
     return walk(ast.parse(expression, mode="eval").body)
 
 
-@pytest.fixture(scope="module")
-def problems():
-    return generate_problems(5000, min_ops=1, max_ops=8, seed=123)
+@pytest.fixture(scope="module", params=["default", "small"])
+def problems(request):
+    return generate_problems(5000, min_ops=1, max_ops=8, seed=123, numbers=request.param)
 
 
 def test_arithmetic_and_format_round_trip(problems):
@@ -65,7 +65,8 @@ def test_arithmetic_and_format_round_trip(problems):
 
 def test_record_schema(problems):
     assert all(tuple(p) == RECORD_FIELDS for p in problems)
-    assert [p["id"] for p in problems[:3]] == ["synthetic-s123-0", "synthetic-s123-1", "synthetic-s123-2"]
+    prefix = "synthetic-small" if problems[0]["id"].startswith("synthetic-small-") else "synthetic"
+    assert [p["id"] for p in problems[:3]] == [f"{prefix}-s123-{i}" for i in range(3)]
     assert {p["source"] for p in problems} == {"synthetic"}
 
 
@@ -119,6 +120,7 @@ def test_deterministic_across_processes():
         ((-1, 1, 2), "num_examples"),  # negative count
         ((5, 0, 2), "min_ops"),  # zero steps
         ((5, 3, 2), "min_ops"),  # inverted range
+        ((5, 1, 2, 0, "tiny"), "numbers must be one of default, small"),
     ],
 )
 def test_invalid_arguments(args, message):
@@ -130,3 +132,19 @@ def test_long_chains_still_valid():
     for p in generate_problems(200, min_ops=15, max_ops=20, seed=2):
         assert count_ops(p["solution"]) == p["ops"]
         assert all(evaluate(e) == Fraction(r) for e, r in ANNOTATION.findall(p["solution"]))
+
+
+def test_small_numbers_stay_small_and_are_other_problems():
+    """Every quantity in a ``small`` problem (question and worked steps) is below 121, while the
+    default ranges go far above; the same seed gives (nearly all) different problems."""
+    small = generate_problems(2000, 1, 4, seed=5, numbers="small")
+    default = generate_problems(2000, 1, 4, seed=5)
+
+    def largest(p):
+        return max(int(n) for n in re.findall(r"\d+", p["question"] + p["solution"]))
+
+    assert max(largest(p) for p in small) <= 120
+    assert max(largest(p) for p in default) > 500
+    shared = {p["question"] for p in small} & {p["question"] for p in default}
+    assert len(shared) < 0.05 * len(small)  # a few short ones (ages, scores) can be drawn by both
+    assert Counter(p["ops"] for p in small) == Counter(p["ops"] for p in default)  # same difficulty draw

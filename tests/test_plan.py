@@ -304,21 +304,24 @@ def test_extra_eval_sets_are_part_of_the_evaluation_keys(tmp_path):
 
 
 def test_each_extra_set_gets_its_own_questions_and_generation_limit():
+    from posttrain.data.eval_sets import SYNTHETIC_EVAL_SEED
     from posttrain.pipeline.steps import _set_records
 
     cfg = load_config(
         SMOKE,
         [
             "eval.extra_sets=[{name: hard, data: synthetic, limit: 6, min_ops: 3, max_ops: 3, max_new_tokens: 5},"
-            " {name: mixed, data: synthetic, limit: 6}]"
+            " {name: mixed, data: synthetic, limit: 6}, {name: small, data: synthetic, limit: 4, numbers: small}]"
         ],
     )
-    (primary_name, primary), (hard_name, hard), (_, mixed) = cfg.eval.all_sets()
+    (primary_name, primary), (hard_name, hard), (_, mixed), (_, small) = cfg.eval.all_sets()
     assert (primary_name, hard_name) == (None, "hard")
     assert primary.data == "heldout" and primary.extra_sets == [] and primary.max_new_tokens == 16
     assert hard.max_new_tokens == 5 and mixed.max_new_tokens == 16  # the primary's unless given
     assert {r["ops"] for r in _set_records(cfg, hard)} == {3}
     assert len(_set_records(cfg, mixed)) == 6 and {r["ops"] for r in _set_records(cfg, mixed)} <= {1, 2, 3, 4}
+    small_ids = [r["id"] for r in _set_records(cfg, small)]
+    assert small_ids == [f"synthetic-small-s{SYNTHETIC_EVAL_SEED}-{i}" for i in range(4)]
 
 
 # --------------------------------------------------------------------------- steps, planner, dry run

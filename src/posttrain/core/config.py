@@ -215,6 +215,8 @@ class SyntheticConfig(StrictModel):
     """Fewest arithmetic operations in a problem (1 = one operation)."""
     max_ops: int = Field(4, ge=1)
     seed: int = 0
+    numbers: Literal["default", "small"] = "default"
+    """Size of the quantities: the default ranges (up to a few thousand) or ``small`` (below 120)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -379,13 +381,15 @@ class _EvalSource(StrictModel):
     """synthetic only: fewest arithmetic operations per generated problem (default 1)."""
     max_ops: int | None = Field(None, ge=1)
     """synthetic only: most arithmetic operations per generated problem (default 4)."""
+    numbers: Literal["default", "small"] | None = None
+    """synthetic only: size of the quantities (default ``default``; ``small``: below 120)."""
 
     @model_validator(mode="after")
     def _source_consistent(self) -> _EvalSource:
         if self.data == "local" and not self.path:
             raise ValueError("data: local needs `path`")
-        if self.data != "synthetic" and (self.min_ops is not None or self.max_ops is not None):
-            raise ValueError(f"min_ops/max_ops apply to data: synthetic only (data is {self.data})")
+        if self.data != "synthetic" and (self.min_ops, self.max_ops, self.numbers) != (None, None, None):
+            raise ValueError(f"min_ops/max_ops/numbers apply to data: synthetic only (data is {self.data})")
         if self.min_ops is not None and self.max_ops is not None and self.min_ops > self.max_ops:
             raise ValueError(f"min_ops ({self.min_ops}) > max_ops ({self.max_ops})")
         return self

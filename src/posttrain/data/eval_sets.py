@@ -47,12 +47,14 @@ def load_eval_records(
     hub_split: str = "test",
     synthetic_ops: tuple[int, int] = (1, 4),
     synthetic_seed: int = SYNTHETIC_EVAL_SEED,
+    synthetic_numbers: str = "default",
 ) -> list[dict[str, Any]]:
     """The first ``limit`` evaluation records (``id, question, answer, ...``) of one source.
 
     ``source`` is ``hub`` (GSM8K ``hub_split``, default the test split), ``local`` (``path``: a
     GSM8K-format ``.jsonl`` file or folder), ``heldout`` (the ``heldout`` records the caller split
-    off the training data) or ``synthetic`` (generated, ``synthetic_ops`` operations each).
+    off the training data) or ``synthetic`` (generated, ``synthetic_ops`` operations each, numbers of
+    size ``synthetic_numbers``).
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
@@ -68,7 +70,9 @@ def load_eval_records(
         records = list(heldout[:limit] if limit is not None else heldout)
     elif source == "synthetic":
         low, high = synthetic_ops
-        records = generate_problems(limit or SYNTHETIC_EVAL_SIZE, low, high, seed=synthetic_seed)
+        records = generate_problems(
+            limit or SYNTHETIC_EVAL_SIZE, low, high, seed=synthetic_seed, numbers=synthetic_numbers
+        )
     else:
         raise DataError(f"unknown eval data source {source!r} (expected hub, local, heldout or synthetic)")
     if not records:

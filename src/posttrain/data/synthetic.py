@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from posttrain.core.errors import DataError
@@ -24,7 +24,7 @@ from posttrain.core.gsm8k import RECORD_FIELDS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["THEMES", "generate_problems"]
+__all__ = ["NUMBER_SIZES", "THEMES", "generate_problems"]
 
 # A hand-laid-out table reads better than the formatter's one-item-per-line expansion.
 # fmt: off
@@ -249,6 +249,28 @@ THEMES: tuple[Theme, ...] = (
 # fmt: on
 
 
+def _small(theme: Theme) -> Theme:
+    """The same story with every quantity below 120 and one-digit factors, rates and divisors.
+
+    Why: a 135M model gets about a third of its 2-3-digit calculations right, so on default numbers
+    GRPO groups are mostly all wrong (no signal); with small numbers the same SFT model answers about
+    two thirds of one-operation problems, and a curriculum can start where the signal is.
+    """
+    return replace(
+        theme,
+        start=(5, 30),
+        cap=min(theme.cap, 120),
+        rate=(2, 9),
+        products=tuple((q, s, (2, 9), (2, 5)) for q, s, _, _ in theme.products),
+        divisors=(2, 5),
+    )
+
+
+_THEMES_BY_SIZE = {"default": THEMES, "small": tuple(_small(theme) for theme in THEMES)}
+NUMBER_SIZES = tuple(_THEMES_BY_SIZE)
+"""``numbers`` settings of :func:`generate_problems`: the default ranges, or ``small`` (below 120)."""
+
+
 # --------------------------------------------------------------------------- operation samplers
 # Each returns (params, [(expression, result), ...], new value) or None when impossible for `v`.
 
@@ -365,23 +387,34 @@ def _try_problem(rng: random.Random, theme: Theme, n_ops: int) -> tuple[str, str
     return " ".join(questions), "\n".join(solutions), value
 
 
-def generate_problems(num_examples: int, min_ops: int = 1, max_ops: int = 4, seed: int = 0) -> list[dict]:
+def generate_problems(
+    num_examples: int, min_ops: int = 1, max_ops: int = 4, seed: int = 0, numbers: str = "default"
+) -> list[dict]:
     """``num_examples`` records (the :mod:`posttrain.core.gsm8k` schema), operations uniform in the range.
+
+    ``numbers`` is a :data:`NUMBER_SIZES` entry; ``small`` problems get their own ids, so a small and a
+    default set never share one.
 
     >>> [p["id"] for p in generate_problems(2, seed=7)]
     ['synthetic-s7-0', 'synthetic-s7-1']
     >>> generate_problems(1, 2, 2)[0]["solution"].count("<<")
     2
+    >>> generate_problems(1, numbers="small")[0]["id"]
+    'synthetic-small-s0-0'
     """
     if num_examples < 0:
         raise DataError(f"num_examples must be >= 0, got {num_examples}")
     if not 1 <= min_ops <= max_ops:
         raise DataError(f"need 1 <= min_ops <= max_ops, got min_ops={min_ops}, max_ops={max_ops}")
+    if numbers not in _THEMES_BY_SIZE:
+        raise DataError(f"numbers must be one of {', '.join(NUMBER_SIZES)}, got {numbers!r}")
+    all_themes = _THEMES_BY_SIZE[numbers]
+    prefix = "synthetic" if numbers == "default" else f"synthetic-{numbers}"
     records, seen, repeats = [], set(), 0
     for i in range(num_examples):
         rng = random.Random(f"posttrain-synthetic:{seed}:{i}")
         n_ops = rng.randint(min_ops, max_ops)
-        themes = [t for t in THEMES if not t.chain or n_ops < len(_PEOPLE)]
+        themes = [t for t in all_themes if not t.chain or n_ops < len(_PEOPLE)]
         for attempt in range(1000):  # redraw repeats of earlier questions (held-out copies), up to a point
             made = _try_problem(rng, rng.choice(themes), n_ops)
             if made is not None and (made[0] not in seen or attempt >= 100):
@@ -391,7 +424,7 @@ def generate_problems(num_examples: int, min_ops: int = 1, max_ops: int = 4, see
         question, solution, answer = made
         repeats += question in seen
         seen.add(question)
-        values = (f"synthetic-s{seed}-{i}", question, solution, str(answer), n_ops, "synthetic")
+        values = (f"{prefix}-s{seed}-{i}", question, solution, str(answer), n_ops, "synthetic")
         records.append(dict(zip(RECORD_FIELDS, values, strict=True)))
     if repeats:
         logger.warning(

@@ -130,6 +130,7 @@ def _set_records(
         hub_config=cfg.data.hub_config,
         hub_split=eval_cfg.hub_split,
         synthetic_ops=eval_cfg.synthetic_ops(),
+        synthetic_numbers=eval_cfg.numbers or "default",
     )
 
 
