@@ -264,6 +264,7 @@ def test_alerts_completions_and_plots(uri, tmp_path):
             "rewards/strict_format/mean": 0.05 * s,
             "rewards/correctness/mean": 0.02 * s,
             "loss": 0.1,
+            **({"eval/accuracy": 0.03 * s, "eval/format": 1.0} if s % 2 else {}),  # every 2 steps
         }
         for s in range(1, 6)
     ]
@@ -275,6 +276,14 @@ def test_alerts_completions_and_plots(uri, tmp_path):
             assert stage.log_completions(out.parent) == 4
             stage.log_alerts(alerts)
             assert stage.plot_rewards() is True  # read back from the run's metric history
+            curves = stage._reward_history()  # what that plot drew: rewards and held-out accuracy
+            assert sorted(curves) == [
+                "eval/accuracy",
+                "reward",
+                "rewards/correctness/mean",
+                "rewards/strict_format/mean",
+            ]
+            assert [step for step, _ in curves["eval/accuracy"]] == [1, 3, 5]
         with tracker.stage("eval-grpo-format") as ev:
             ev.log_eval({"accuracy_strict": 0.4, "accuracy_flexible": 0.5})
         assert tracker.plot_accuracy_by_stage() is True

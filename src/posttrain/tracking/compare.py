@@ -41,6 +41,7 @@ __all__ = [
     "format_comparison",
     "plot_comparison",
     "reward_curves_figure",
+    "is_curve_metric",
     "reward_series",
 ]
 
@@ -273,18 +274,29 @@ def _figure(width: float, height: float, ncols: int = 1) -> tuple[Figure, list[A
     return fig, list(axes)
 
 
+def is_curve_metric(key: str) -> bool:
+    """Whether a stage's metric belongs on its curve plot: ``reward``, each ``rewards/<fn>/mean``, and
+    ``eval/accuracy`` (the in-training held-out evaluation), so reward hacking shows as curves parting.
+
+    >>> [k for k in ("reward", "rewards/correctness/mean", "rewards/correctness/std", "eval/accuracy",
+    ...              "eval/format", "loss") if is_curve_metric(k)]
+    ['reward', 'rewards/correctness/mean', 'eval/accuracy']
+    """
+    return key in ("reward", "eval/accuracy") or (key.startswith("rewards/") and key.endswith("/mean"))
+
+
 def reward_series(
     history: Sequence[Mapping[str, Any]], step_key: str = "step"
 ) -> dict[str, list[tuple[int, float]]]:
-    """``reward`` and ``rewards/<fn>/mean`` from trainer log dicts; steps without a reward are skipped.
+    """The :func:`is_curve_metric` series from trainer log dicts; steps without them are skipped.
 
-    TRL logs rewards only on steps that generate, so the series may be sparse.
+    TRL logs rewards only on steps that generate, and the evaluation runs every N steps, so the series
+    may be sparse.
     """
     curves: dict[str, list[tuple[int, float]]] = {}
     for index, row in enumerate(history):
         for key, value in row.items():
-            wanted = key == "reward" or (key.startswith("rewards/") and key.endswith("/mean"))
-            if wanted and isinstance(value, int | float) and not isinstance(value, bool):
+            if is_curve_metric(key) and isinstance(value, int | float) and not isinstance(value, bool):
                 curves.setdefault(key, []).append((int(row.get(step_key, index)), float(value)))
     return dict(sorted(curves.items()))
 
@@ -305,10 +317,12 @@ def _draw_curves(ax: Any, curves: Curves, bold: str | None = None) -> None:
 
 
 def reward_curves_figure(curves: Curves, title: str = "rewards") -> Figure:
-    """One line per reward function (``rewards/<fn>/mean``) plus the weighted total ``reward`` in bold."""
+    """One line per reward function (``rewards/<fn>/mean``) plus the weighted total ``reward`` in bold,
+    and the in-training held-out ``eval/accuracy`` when the stage evaluated (same 0-1 axis)."""
     fig, (ax,) = _figure(7, 4)
     _draw_curves(ax, curves, bold="reward")
-    ax.set(title=title, xlabel="step", ylabel="mean reward")
+    ylabel = "mean reward / accuracy" if "eval/accuracy" in curves else "mean reward"
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig

@@ -12,7 +12,7 @@ from typing import Any
 
 from posttrain.core.hashing import jsonable
 from posttrain.core.redact import redact, redact_text
-from posttrain.tracking.compare import cell_text, reward_curves_figure, reward_series
+from posttrain.tracking.compare import cell_text, is_curve_metric, reward_curves_figure, reward_series
 from posttrain.tracking.mlflow_io import (
     MAX_TAG_LENGTH,
     flatten_params,
@@ -243,7 +243,7 @@ class StageRun:
             self._client.set_tag(self.parent_run_id, safe_key(f"alerts.{self.name}"), kinds)
 
     def plot_rewards(self, history: Sequence[Mapping[str, Any]] | None = None) -> bool:
-        """``reward_curves.png``: ``reward`` and each ``rewards/<fn>/mean`` against the step.
+        """``reward_curves.png``: ``reward``, each ``rewards/<fn>/mean`` and ``eval/accuracy`` by step.
 
         Without ``history`` the curves are read back from this run's logged metrics (what the
         callback wrote). Returns False when there was nothing to plot.
@@ -253,7 +253,8 @@ class StageRun:
         curves = reward_series(history) if history is not None else self._reward_history()
         if not curves:
             return False
-        fig = reward_curves_figure(curves, title=f"{self.name}: rewards")
+        title = f"{self.name}: rewards" + (" and held-out accuracy" if "eval/accuracy" in curves else "")
+        fig = reward_curves_figure(curves, title=title)
         self._client.log_figure(self.run_id, fig, "reward_curves.png")
         return True
 
@@ -262,11 +263,7 @@ class StageRun:
 
         mlflow.flush_async_logging()  # the callback logs asynchronously
         client = self._client
-        keys = [
-            k
-            for k in client.get_run(self.run_id).data.metrics
-            if k == "reward" or (k.startswith("rewards/") and k.endswith("/mean"))
-        ]
+        keys = [k for k in client.get_run(self.run_id).data.metrics if is_curve_metric(k)]
         return {
             k: [(m.step, m.value) for m in client.get_metric_history(self.run_id, k)] for k in sorted(keys)
         }
