@@ -66,6 +66,25 @@ def test_evaluate_tiny_model_on_synthetic(tiny, tmp_path):
     assert EvalReport.load(report.save(tmp_path / "r")) == report
 
 
+def test_report_has_lm_eval_scores_of_its_own_completions(tiny, monkeypatch):
+    """lm-eval's gsm8k scores are computed from exactly the reported completions and golds."""
+    from posttrain.evaluation import evaluator, lm_eval_gsm8k
+
+    seen = []
+
+    def spy(samples, references):
+        seen.append((samples, references))
+        return lm_eval_gsm8k.lm_eval_accuracy(samples, references)
+
+    monkeypatch.setattr(evaluator, "lm_eval_accuracy", spy)
+    records = load_eval_records("synthetic", limit=3)
+    report = evaluate(tiny, records, EvalConfig(data="synthetic", limit=3, max_new_tokens=8))
+    [(samples, references)] = seen
+    assert samples == [[r.completion] for r in report.records]
+    assert references == [r["answer"] for r in records]
+    assert {"lm_eval_strict_match", "lm_eval_flexible_extract"} <= set(report.summary)
+
+
 def test_evaluate_with_prompts_given_and_a_datasets_dataset(tiny):
     from datasets import Dataset
 

@@ -22,6 +22,7 @@ from typing import Any
 from posttrain.core.config import EvalConfig
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt
 from posttrain.data.eval_sets import eval_records_for, parse_data_arg
+from posttrain.evaluation.lm_eval_gsm8k import lm_eval_accuracy
 from posttrain.evaluation.report import EvalRecord, EvalReport
 from posttrain.evaluation.scoring import canonical_gold, score_completion, summarize
 from posttrain.generation.engine import (
@@ -227,13 +228,14 @@ def evaluate(
     else:
         groups, stats = _generate_hf(model, tokenizer, records, prompts, cfg, samples, refill_at, progress)
     scoring_start = time.perf_counter()
-    texts = iter(tokenizer.batch_decode([c.token_ids for g in groups for c in g], skip_special_tokens=True))
+    decoded = iter(tokenizer.batch_decode([c.token_ids for g in groups for c in g], skip_special_tokens=True))
+    texts = [[next(decoded) for _ in group] for group in groups]
     scored = [
         [
-            score_completion(next(texts), record["answer"], tokens=c.num_tokens, truncated=not c.finished)
-            for c in group
+            score_completion(text, record["answer"], tokens=c.num_tokens, truncated=not c.finished)
+            for text, c in zip(group_texts, group, strict=True)
         ]
-        for record, group in zip(records, groups, strict=True)
+        for record, group, group_texts in zip(records, groups, texts, strict=True)
     ]
     report_records = tuple(
         EvalRecord.from_samples(
@@ -242,6 +244,7 @@ def evaluate(
         for r, s in zip(records, scored, strict=True)
     )
     summary = summarize(scored, cfg.pass_k)
+    summary |= lm_eval_accuracy(texts, [str(r["answer"]) for r in records])  # what lm-eval would report
     timings = {
         **stats.as_dict(),
         "load_seconds": round(load_seconds, 3),
