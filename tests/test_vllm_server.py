@@ -23,7 +23,7 @@ FAKE_SERVER = textwrap.dedent(
     """
     import http.server, subprocess, sys, time
     port, pids, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # an engine process
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # an engine process
     with open(pids, "w") as fh:
         fh.write(f"{child.pid}\\n")
     print("loading model weights", flush=True)
@@ -244,12 +244,11 @@ def test_a_grpo_stage_in_server_mode_trains_inside_the_server_and_stops_it(
     assert gone(seen["child"])
 
 
-def test_without_a_vllm_server_section_a_server_mode_stage_starts_nothing(tmp_path, monkeypatch):
-    import posttrain.training.grpo as grpo
-
-    monkeypatch.setattr(grpo, "vllm_server", lambda *a, **k: pytest.fail("no server was configured"))
-    cfg = parse_config({"name": "x", "model": {"name": "m"}, "grpo": {"stages": [STAGE]}})
-    assert managed_vllm_stages(cfg) == []
+def test_only_server_mode_stages_of_a_config_with_the_section_get_a_managed_server():
+    colocate = {**STAGE, "name": "c", "trainer": {**STAGE["trainer"], "vllm_mode": "colocate"}}
+    stages = {"stages": [colocate, STAGE]}
+    assert managed_vllm_stages(parse_config({**BASE, "grpo": stages})) == [1]
+    assert managed_vllm_stages(parse_config({**BASE, "vllm_server": None, "grpo": stages})) == []
 
 
 # --------------------------------------------------------------------------- config

@@ -123,8 +123,9 @@ class VLLMServerConfig(StrictModel):
     """
 
     gpus: list[int] = Field(min_length=1)
-    """CUDA device indices the server runs on (its ``CUDA_VISIBLE_DEVICES``); keep them apart from
-    the training processes' GPUs. More than one: tensor parallel over them unless ``extra_args``
+    """CUDA device indices the server runs on (its ``CUDA_VISIBLE_DEVICES``, so as ``nvidia-smi``
+    numbers them, whatever the pipeline's own ``CUDA_VISIBLE_DEVICES``); keep them apart from the
+    training processes' GPUs. More than one: tensor parallel over them unless ``extra_args``
     sets ``--tensor_parallel_size`` or ``--data_parallel_size``."""
     host: str = "127.0.0.1"
     """Address the server binds and the trainer connects to; loopback keeps it off the network."""
