@@ -478,6 +478,39 @@ CASES = [
         {},
         "{cfg}: orchestration.shared_store: nosuchfs://bucket/posttrain: Protocol not known: nosuchfs",
     ),
+    (
+        "managed vLLM server without CUDA",  # this machine has no GPU: found before the store or a model
+        [
+            "vllm_server={gpus: [1]}",
+            "grpo.stages.0.trainer.use_vllm=true",
+            "grpo.stages.0.trainer.vllm_mode=server",
+        ],
+        None,
+        [],
+        {},
+        "{cfg}: vllm_server: a managed vLLM server needs a CUDA GPU and this machine has none",
+    ),
+    (
+        "unknown key in vllm_server",
+        ["vllm_server={gpus: [1], prot: 8000}"],
+        None,
+        [],
+        {},
+        "{cfg}: vllm_server.prot: unknown key",
+    ),
+    (
+        "trainer port that is not the managed server's",
+        [
+            "vllm_server={gpus: [1], port: 8000}",
+            "grpo.stages.0.trainer.use_vllm=true",
+            "grpo.stages.0.trainer.vllm_mode=server",
+            "grpo.stages.0.trainer.vllm_server_port=9000",
+        ],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0.trainer.vllm_server_port: 9000 conflicts with vllm_server.port (8000)",
+    ),
 ]
 
 

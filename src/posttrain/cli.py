@@ -20,16 +20,18 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from posttrain.core.config import DataConfig, EvalConfig, TrackingConfig
-from posttrain.core.errors import PosttrainError
+from posttrain.core.errors import HardwareError, PosttrainError
 from posttrain.core.metric_names import slices_of
 from posttrain.core.prompts import format_sft_target
 from posttrain.core.redact import redact_text
 from posttrain.core.sweep import sweep_points
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
+from posttrain.generation.vllm_server import check_vllm_server
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.resolve import list_models, pull_builtin, resolve_model_path
 from posttrain.pipeline import load_config
 from posttrain.pipeline.store import Store, StoreError
+from posttrain.pipeline.validation import managed_vllm_stages
 from posttrain.rewards.check import judge, score_examples
 from posttrain.rewards.registry import CUSTOM_CODE_ENV, allow_custom_code, build_reward, reward_names
 
@@ -208,6 +210,17 @@ def _check_servers(cfg, source: str) -> None:
         )
 
 
+def _check_machine(cfg, source: str) -> None:
+    """What a config needs of this machine that only running it needs (a GPU config still
+    validates on a laptop): a managed vLLM server's CUDA and vLLM, checked before the store is
+    locked or a model loads."""
+    if managed_vllm_stages(cfg):
+        try:
+            check_vllm_server()
+        except HardwareError as exc:
+            raise HardwareError(f"{source}: {exc}") from None
+
+
 def _open_store(cfg, source: str) -> Store:
     try:
         store = Store.at(cfg.orchestration.store)
@@ -249,6 +262,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(format_table(rows, ("step", "plan", "why")))
         return 0
     _check_servers(cfg, args.config)
+    _check_machine(cfg, args.config)
     store = _open_store(cfg, args.config)
     with _locked(store, args.config):
         # The lock is held before Prefect's embedded server (whose home is in the store) starts.
@@ -285,6 +299,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if len({c.orchestration.store for c in configs}) > 1:
         raise CLIError("sweep: orchestration.store cannot vary between points (one store, one lock)")
     _check_servers(configs[0], args.config)
+    for cfg in configs:
+        _check_machine(cfg, args.config)
     store = _open_store(configs[0], args.config)
     run_ids = []
     with _locked(store, args.config):

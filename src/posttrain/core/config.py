@@ -58,6 +58,7 @@ __all__ = [
     "TrackingConfig",
     "TrainingConfig",
     "TrainingOverride",
+    "VLLMServerConfig",
     "apply_override",
     "dump_config",
     "parse_config",
@@ -105,6 +106,61 @@ class TrainingConfig(StrictModel):
         if override is None:
             return self
         return self.model_copy(update=override.model_dump(exclude_none=True))
+
+
+# `trl vllm-serve` options posttrain sets itself from the section and the stage (not extra_args).
+VLLM_SERVER_OWNED_FLAGS = ("--model", "--host", "--port")
+
+
+class VLLMServerConfig(StrictModel):
+    """``vllm_server:``: a vLLM generation server that posttrain starts and stops itself.
+
+    GRPO stages whose ``trainer:`` sets ``use_vllm: true, vllm_mode: server`` get one for the length
+    of the stage: ``trl vllm-serve`` on ``gpus``, serving the stage's input model; posttrain waits
+    for its ``/health`` answer, sets the stage's ``vllm_server_host``/``vllm_server_port``, and stops
+    the server's whole process group when the stage ends or fails. See
+    posttrain.generation.vllm_server.
+    """
+
+    gpus: list[int] = Field(min_length=1)
+    """CUDA device indices the server runs on (its ``CUDA_VISIBLE_DEVICES``, so as ``nvidia-smi``
+    numbers them, whatever the pipeline's own ``CUDA_VISIBLE_DEVICES``); keep them apart from the
+    training processes' GPUs. More than one: tensor parallel over them unless ``extra_args``
+    sets ``--tensor_parallel_size`` or ``--data_parallel_size``."""
+    host: str = "127.0.0.1"
+    """Address the server binds and the trainer connects to; loopback keeps it off the network."""
+    port: int = Field(8000, ge=1, le=65535)
+    timeout_s: float = Field(600.0, gt=0)
+    """How long to wait for the server's health check (loading and compiling a model takes minutes)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More ``trl vllm-serve`` arguments, passed as they are (``--gpu_memory_utilization``, ``0.9``;
+    unknown ones go on to ``vllm serve``). ``--model``, ``--host`` and ``--port`` are posttrain's."""
+
+    @field_validator("gpus")
+    @classmethod
+    def _distinct_gpus(cls, gpus: list[int]) -> list[int]:
+        if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+            raise ValueError(f"GPU indices must be distinct and >= 0, got {gpus}")
+        return gpus
+
+    @field_validator("extra_args", mode="before")
+    @classmethod
+    def _numbers_as_text(cls, args: Any) -> Any:
+        """``[--gpu_memory_utilization, 0.9]`` reads as YAML numbers; a command line is text."""
+        if isinstance(args, list):
+            return [str(a) if isinstance(a, int | float) and not isinstance(a, bool) else a for a in args]
+        return args
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_owned(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in VLLM_SERVER_OWNED_FLAGS:
+                raise ValueError(
+                    f"{flag} is set by posttrain (the stage's model, vllm_server.host/port); remove it"
+                )
+        return args
 
 
 class _StageWithTrainer(StrictModel):
@@ -350,6 +406,11 @@ class GRPOStageConfig(_StageWithTrainer):
         """The stage's step name in the plan, runs and store: ``grpo-<name>``."""
         return f"grpo-{self.name}"
 
+    def uses_vllm_server(self) -> bool:
+        """True when the stage generates through a vLLM server (TRL's ``use_vllm`` + ``vllm_mode: server``)."""
+        options = self.trainer_options()
+        return bool(options.get("use_vllm")) and options.get("vllm_mode") == "server"
+
 
 def _unique(names: list[str], what: str) -> None:
     """Refuse repeated names (their outputs, metrics and runs are named after them)."""
@@ -502,6 +563,9 @@ class PipelineConfig(StrictModel):
     tracking: TrackingConfig = TrackingConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
     training: TrainingConfig = TrainingConfig()
+    vllm_server: VLLMServerConfig | None = None
+    """A managed vLLM server for GRPO stages in ``vllm_mode: server``; null: none (a stage in server
+    mode then connects to a server you run, at its own ``vllm_server_host``/``port``)."""
 
     def launch_of(self, section: Any) -> TrainingConfig:
         """The resolved ``training:`` settings of one stage section (its override over the global)."""

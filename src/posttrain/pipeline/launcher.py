@@ -25,7 +25,6 @@ import collections
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import yaml
 
 from posttrain.core.config import PipelineConfig, TrainingConfig
 from posttrain.core.errors import ConfigError, HardwareError, StageError
+from posttrain.core.processes import stop_process_group
 from posttrain.models.artifacts import StageResult
 from posttrain.models.hardware import cuda_available
 from posttrain.pipeline.records import RecordError, read_output_result
@@ -185,18 +185,4 @@ def _run_streaming(cmd: list[str], step: str) -> tuple[int, list[str]]:
         return proc.wait(), list(tail)
     finally:
         if proc.poll() is None:
-            _stop_group(proc)
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the child's process group, then SIGKILL what is left after 10 s."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            stop_process_group(proc)

@@ -246,4 +246,5 @@ def grpo_step(
         seed=cfg.seed,
         report_to=report_to,
         heldout=prepared.eval if stage_cfg.eval_every is not None else None,
+        vllm_server_cfg=cfg.vllm_server,
     )

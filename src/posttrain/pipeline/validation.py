@@ -21,7 +21,9 @@ __all__ = [
     "check_paths",
     "check_rewards",
     "check_shared_store",
+    "check_vllm_server",
     "load_config",
+    "managed_vllm_stages",
     "validate_config",
 ]
 
@@ -95,6 +97,36 @@ def check_shared_store(cfg: PipelineConfig, source: str = "<config>") -> None:
         raise ConfigError(f"{source}: orchestration.shared_store: {url}: {exc}") from None
 
 
+_SERVER_KEYS = {"vllm_server_host": "host", "vllm_server_port": "port"}
+
+
+def managed_vllm_stages(cfg: PipelineConfig) -> list[int]:
+    """Indices of the GRPO stages whose vLLM server posttrain runs (``vllm_server:`` + server mode)."""
+    if cfg.vllm_server is None:
+        return []
+    return [i for i, stage in enumerate(cfg.grpo.stages) if stage.uses_vllm_server()]
+
+
+def check_vllm_server(cfg: PipelineConfig, source: str = "<config>") -> None:
+    """With a managed ``vllm_server:``, a stage in TRL's server mode connects where posttrain starts
+    the server: its own ``vllm_server_base_url``, or a host/port that differ, would point elsewhere."""
+    for i in managed_vllm_stages(cfg):
+        options = cfg.grpo.stages[i].trainer_options()
+        where = f"{source}: grpo.stages.{i}.trainer"
+        if options.get("vllm_server_base_url") is not None:
+            raise ConfigError(
+                f"{where}.vllm_server_base_url: posttrain runs this stage's server (vllm_server:) and "
+                "points the trainer at it; remove the option, or the vllm_server section to use your own server"
+            )
+        for key, field in _SERVER_KEYS.items():
+            own = getattr(cfg.vllm_server, field, None)
+            if key in options and options[key] != own:
+                raise ConfigError(
+                    f"{where}.{key}: {options[key]!r} conflicts with vllm_server.{field} ({own!r}), where "
+                    "posttrain starts the server; remove the option"
+                )
+
+
 def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
     """A config mapping checked against the schema, the reward registry and the file system."""
     cfg = parse_config(raw, source)
@@ -102,6 +134,7 @@ def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineCo
     check_paths(cfg, source)
     check_launchers(cfg, source)
     check_shared_store(cfg, source)
+    check_vllm_server(cfg, source)
     return cfg
 
 

@@ -13,18 +13,26 @@ directory stays small but still shows how the samples evolved.
 Two stage options act inside TRL's loop: ``zero_signal`` (what happens to prompt groups whose
 completions all scored the same; :mod:`posttrain.training.zero_signal`) and ``eval_every`` (greedy
 accuracy on a held-out slice logged next to the reward; :mod:`posttrain.training.eval_callback`).
+
+With a ``vllm_server:`` section, a stage in TRL's vLLM server mode (``use_vllm: true, vllm_mode:
+server``) trains inside :func:`posttrain.generation.vllm_server.vllm_server`: the server is
+started before the trainer is built and stopped when training ends or fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.config import GRPOStageConfig, ModelConfig
-from posttrain.models.artifacts import StageResult
+from posttrain.core.config import GRPOStageConfig, ModelConfig, VLLMServerConfig
+from posttrain.generation.vllm_server import ServerAddress, vllm_server
+from posttrain.models.artifacts import StageResult, adapter_root
+from posttrain.models.resolve import resolve_model_path
+from posttrain.training import distributed
 from posttrain.training.eval_callback import HeldoutEval, heldout_slice
 from posttrain.training.health import HealthCallback, HealthMonitor
 from posttrain.training.runner import (
@@ -38,7 +46,15 @@ from posttrain.training.runner import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["grpo_options", "make_grpo_trainer", "prune_samples", "run_grpo_stage", "select_stage_data"]
+__all__ = [
+    "grpo_arguments",
+    "grpo_options",
+    "make_grpo_trainer",
+    "prune_samples",
+    "run_grpo_stage",
+    "select_stage_data",
+    "stage_vllm_server",
+]
 
 SAMPLES_DIR = "completions"
 # Under the stage's trainer options (YAML and TRAINER_DEFAULTS win). Dropout is off because GRPO's
@@ -51,6 +67,38 @@ _SAMPLE_RE = re.compile(r"completions_(\d+)\.parquet$")
 def grpo_options(stage_cfg: GRPOStageConfig) -> dict[str, Any]:
     """The TRL options a stage trains with: base options, then TRAINER_DEFAULTS and YAML."""
     return {**GRPO_BASE_OPTIONS, **stage_cfg.trainer_options()}
+
+
+def grpo_arguments(
+    stage_cfg: GRPOStageConfig, ctx: StageContext, server: ServerAddress | None = None
+) -> dict[str, Any]:
+    """The keyword arguments of the stage's ``GRPOConfig`` (reward weights aside): its options, the
+    keys posttrain manages, and a managed vLLM server's address. The address is not part of
+    :func:`grpo_options`, so it never enters the stage's cache key or ``stage.json``."""
+    return {**trainer_arguments(ctx, grpo_options(stage_cfg)), **(server.trainer_options() if server else {})}
+
+
+@contextlib.contextmanager
+def stage_vllm_server(
+    server_cfg: VLLMServerConfig,
+    model_cfg: ModelConfig,
+    model_path: str,
+    ctx: StageContext,
+    *,
+    command: Sequence[str] | None = None,
+) -> Iterator[ServerAddress]:
+    """The stage's managed vLLM server, started by the main process only (TRL's other ranks never
+    talk to it), serving the model under the stage's input; its log is ``vllm_server.log`` in the
+    stage's working folder (copied into the output)."""
+    if not distributed.is_main_process():
+        yield ServerAddress(server_cfg.host, server_cfg.port)
+        return
+    base = adapter_root(model_path) if Path(model_path).is_dir() else model_path
+    served = resolve_model_path(base, model_cfg.cache_dir)
+    revision = model_cfg.revision if not Path(served).is_dir() else None
+    log = ctx.work_dir / "vllm_server.log"
+    with vllm_server(server_cfg, served, log, revision=revision, command=command) as address:
+        yield address
 
 
 def select_stage_data(dataset: Any, data_filter) -> Any:
@@ -88,6 +136,7 @@ def make_grpo_trainer(
     fast_generation: bool = True,
     callbacks: Sequence[Any] = (),
     heldout: Any = None,
+    server: ServerAddress | None = None,
 ):
     """The configured trainer and its health callback, ready to ``train()`` (shared with the benchmark).
 
@@ -97,6 +146,7 @@ def make_grpo_trainer(
     benchmarks/grpo_step.py: 0.62x TRL's CPU time per step in fp32 on a CPU without AMX). Settings
     the engine does not reproduce leave TRL's own generation in place (see posttrain.generation.rollout).
     ``heldout`` (the prepared data's held-out records) feeds the stage's ``eval_every`` evaluation.
+    ``server`` is a running vLLM server for TRL's server mode (see :func:`stage_vllm_server`).
     """
     from trl import GRPOConfig
 
@@ -109,7 +159,7 @@ def make_grpo_trainer(
     data = select_stage_data(train_dataset, stage_cfg.data_filter)
     reward_funcs, weights = build_reward_funcs(stage_cfg.rewards)
     model, tokenizer, peft_config = load_policy(model_cfg, model_path)
-    args = GRPOConfig(**trainer_arguments(ctx, grpo_options(stage_cfg)), reward_weights=weights)
+    args = GRPOConfig(**grpo_arguments(stage_cfg, ctx, server), reward_weights=weights)
     monitor = HealthCallback(HealthMonitor(stage_cfg.monitor), stage_cfg.monitor.on_alert, stage)
     rollout, generation = None, "TRL"
     if fast_generation and args.use_cpu:
@@ -162,6 +212,8 @@ def run_grpo_stage(
     report_to: str | list[str] = "none",
     fast_generation: bool = True,
     heldout: Any = None,
+    vllm_server_cfg: VLLMServerConfig | None = None,
+    server_command: Sequence[str] | None = None,
 ) -> StageResult:
     """Train one GRPO stage from ``model_path`` on prepared data (``prompt`` messages + ``answer``).
 
@@ -172,19 +224,32 @@ def run_grpo_stage(
     training on a CPU (see posttrain.generation.rollout); it is a no-op elsewhere. Health alerts end up in the result and in
     ``stage.json``; with ``monitor.on_alert: stop`` the first alert ends training (the policy
     trained so far is still saved, so the run can be inspected).
+
+    ``vllm_server_cfg`` (the config's ``vllm_server:``) makes posttrain run the stage's vLLM server
+    when its options select TRL's server mode; ``server_command`` replaces ``trl vllm-serve`` (tests).
     """
+    options = grpo_options(stage_cfg)
 
     def train(ctx: StageContext) -> TrainOutcome:
-        trainer, monitor = make_grpo_trainer(
-            stage_cfg,
-            model_cfg,
-            str(model_path),
-            train_dataset,
-            ctx,
-            fast_generation=fast_generation,
-            heldout=heldout,
-        )
-        output = trainer.train(resume_from_checkpoint=ctx.resume_from)
+        with contextlib.ExitStack() as stack:
+            server = None
+            if vllm_server_cfg is not None and stage_cfg.uses_vllm_server():
+                server = stack.enter_context(
+                    stage_vllm_server(
+                        vllm_server_cfg, model_cfg, str(model_path), ctx, command=server_command
+                    )
+                )
+            trainer, monitor = make_grpo_trainer(
+                stage_cfg,
+                model_cfg,
+                str(model_path),
+                train_dataset,
+                ctx,
+                fast_generation=fast_generation,
+                heldout=heldout,
+                server=server,
+            )
+            output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(
             trainer,
             output,
@@ -203,6 +268,6 @@ def run_grpo_stage(
         output_dir=output_dir,
         seed=seed,
         report_to=report_to,
-        options=grpo_options(stage_cfg),
+        options=options,
         train_fn=train,
     )

@@ -1,0 +1,290 @@
+"""The managed vLLM server (posttrain.generation.vllm_server) against a stand-in: a stdlib HTTP server
+that answers /health like vLLM's and forks a child, as vLLM's engine does, so stopping the whole
+process group is checked too. No GPU, no vLLM, no TRL server."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from posttrain.core.config import GRPOStageConfig, ModelConfig, VLLMServerConfig, parse_config
+from posttrain.core.errors import ConfigError, StageError
+from posttrain.generation.vllm_server import HEALTH_PATH, ServerAddress, serve_command, vllm_server
+from posttrain.pipeline.validation import check_vllm_server, managed_vllm_stages
+
+FAKE_SERVER = textwrap.dedent(
+    """
+    import http.server, subprocess, sys, time
+    port, pids, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # an engine process
+    with open(pids, "w") as fh:
+        fh.write(f"{child.pid}\\n")
+    print("loading model weights", flush=True)
+    if mode == "crash":
+        print("torch.OutOfMemoryError: CUDA out of memory", flush=True)
+        sys.exit(3)
+    if mode == "hang":  # never listens: what a server stuck in start-up looks like
+        time.sleep(600)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """(config, command factory, path of the file the fake writes its child's pid to)."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_SERVER)
+    pids = tmp_path / "pids"
+    cfg = VLLMServerConfig(gpus=[1], port=free_port(), timeout_s=60)
+
+    def command(mode: str = "serve") -> list[str]:
+        return [sys.executable, str(script), str(cfg.port), str(pids), mode]
+
+    return cfg, command, pids
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie no reaper collected counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def gone(pid: int) -> bool:
+    """Wait (bounded) for a killed process to disappear: the signal is delivered asynchronously."""
+    for _ in range(200):
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def health(address: ServerAddress) -> int:
+    with urllib.request.urlopen(f"{address.base_url}{HEALTH_PATH}", timeout=5) as response:
+        return response.status
+
+
+def test_the_server_is_healthy_inside_the_block_and_its_whole_group_is_stopped_after(fake, tmp_path):
+    cfg, command, pids = fake
+    log = tmp_path / "logs" / "vllm_server.log"
+    with vllm_server(cfg, "some/model", log, command=command()) as address:
+        assert address == ServerAddress("127.0.0.1", cfg.port)
+        assert health(address) == 200  # healthy on entry: no waiting here
+        child = int(pids.read_text())
+        assert alive(child)
+    assert gone(child)  # the engine-like child, not just the leader
+    with pytest.raises(OSError):
+        health(address)
+    assert "loading model weights" in log.read_text()
+
+
+def test_the_server_is_stopped_when_the_block_raises(fake, tmp_path):
+    cfg, command, pids = fake
+    with (
+        pytest.raises(RuntimeError, match="training failed"),
+        vllm_server(cfg, "m", tmp_path / "log", command=command()),
+    ):
+        child = int(pids.read_text())
+        raise RuntimeError("training failed")
+    assert gone(child)
+    with pytest.raises(OSError):
+        health(ServerAddress(cfg.host, cfg.port))
+
+
+def test_a_server_that_exits_early_is_one_line_with_its_log_tail(fake, tmp_path):
+    cfg, command, pids = fake
+    with pytest.raises(StageError) as err, vllm_server(cfg, "m", tmp_path / "log", command=command("crash")):
+        pytest.fail("the block must not run")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "exited with code 3" in message and "CUDA out of memory" in message and "loading model" in message
+    assert gone(int(pids.read_text()))
+
+
+def test_a_server_that_never_answers_times_out_and_is_killed(fake, tmp_path, monkeypatch):
+    import posttrain.generation.vllm_server as module
+
+    cfg, command, _ = fake
+    cfg = cfg.model_copy(update={"timeout_s": 1.0})
+    started, real_popen = [], subprocess.Popen
+
+    def popen(*args, **kwargs):  # the server process itself: its pid file may not exist yet after 1 s
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(module.subprocess, "Popen", popen)
+    with (
+        pytest.raises(StageError, match=r"within 1 s \(vllm_server.timeout_s\), stopped it; last lines of "),
+        vllm_server(cfg, "m", tmp_path / "log", command=command("hang"), grace_s=1),
+    ):
+        pytest.fail("the block must not run")
+    assert started[0].returncode is not None  # stopped and reaped
+
+
+def test_a_port_already_in_use_is_refused_before_starting(fake, tmp_path):
+    cfg, command, pids = fake
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", cfg.port))
+        other.listen()
+        with (
+            pytest.raises(StageError, match="already listens on 127.0.0.1:"),
+            vllm_server(cfg, "m", tmp_path / "log", command=command()),
+        ):
+            pytest.fail("the block must not run")
+    assert not pids.exists()  # nothing was started
+
+
+def test_serve_command_is_trl_vllm_serve_with_posttrains_address():
+    cfg = VLLMServerConfig(gpus=[2, 3], host="127.0.0.1", port=8123, extra_args=["--data_parallel_size", "2"])
+    cmd = serve_command(cfg, "/models/base", revision="abc")
+    assert cmd[:4] == [sys.executable, "-m", "trl.cli.main", "vllm-serve"]
+    assert cmd[4:] == [
+        "--model",
+        "/models/base",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8123",
+        "--revision",
+        "abc",
+        "--data_parallel_size",
+        "2",
+    ]  # no tensor parallel: extra_args chose data parallel
+
+
+# --------------------------------------------------------------------------- the GRPO stage
+
+STAGE = {
+    "name": "s",
+    "rewards": [{"name": "xml_count"}],
+    "trainer": {
+        "max_steps": 1,
+        "num_generations": 2,
+        "per_device_train_batch_size": 2,
+        "use_vllm": True,
+        "vllm_mode": "server",
+    },
+}
+
+
+def test_the_grpo_trainer_options_point_at_the_server_and_stay_out_of_the_cache_key(tmp_path):
+    from trl import GRPOConfig
+
+    from posttrain.training.grpo import grpo_arguments, grpo_options
+    from posttrain.training.runner import StageContext
+
+    stage = GRPOStageConfig.model_validate(STAGE)
+    ctx = StageContext(stage="grpo-s", work_dir=tmp_path, precision="fp32", seed=0, report_to="none")
+    args = GRPOConfig(**grpo_arguments(stage, ctx, ServerAddress("127.0.0.1", 8123)))
+    assert (args.use_vllm, args.vllm_mode) == (True, "server")
+    assert (args.vllm_server_host, args.vllm_server_port, args.vllm_server_base_url) == (
+        "127.0.0.1",
+        8123,
+        None,
+    )
+    assert "vllm_server_port" not in grpo_options(stage)  # hashed into the stage's key and stage.json
+
+
+def test_a_grpo_stage_in_server_mode_trains_inside_the_server_and_stops_it(
+    fake, tmp_path, tiny_model_dir, monkeypatch
+):
+    """run_grpo_stage's wiring, with the trainer replaced: the server is healthy when the trainer is
+    built, the trainer gets its address, and a failing stage still stops it."""
+    import posttrain.training.grpo as grpo
+    import posttrain.training.runner as runner
+
+    cfg, command, pids = fake
+    monkeypatch.setattr(runner, "check_hardware", lambda *a, **k: None)  # CUDA and vLLM, on this CPU
+    seen = {}
+
+    def trainer_that_fails(*args, server=None, **kwargs):
+        seen["server"], seen["status"] = server, health(server)
+        seen["child"] = int(pids.read_text())
+        raise RuntimeError("CUDA error mid-stage")
+
+    monkeypatch.setattr(grpo, "make_grpo_trainer", trainer_that_fails)
+    stage = GRPOStageConfig.model_validate(STAGE)
+    model = ModelConfig(name=str(tiny_model_dir), precision="fp32")
+    with pytest.raises(RuntimeError, match="CUDA error mid-stage"):
+        grpo.run_grpo_stage(
+            stage,
+            model,
+            tiny_model_dir,
+            [{"prompt": "q"}],
+            tmp_path / "out",
+            vllm_server_cfg=cfg,
+            server_command=command(),
+        )
+    assert seen["server"] == ServerAddress("127.0.0.1", cfg.port) and seen["status"] == 200
+    assert gone(seen["child"])
+
+
+def test_only_server_mode_stages_of_a_config_with_the_section_get_a_managed_server():
+    colocate = {**STAGE, "name": "c", "trainer": {**STAGE["trainer"], "vllm_mode": "colocate"}}
+    stages = {"stages": [colocate, STAGE]}
+    assert managed_vllm_stages(parse_config({**BASE, "grpo": stages})) == [1]
+    assert managed_vllm_stages(parse_config({**BASE, "vllm_server": None, "grpo": stages})) == []
+
+
+# --------------------------------------------------------------------------- config
+
+BASE = {"name": "x", "model": {"name": "m"}, "grpo": {"stages": [STAGE]}, "vllm_server": {"gpus": [1]}}
+
+
+def with_trainer(**options) -> dict:
+    stage = {**STAGE, "trainer": {**STAGE["trainer"], **options}}
+    return {**BASE, "grpo": {"stages": [stage]}}
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (with_trainer(vllm_server_port=9000), "grpo.stages.0.trainer.vllm_server_port: 9000 conflicts"),
+        (with_trainer(vllm_server_host="10.0.0.2"), "grpo.stages.0.trainer.vllm_server_host: '10.0.0.2'"),
+        (with_trainer(vllm_server_base_url="http://h:1"), "grpo.stages.0.trainer.vllm_server_base_url"),
+        (
+            {**BASE, "vllm_server": {"gpus": [1], "extra_args": ["--port=9"]}},
+            "vllm_server.extra_args: --port is set by posttrain",
+        ),
+        (
+            {**BASE, "vllm_server": {"gpus": [1, 1]}},
+            "vllm_server.gpus: GPU indices must be distinct",
+        ),  # a GPU twice
+        ({**BASE, "vllm_server": {"gpus": []}}, "vllm_server.gpus: List should have at least 1"),
+    ],
+)
+def test_bad_vllm_server_configs_name_the_key(raw, fragment):
+    with pytest.raises(ConfigError, match="^cfg.yaml: ") as err:
+        check_vllm_server(parse_config(raw, "cfg.yaml"), "cfg.yaml")
+    assert fragment in str(err.value)
+
+
+def test_the_same_host_and_port_in_the_trainer_are_accepted():
+    cfg = parse_config(with_trainer(vllm_server_host="127.0.0.1", vllm_server_port=8000), "cfg.yaml")
+    check_vllm_server(cfg, "cfg.yaml")
+    assert managed_vllm_stages(cfg) == [0]
