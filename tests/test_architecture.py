@@ -166,6 +166,7 @@ CACHED_RERUN_MODULES = (
     "posttrain.pipeline.plan",
     "posttrain.pipeline.records",
     "posttrain.flows.pipeline",
+    "posttrain.flows.runner",
     "posttrain.tasks.steps",
     "posttrain.tracking",
     "posttrain.evaluation.report",

@@ -389,6 +389,75 @@ def test_a_modified_data_or_eval_output_is_recomputed(first_run, workdir, step_c
     assert step_calls[0] == ("prepare_step" if step == "data" else "eval_step")
 
 
+def test_a_cached_cli_rerun_skips_prefect_and_logs_what_the_flow_logs(
+    first_run, workdir, step_calls, monkeypatch, capsys, caplog
+):
+    """`posttrain run` serves an all-cached plan without the Prefect flow (no server to boot), with
+    the same MLflow runs as the flow's rerun; a modified output still goes through the flow and runs."""
+    import mlflow
+
+    import posttrain.flows.pipeline as pipeline_flow
+    from posttrain.cli import main
+
+    sets = [
+        *("--set", f"orchestration.store={workdir / 'store'}"),
+        *("--set", f"model.cache_dir={workdir / 'models'}"),
+        *("--set", f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}"),
+    ]
+    flow_calls = []
+
+    def flow_spy(*args, **kwargs):
+        flow_calls.append(args)
+        return real_flow(*args, **kwargs)
+
+    real_flow = pipeline_flow.posttrain_pipeline
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setattr(pipeline_flow, "posttrain_pipeline", flow_spy)
+    by_flow = real_flow(smoke(workdir))  # the flow's own all-cached rerun, to compare with
+    assert main(["run", str(SMOKE), *sets]) == 0
+    out = capsys.readouterr().out
+    assert flow_calls == [] and step_calls == []
+    table = out.split("\n\n")[0].splitlines()[2:]  # the step table (the eval table follows)
+    rows = [line.split() for line in table]
+    assert [r[0] for r in rows] == STEPS and {r[1] for r in rows} == {"cached"}
+
+    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    experiment = client.get_run(first_run["run_id"]).info.experiment_id
+    cli_run = client.search_runs(
+        [experiment], "tags.`posttrain.role` = 'pipeline'", order_by=["attributes.start_time DESC"]
+    )[0]
+    flow_run = client.get_run(by_flow["run_id"])
+    assert cli_run.info.run_id != flow_run.info.run_id and cli_run.info.status == "FINISHED"
+    assert cli_run.data.params == flow_run.data.params
+    assert cli_run.data.metrics == flow_run.data.metrics  # each evaluation mirrored on the parent
+
+    def children(run_id):
+        runs = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run_id}'")
+        ignored = {"mlflow.parentRunId", "mlflow.runName", "mlflow.user", "mlflow.source.name"}
+        return {
+            r.info.run_name: (
+                {k: v for k, v in r.data.tags.items() if k not in ignored},
+                r.data.metrics,
+                r.data.params,
+                r.info.status,
+            )
+            for r in runs
+        }
+
+    assert children(cli_run.info.run_id) == children(flow_run.info.run_id)
+    artifacts = {a.path for a in client.list_artifacts(cli_run.info.run_id)}
+    assert artifacts == {a.path for a in client.list_artifacts(flow_run.info.run_id)}
+
+    # A modified evaluation output (same size): the dry run sees it, so the flow runs that step.
+    report = Path(next(o["output"] for o in first_run["outcomes"] if o["step"] == "eval-sft"))
+    target = report / "examples.jsonl"
+    target.write_text(target.read_text().replace("1", "7", 1))
+    with caplog.at_level("WARNING"):
+        assert main(["run", str(SMOKE), *sets]) == 0
+    assert len(flow_calls) == 1 and step_calls == ["eval_step"]
+    assert "running the pipeline flow" not in caplog.text  # decided before anything was logged
+
+
 # --------------------------------------------------------------------------- extra evaluation sets
 
 GSM8K_ROWS = [

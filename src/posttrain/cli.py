@@ -265,17 +265,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     _check_machine(cfg, args.config)
     store = _open_store(cfg, args.config)
     with _locked(store, args.config):
-        # The lock is held before Prefect's embedded server (whose home is in the store) starts.
-        server = prestart_embedded_prefect(store)
-        from posttrain.flows.pipeline import posttrain_pipeline
-        from posttrain.flows.server import quiet_run_failures_on_console
-        from posttrain.tracking import open_tracking_store
+        summary = None if os.environ.get("PREFECT_API_URL") else _run_cached(cfg, args.force)
+        if summary is None:
+            # The lock is held before Prefect's embedded server (whose home is in the store) starts.
+            server = prestart_embedded_prefect(store)
+            from posttrain.flows.pipeline import posttrain_pipeline
+            from posttrain.flows.server import quiet_run_failures_on_console
+            from posttrain.tracking import open_tracking_store
 
-        quiet_run_failures_on_console()
-        open_tracking_store(cfg)  # overlaps the server's boot
-        if server is not None:
-            server.wait()
-        summary = posttrain_pipeline(cfg, force=args.force)
+            quiet_run_failures_on_console()
+            open_tracking_store(cfg)  # overlaps the server's boot
+            if server is not None:
+                server.wait()
+            summary = posttrain_pipeline(cfg, force=args.force)
     rows = [
         (o["step"], o["status"], f"{o['metrics'].get('accuracy_strict', '')}", o["output"])
         for o in summary["outcomes"]
@@ -287,6 +289,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary["run_id"]:
         print(f"MLflow run {summary['run_id']} in experiment '{cfg.tracking.experiment or cfg.name}'")
     return 0
+
+
+def _run_cached(cfg, force: Sequence[str]) -> dict | None:
+    """The run's summary when every step is served from cache, done without the embedded Prefect
+    server (whose boot is most of such a run); None when a step must run (nothing was done) or a
+    step turned out not to be cached after all (then the flow runs it, and logs a new MLflow run)."""
+    from posttrain.flows.runner import StepNotCached, run_cached
+
+    try:
+        return run_cached(cfg, force)
+    except StepNotCached as exc:
+        logger.warning("%s: running the pipeline flow", exc)
+        return None
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

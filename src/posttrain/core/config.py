@@ -37,7 +37,7 @@ from posttrain.core.metric_names import is_ops_slice
 from posttrain.core.peft_options import (
     LORA_ALIASES,
     POSTTRAIN_LORA_KEYS,
-    build_lora_config,
+    check_lora_config,
     validate_lora_options,
 )
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, FEW_SHOT_EXAMPLES
@@ -222,7 +222,7 @@ class LoraConfig(StrictModel):
 
     @model_validator(mode="after")
     def _real_lora_config(self) -> LoraConfig:
-        build_lora_config(self.peft_options())
+        check_lora_config(self.peft_options())
         return self
 
     def peft_options(self) -> dict[str, Any]:

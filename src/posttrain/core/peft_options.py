@@ -18,7 +18,15 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-__all__ = ["LORA_ALIASES", "POSTTRAIN_LORA_KEYS", "build_lora_config", "validate_lora_options"]
+from posttrain.core.checked import remembered_check
+
+__all__ = [
+    "LORA_ALIASES",
+    "POSTTRAIN_LORA_KEYS",
+    "build_lora_config",
+    "check_lora_config",
+    "validate_lora_options",
+]
 
 POSTTRAIN_LORA_KEYS = {
     "r": "r",
@@ -48,8 +56,32 @@ def _lora_field_types() -> dict[str, Any]:
     return typing.get_type_hints(LoraConfig)
 
 
+# What a check's outcome depends on besides the options and this module (see core/checked.py).
+_CHECK_PACKAGES = ("peft", "transformers", "torch", "pydantic")
+
+
 def validate_lora_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Check peft-only ``options`` (not posttrain's four keys) against ``LoraConfig``; return them coerced."""
+    """Check peft-only ``options`` (not posttrain's four keys) against ``LoraConfig``; return them
+    coerced. A pass is remembered (:mod:`posttrain.core.checked`)."""
+    return remembered_check(
+        "lora.options",
+        options,
+        lambda: _validate_lora_options(options),
+        packages=_CHECK_PACKAGES,
+        source=__file__,
+    )
+
+
+def check_lora_config(options: dict[str, Any]) -> None:
+    """:func:`build_lora_config` succeeds on ``options`` (a pass is remembered, as above)."""
+
+    def check() -> None:
+        build_lora_config(options)
+
+    remembered_check("lora.config", options, check, packages=_CHECK_PACKAGES, source=__file__)
+
+
+def _validate_lora_options(options: dict[str, Any]) -> dict[str, Any]:
     types = _lora_field_types()
     coerced: dict[str, Any] = {}
     for key, value in options.items():

@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from posttrain.core.checked import remembered_check
+
 # Keys posttrain sets itself: accepting them from YAML would silently fight the pipeline.
 _MANAGED_TRAINER_KEYS = {
     "output_dir": "posttrain chooses each stage's output directory inside the store",
@@ -107,13 +109,28 @@ def _trl_field_types(kind: str) -> dict[str, Any]:
     return typing.get_type_hints(_trl_config_class(kind))
 
 
+# What a check's outcome depends on besides the options and this module (see core/checked.py).
+_CHECK_PACKAGES = ("trl", "transformers", "accelerate", "torch", "pydantic")
+
+
 def validate_trainer_options(kind: str, options: dict[str, Any]) -> dict[str, Any]:
     """Check ``options`` against TRL's config class for ``kind`` and return them type-coerced.
 
     Unknown keys, wrong types and TRL's own cross-field checks (e.g. ``generation_batch_size``
     divisible by ``num_generations``) all fail here. The real config object is built on the CPU
-    with fp32 so that GPU-only settings still validate on any machine.
+    with fp32 so that GPU-only settings still validate on any machine. A pass is remembered
+    (:mod:`posttrain.core.checked`), so loading an unchanged config does not import TRL again.
     """
+    return remembered_check(
+        f"trainer.{kind}",
+        options,
+        lambda: _validate_trainer_options(kind, options),
+        packages=_CHECK_PACKAGES,
+        source=__file__,
+    )
+
+
+def _validate_trainer_options(kind: str, options: dict[str, Any]) -> dict[str, Any]:
     cls = _trl_config_class(kind)
     types = _trl_field_types(kind)
     coerced: dict[str, Any] = {}

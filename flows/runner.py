@@ -1,0 +1,257 @@
+"""Walking a config's plan: each step served from cache or run, each with its MLflow run.
+
+:class:`PlanRunner` holds everything a pipeline run does around its steps (the refresh decision,
+the cache record, the nested MLflow run, the stage's LoggedModel, the shared store) and imports no
+Prefect: the ``posttrain-pipeline`` flow (:mod:`posttrain.flows.pipeline`) runs each step that must
+run as a Prefect task through a subclass, and :func:`run_cached` serves a run whose every step is
+cached without Prefect at all (no server to start: seconds instead of tens of seconds), logging to
+MLflow exactly what the flow logs for the same run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from posttrain.core.atomic import discard_checkpoints
+from posttrain.core.config import PipelineConfig
+from posttrain.core.hashing import remembered_digests
+from posttrain.core.metric_names import qualify_metrics
+from posttrain.evaluation.report import EvalReport
+from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_log_history, read_stage_json
+from posttrain.pipeline.plan import EvalStep, Plan, Planner, Step, StepInputs, TrainStep, build_plan, preview
+from posttrain.pipeline.records import StoreRecords
+from posttrain.pipeline.shared import SharedStore, open_shared
+from posttrain.pipeline.steps import DataResult, EvalResult, base_model, load_data
+from posttrain.pipeline.store import Store
+from posttrain.pipeline.validation import check_rewards
+from posttrain.tracking import MODEL_ID_TAG, StageRun, Tracker, flatten_params, start_pipeline_run
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PipelineSummary",
+    "PlanRunner",
+    "StepNotCached",
+    "StepOutcome",
+    "run_cached",
+    "run_plan",
+]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step: str
+    status: str
+    """`ran` or `cached`."""
+    reason: str
+    key: str
+    output: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    kind: str = ""
+    """The plan step's kind: `data`, `sft`, `dpo`, `grpo` or `eval`."""
+
+
+@dataclass
+class PipelineSummary:
+    config: str
+    run_id: str | None
+    outcomes: list[StepOutcome] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StepNotCached(RuntimeError):
+    """A step of a run meant to be served from cache would have to run (see :func:`run_cached`)."""
+
+
+class PlanRunner:
+    """Visits each plan step: serves it from cache or runs it, with its MLflow run.
+
+    This class runs nothing itself: :meth:`execute` raises :class:`StepNotCached`, which is what
+    :func:`run_cached` wants. The Prefect flow's subclass runs a step as a Prefect task.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        store: Store,
+        tracker: Tracker,
+        force: Sequence[str],
+        shared: SharedStore | None = None,
+    ):
+        self.cfg, self.store, self.tracker, self.shared = plan.config, store, tracker, shared
+        self.records = StoreRecords(store)
+        self.planner = Planner(plan, self.records, force, store, shared)
+        self.summary = PipelineSummary(plan.config.name, tracker.run_id)
+        self.final_stage = plan.training_steps[-1].name if plan.training_steps else None
+        self.models: dict[str, str] = {}
+        """Training step name → its MLflow LoggedModel id (evaluations log against it)."""
+
+    def __call__(self, step: Step, key: str | None, inputs: StepInputs) -> Any:
+        assert key is not None, "the flow always knows its inputs"
+        decision = self.planner.decide(step, key, inputs)
+        cached = decision.status == "cached"
+        evaluated = self.models.get(step.stage) if isinstance(step, EvalStep) else None
+        output_dir = step.output_dir(self.store, key)
+        # A finished stage needs no checkpoints; a forced one retrains from its input.
+        forced = self.planner.forced_from is not None
+        if isinstance(step, TrainStep) and (cached or forced) and discard_checkpoints(output_dir):
+            logger.info("%s: deleted the checkpoints of an interrupted run", step.name)
+        if cached:
+            # The verified result from the store's JSON record: Prefect's result store (which
+            # unpickles what a record names) is never read; see posttrain.pipeline.records.
+            result = decision.result
+            if decision.adopted:
+                self._record(step, key, inputs, result)
+            run = self.tracker.record_cached_stage(step.name, kind=step.kind, cache_key=key)
+            run.set_tags({"cache_key": key})
+            if decision.adopted:  # the run that produced it was killed before logging its result
+                run.set_tags({"adopted": "true"})
+                _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
+            if isinstance(step, TrainStep):
+                self._stage_model(step, run, key, result, cached=True)
+        else:
+            call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
+            call["output_dir"] = str(output_dir)
+            with self.tracker.stage(
+                step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key
+            ) as run:
+                result = self.execute(step, call, run)
+                self._record(step, key, inputs, result)
+                _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
+                if isinstance(step, TrainStep):
+                    if self.cfg.launch_of(step.section(self.cfg)).launcher == "accelerate":
+                        # Its processes report to no tracker: the history rank 0 kept, logged here.
+                        run.log_history(read_log_history(result.output_dir))
+                    self._stage_model(step, run, key, result, cached=False)
+                    self.after_training(step, result, run)
+        if self.shared is not None:
+            # A step that ran replaces the shared copy: it was missing, failed verification or forced.
+            self.shared.push(step.kind, key, output_dir, result, replace=not cached)
+        status = "cached" if cached else "ran"
+        self.summary.outcomes.append(
+            StepOutcome(
+                step.name,
+                status,
+                decision.reason,
+                key,
+                step.output_of(result),
+                step.metrics_of(result),
+                step.kind,
+            )
+        )
+        logger.info("%-22s %-6s %s", step.name, decision.status, decision.reason)
+        return result
+
+    def execute(self, step: Step, call: dict[str, Any], run: StageRun) -> Any:
+        """Run ``step`` (``call``: the step task's arguments) inside its MLflow ``run``; its result."""
+        raise StepNotCached(f"{step.name} is not served from cache")
+
+    def after_training(self, step: TrainStep, result: Any, run: StageRun) -> None:
+        """Called after a training step ran and its result and model were logged."""
+
+    def _record(self, step: Step, key: str, inputs: StepInputs, result: Any) -> None:
+        identity = step.identity(self.cfg, inputs)
+        self.records.write(
+            key,
+            step=step.name,
+            kind=step.kind,
+            result=result,
+            lineage=identity.lineage,
+            code=identity.code.files,
+        )
+
+    def _stage_model(self, step: TrainStep, run: StageRun, key: str, result: Any, *, cached: bool) -> None:
+        """The stage output's LoggedModel: the producer's for a cached stage, else a new one (with
+        the weights for the final stage when ``tracking.log_model``, a reference otherwise)."""
+        model_id = self.tracker.find_stage_model(key) if cached else None
+        if model_id is None:
+            params = {
+                **flatten_params(self.cfg.model, "model"),
+                **flatten_params(step.section(self.cfg), "stage"),
+            }
+            where = {"kind": step.kind, "cache_key": key, "params": params}
+            if step.name == self.final_stage and self.tracker.log_models:
+                model = result.output_dir
+                base = adapter_root(model) if is_adapter_dir(model) else None
+                uri = self.tracker.log_final_model(model, base_model_path=base, stage=run, **where)
+                model_id = uri.removeprefix("models:/") if uri else None
+            else:
+                model_id = self.tracker.log_stage_model(run, output_dir=result.output_dir, **where)
+        if model_id is not None:
+            self.models[step.name] = model_id
+            run.set_tags({MODEL_ID_TAG: model_id})
+
+
+def _log_result(run: Any, result: Any, *, model_id: str | None = None, dataset_name: str = "eval") -> None:
+    """What each kind of step leaves in its nested MLflow run (evaluations: against ``model_id``)."""
+    if isinstance(result, DataResult):
+        data = load_data(result)
+        run.log_metrics({k: v for k, v in result.stats.items() if isinstance(v, int | float)})
+        run.log_dataset(data.train, name="train", context="training", digest=result.train_fingerprint)
+        run.log_dataset(data.eval, name="heldout", context="evaluation", digest=result.eval_fingerprint)
+        return
+    if isinstance(result, EvalResult):
+        for name, folder, metrics in result.reports():
+            records = [r.as_dict() for r in EvalReport.load(folder).records]
+            run.log_eval(
+                qualify_metrics(metrics, name),
+                records,
+                model_id=model_id,
+                dataset_name=name or dataset_name,
+                table=f"{name}/eval_examples" if name else "eval_examples",
+            )
+        run.log_metrics({f"eval/{k}": v for k, v in result.timings.items() if isinstance(v, int | float)})
+        return
+    info = read_stage_json(result.output_dir)
+    run.log_stage_json(info)
+    run.log_metrics({k: v for k, v in result.metrics.items() if isinstance(v, int | float)})
+    run.log_alerts(list(result.alerts))
+    if result.samples:
+        run.log_completions(result.output_dir)
+        run.plot_rewards()
+
+
+def run_plan(plan: Plan, force: Sequence[str] = (), runner: type[PlanRunner] = PlanRunner) -> PipelineSummary:
+    """Walk ``plan`` in its store under the store's lock and one MLflow pipeline run, visiting each
+    step with ``runner``; then the accuracy-by-stage plot. Returns the per-step summary."""
+    cfg = plan.config
+    store = Store.at(cfg.orchestration.store)
+    store.check_writable()
+    # Reentrant: `posttrain run` takes the lock before Prefect's server starts, then runs the flow.
+    with (
+        store.lock(reentrant=True),
+        start_pipeline_run(cfg, steps=plan.names, store=str(store.root)) as tracker,
+    ):
+        store.clean_interrupted_writes()
+        visit = runner(plan, store, tracker, force, open_shared(cfg.orchestration.shared_store))
+        with remembered_digests(visit.records.digests_path):
+            plan.walk(base_model(cfg), visit)
+        if leftovers := store.unfinished_checkpoints():  # every stage of this plan finished
+            logger.warning(
+                "%d checkpoint folder(s) of unfinished stages of other configs or code: %s "
+                "(a rerun of that config resumes from them; delete them otherwise)",
+                len(leftovers),
+                ", ".join(p.name for p in leftovers),
+            )
+        tracker.plot_accuracy_by_stage()
+    return visit.summary
+
+
+def run_cached(cfg: PipelineConfig, force: Sequence[str] = ()) -> dict[str, Any] | None:
+    """The pipeline run of ``cfg`` without Prefect, when its dry run serves every step from cache;
+    None, having done nothing, when any step would run.
+
+    Call it holding the store's lock, so that the dry run's decisions still hold when the plan is
+    walked: each step is decided again then, by the same checks as in the flow (key, record, output
+    verified), and a step that would run after all raises :class:`StepNotCached`. MLflow gets what
+    the flow's run logs; Prefect gets nothing (no flow run, no summary artifact).
+    """
+    check_rewards(cfg, cfg.name)
+    if any(status != "cached" for _, status, _ in preview(cfg, force)):
+        return None
+    return run_plan(build_plan(cfg), force).as_dict()
