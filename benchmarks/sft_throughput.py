@@ -31,6 +31,7 @@ limit"). Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -74,10 +75,8 @@ class Turns:
         self._arrived = threading.Barrier(len(self._names))
 
     def arrive(self) -> None:
-        try:
+        with contextlib.suppress(threading.BrokenBarrierError):  # a variant failed before training: go on
             self._arrived.wait()
-        except threading.BrokenBarrierError:  # another variant failed before training: go on alone
-            pass
 
     def wait(self, name: str) -> None:
         with self._cond:
@@ -186,7 +185,9 @@ def build_rows(model_path: str, data: str, num_examples: int, seed: int):
 
     if data == "synthetic":
         cfg = DataConfig(
-            source="synthetic", synthetic=SyntheticConfig(num_examples=num_examples + 10, seed=seed), eval_size=10
+            source="synthetic",
+            synthetic=SyntheticConfig(num_examples=num_examples + 10, seed=seed),
+            eval_size=10,
         )
     else:
         cfg = DataConfig(source="local", path=data, limit=num_examples + 10, eval_size=10, seed=seed)
@@ -238,7 +239,11 @@ def compact_head(variant: str) -> bool:
 
 
 def run_variants(
-    variants: Sequence[str], build: Callable[[str, str], object], seed: int, warmup: int, blocks: Sequence[int]
+    variants: Sequence[str],
+    build: Callable[[str, str], object],
+    seed: int,
+    warmup: int,
+    blocks: Sequence[int],
 ) -> dict[str, Measured]:
     """Build each variant's trainer (``build(name, workdir)``), train them taking turns, and return
     what their timed steps did (the first ``warmup`` steps of each are not counted)."""
@@ -251,7 +256,11 @@ def run_variants(
             trainer = build(name, str(Path(tmp) / name))
             counters[name] = trainer.data_collator = CountingCollator(trainer.data_collator)
             timers[name] = TakeTurns(
-                name, turns, [warmup, *blocks], lambda n=name: compact_fused_head_on_cpu(compact_head(n)), seed
+                name,
+                turns,
+                [warmup, *blocks],
+                lambda n=name: compact_fused_head_on_cpu(compact_head(n)),
+                seed,
             )
             trainer.add_callback(timers[name])
             trainer.remove_callback(PrinterCallback)  # the trainers' log lines would bury the report
@@ -337,13 +346,17 @@ def versus_trl(results: dict[str, Measured]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or model directory")
-    parser.add_argument("--tiny", action="store_true", help="the tiny random model and synthetic data (smoke run)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the tiny random model and synthetic data (smoke run)"
+    )
     parser.add_argument(
         "--data",
         default=str(GSM8K_TRAIN) if GSM8K_TRAIN.exists() else "synthetic",
         help="GSM8K-format .jsonl, or 'synthetic' (default: ../shared/data/gsm8k/train.jsonl when present)",
     )
-    parser.add_argument("--steps", type=int, default=2, help="steps per variant per round (after 1 warm-up step)")
+    parser.add_argument(
+        "--steps", type=int, default=2, help="steps per variant per round (after 1 warm-up step)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds of --steps steps per variant")
     parser.add_argument("--batch", type=int, default=8, help="per-device batch (rows)")
     parser.add_argument("--max-length", type=int, default=512)
@@ -374,13 +387,19 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
         if opts.tiny:  # built here, not in the models cache: a smoke run leaves nothing behind
-            model_name, data, model_path = "tiny (posttrain.models.tiny)", "synthetic", str(build_tiny_model(tmp))
+            model_name, data, model_path = (
+                "tiny (posttrain.models.tiny)",
+                "synthetic",
+                str(build_tiny_model(tmp)),
+            )
         else:
             model_name, data, model_path = opts.model, opts.data, str(resolve_model_path(opts.model))
         measure(opts, model_name, model_path, data, variants)
 
 
-def measure(opts: argparse.Namespace, model_name: str, model_path: str, data: str, variants: list[str]) -> None:
+def measure(
+    opts: argparse.Namespace, model_name: str, model_path: str, data: str, variants: list[str]
+) -> None:
     """Run the variants and print the report (``main`` without the argument parsing)."""
     from posttrain.models.hardware import cpu_has_fast_bf16, resolve_dtype, resolve_precision
 
@@ -414,7 +433,9 @@ def measure(opts: argparse.Namespace, model_name: str, model_path: str, data: st
 
     with torch.device("meta"):
         params = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).num_parameters()
-    print(f"matmul limit ({dtype}, best torch.matmul of the run): {limit:.1f} GFLOP/s; {params / 1e6:.1f}M parameters")
+    print(
+        f"matmul limit ({dtype}, best torch.matmul of the run): {limit:.1f} GFLOP/s; {params / 1e6:.1f}M parameters"
+    )
     for name, measured in results.items():
         print(report(name, measured, params, limit))
     for line in versus_trl(results):
