@@ -78,9 +78,10 @@ class Turns:
         with contextlib.suppress(threading.BrokenBarrierError):  # a variant failed before training: go on
             self._arrived.wait()
 
-    def wait(self, name: str) -> None:
+    def wait(self, name: str, timeout: float | None = None) -> bool:
+        """Block until it is ``name``'s turn (False if ``timeout`` seconds pass first)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._holder == name)
+            return self._cond.wait_for(lambda: self._holder == name, timeout)
 
     def pass_on(self, name: str, *, finished: bool = False) -> None:
         with self._cond:

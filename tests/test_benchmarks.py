@@ -123,11 +123,12 @@ def test_sft_throughput_turns_alternate_blocks_of_steps_and_skip_finished_traine
     turns = bench.Turns(["a", "b", "c"])
     order = []
     for name in ("a", "b", "c", "a"):
-        turns.wait(name)  # returns at once: it is this name's turn
+        assert turns.wait(name, timeout=5)  # at once: it is this name's turn
         order.append(name)
         turns.pass_on(name)
     turns.pass_on("b", finished=True)
-    turns.wait("c")  # b finished: the turn skips it
+    assert turns.wait("c", timeout=5)  # b finished: the turn skips it
+    assert not turns.wait("a", timeout=0.1)  # c holds the turn
     turns.pass_on("c")
-    turns.wait("a")
+    assert turns.wait("a", timeout=5)
     assert order == ["a", "b", "c", "a"]
