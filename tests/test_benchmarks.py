@@ -126,9 +126,8 @@ def test_sft_throughput_turns_alternate_blocks_of_steps_and_skip_finished_traine
         assert turns.wait(name, timeout=5)  # at once: it is this name's turn
         order.append(name)
         turns.pass_on(name)
-    turns.pass_on("b", finished=True)
-    assert turns.wait("c", timeout=5)  # b finished: the turn skips it
-    assert not turns.wait("a", timeout=0.1)  # c holds the turn
-    turns.pass_on("c")
-    assert turns.wait("a", timeout=5)
+    turns.pass_on("c", finished=True)  # c ends while b holds the turn
+    assert not turns.wait("a", timeout=0.1)  # b still holds it
+    turns.pass_on("b")
+    assert turns.wait("a", timeout=5)  # c finished: the turn skips it
     assert order == ["a", "b", "c", "a"]
