@@ -4,6 +4,7 @@ token (two variants sample different completions), agreement only where some com
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,3 +72,62 @@ def test_eval_throughput_agreement_counts_only_questions_someone_answered():
         pair("no idea", "so 42"),  # one side answered: comparable, disagree
     ]
     assert bench.agreement(pairs) == ([0], [0, 2, 3])
+
+
+def test_sft_throughput_runs_the_variants_side_by_side_and_prints_their_ratio(monkeypatch, capsys):
+    """Smoke run on the tiny model: both variants train, take turns, and are compared (no timing asserted)."""
+    pytest.importorskip("trl")
+    bench = load("sft_throughput")
+    argv = [
+        "sft_throughput.py",
+        "--tiny",
+        "--steps",
+        "1",
+        "--repeats",
+        "2",
+        "--batch",
+        "2",
+        "--max-length",
+        "512",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if " tok/s, " in line}  # one per variant
+    for name in ("trl", "posttrain"):
+        assert "of the matmul limit" in lines[name]
+        assert "steps " in lines[name] and lines[name].count(" s;") >= 1
+    assert "posttrain / TRL defaults = " in out and "x tokens/s" in out
+    assert "matmul limit (torch.float32" in out
+    # Same seed, same rows: both variants trained on the same batches.
+    tokens = {
+        name: re.search(r"(\d+) real tokens/step", lines[name]).group(1) for name in ("trl", "posttrain")
+    }
+    assert tokens["trl"] == tokens["posttrain"]
+
+
+def test_sft_throughput_counts_real_tokens_and_the_share_of_the_matmul_limit():
+    bench = load("sft_throughput")
+    trl = bench.Measured(wall=[2.0, 2.0], cpu=[4.0, 4.0], tokens=[100, 300], positions=[200, 400])
+    line = bench.report("trl", trl, params=1_000_000, limit_gflops=1.2)
+    # 400 tokens in 4 s = 100 tok/s; 6 x 1M x 100 = 0.6 GFLOP/s, half of 1.2; 200 of 600 positions padding
+    assert "100.0 tok/s" in line and "50.0% of the matmul limit" in line and "33% padding" in line
+    faster = bench.Measured(wall=[1.0], cpu=[2.0], tokens=[200], positions=[200])
+    assert bench.versus_trl({"trl": trl, "posttrain": faster}) == [
+        "posttrain / TRL defaults = 2.00x tokens/s (2.00x tokens per CPU-s)"
+    ]
+
+
+def test_sft_throughput_turns_alternate_blocks_of_steps_and_skip_finished_trainers():
+    bench = load("sft_throughput")
+    turns = bench.Turns(["a", "b", "c"])
+    order = []
+    for name in ("a", "b", "c", "a"):
+        assert turns.wait(name, timeout=5)  # at once: it is this name's turn
+        order.append(name)
+        turns.pass_on(name)
+    turns.pass_on("c", finished=True)  # c ends while b holds the turn
+    assert not turns.wait("a", timeout=0.1)  # b still holds it
+    turns.pass_on("b")
+    assert turns.wait("a", timeout=5)  # c finished: the turn skips it
+    assert order == ["a", "b", "c", "a"]

@@ -12,6 +12,7 @@ model is not taught to reproduce the system prompt and the question).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from posttrain.training.trl_compat import carry_token_count, compact_fused_head_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_sft", "sft_dataset"]
+__all__ = ["make_sft_trainer", "run_sft", "sft_dataset"]
 
 
 def sft_dataset(train_dataset: Any, num_examples: int | None = None):
@@ -41,6 +42,37 @@ def sft_dataset(train_dataset: Any, num_examples: int | None = None):
         ds = build_sft_dataset(ds)
     extra = [c for c in ds.column_names if c not in ("prompt", "completion")]
     return ds.remove_columns(extra) if extra else ds
+
+
+def make_sft_trainer(
+    sft_cfg: SFTStageConfig,
+    model_cfg: ModelConfig,
+    model_path: str | Path,
+    train_dataset: Any,
+    ctx: StageContext,
+    *,
+    eval_dataset: Any = None,
+    callbacks: Sequence[Any] = (),
+):
+    """The stage's ``SFTTrainer``, ready to ``train()``: ``(trainer, tokenizer, train rows)``
+    (shared with benchmarks/sft_throughput.py, which measures it against TRL's defaults)."""
+    from trl import SFTConfig, SFTTrainer  # heavy: deferred until needed
+
+    compact_fused_head_on_cpu()
+    data = sft_dataset(train_dataset, sft_cfg.num_examples)
+    model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
+    args = SFTConfig(**trainer_arguments(ctx, sft_cfg.trainer_options()))
+    eval_data = sft_dataset(eval_dataset) if eval_dataset is not None else None
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        eval_dataset=eval_data,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=list(callbacks),
+    )
+    return trainer, tokenizer, data
 
 
 def run_sft(
@@ -62,20 +94,8 @@ def run_sft(
     options = sft_cfg.trainer_options()
 
     def train(ctx: StageContext) -> TrainOutcome:
-        from trl import SFTConfig, SFTTrainer  # heavy: deferred until needed
-
-        compact_fused_head_on_cpu()
-        data = sft_dataset(train_dataset, sft_cfg.num_examples)
-        model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
-        args = SFTConfig(**trainer_arguments(ctx, options))
-        eval_data = sft_dataset(eval_dataset) if eval_dataset is not None else None
-        trainer = SFTTrainer(
-            model=model,
-            args=args,
-            train_dataset=data,
-            eval_dataset=eval_data,
-            processing_class=tokenizer,
-            peft_config=peft_config,
+        trainer, tokenizer, data = make_sft_trainer(
+            sft_cfg, model_cfg, model_path, train_dataset, ctx, eval_dataset=eval_dataset
         )
         carry_token_count(trainer, ctx.resume_from)
         return TrainOutcome.from_trainer(
