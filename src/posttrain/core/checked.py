@@ -13,14 +13,14 @@ a remembered result is what the check returned. ``POSTTRAIN_CHECK_MEMO=0`` turns
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import secrets
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
+
+from posttrain.core.hashing import package_versions, sha256_file, stable_hash
 
 __all__ = ["memo_dir", "remembered_check"]
 
@@ -47,31 +47,18 @@ def _plain(value: Any) -> bool:
     return type(value) in _PLAIN
 
 
-@functools.cache
-def _versions(packages: tuple[str, ...]) -> dict[str, str]:
-    found = {}
-    for name in packages:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = "not installed"
-    return found
+_versions = functools.cache(package_versions)  # once per process: versions do not change under it
 
 
 @functools.cache
 def _source_digest(source: str) -> str:
-    return hashlib.sha256(Path(source).read_bytes()).hexdigest()
+    return sha256_file(Path(source))
 
 
 def _key(name: str, options: Any, packages: Sequence[str], source: str) -> str | None:
     if not _plain(options):
         return None
-    blob = json.dumps(
-        [name, options, _versions(tuple(packages)), _source_digest(source)],
-        sort_keys=True,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return stable_hash([name, options, _versions(tuple(packages)), _source_digest(source)])
 
 
 def remembered_check(
