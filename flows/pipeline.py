@@ -21,16 +21,20 @@ from posttrain.core.config import PipelineConfig
 from posttrain.core.hashing import remembered_digests
 from posttrain.core.metric_names import slices_of
 from posttrain.core.redact import redact, redact_override
-from posttrain.flows.prefect_compat import redact_stored_parameters, store_parameters_redacted
+from posttrain.flows.prefect_compat import (
+    forget_absent_limits,
+    redact_stored_parameters,
+    store_parameters_redacted,
+)
 from posttrain.flows.prefect_ui import emit_health_alerts, posttrain_logs_to_prefect
 from posttrain.flows.runner import PipelineSummary, PlanRunner, StepOutcome, run_plan
 from posttrain.pipeline import load_config
-from posttrain.pipeline.plan import Step, TrainStep, build_plan, dry_run
+from posttrain.pipeline.plan import EvalStep, Step, TrainStep, build_plan, dry_run
 from posttrain.pipeline.records import StoreRecords
 from posttrain.pipeline.steps import base_model
 from posttrain.pipeline.store import Store
 from posttrain.pipeline.validation import check_rewards
-from posttrain.tasks.steps import step_task
+from posttrain.tasks.steps import GPU_TAG, task_for
 from posttrain.tracking import StageRun
 
 logger = logging.getLogger(__name__)
@@ -43,6 +47,7 @@ __all__ = [
     "preview",
     "redact_run_parameters",
     "run_config",
+    "set_gpu_slots",
 ]
 
 
@@ -52,9 +57,15 @@ class _PrefectRunner(PlanRunner):
     _task_run_id: Any = None
 
     def execute(self, step: Step, call: dict[str, Any], run: StageRun) -> Any:
-        state = step_task(**call, report_to=run.report_to, return_state=True)
+        state = task_for(step)(**call, report_to=run.report_to, return_state=True)
         self._task_run_id = state.state_details.task_run_id
         return state.result()
+
+    def submit(self, step: EvalStep, call: dict[str, Any]) -> Any:
+        """With ``orchestration.concurrent_evals``, the evaluation goes to the flow's task runner."""
+        if not self.cfg.orchestration.concurrent_evals:
+            return None
+        return task_for(step).submit(**call)
 
     def after_training(self, step: TrainStep, result: Any, run: StageRun) -> None:
         emit_health_alerts(
@@ -72,6 +83,8 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
     cfg = config
     check_rewards(cfg, cfg.name)  # parameters may come from anyone who can trigger a deployment
     plan = build_plan(cfg)
+    if cfg.orchestration.gpu_slots is not None:
+        set_gpu_slots(cfg.orchestration.gpu_slots)
     with posttrain_logs_to_prefect():
         summary = run_plan(plan, force or (), _PrefectRunner)
         create_markdown_artifact(
@@ -96,6 +109,16 @@ def run_config(
     redact_stored_parameters(redact_run_parameters)
     cfg = load_config(config, overrides or ())
     return posttrain_pipeline(cfg, force=force)
+
+
+def set_gpu_slots(slots: int) -> None:
+    """Set the Prefect server's tag concurrency limit ``gpu`` to ``slots``: created or updated
+    (Prefect's endpoint is an upsert; ``prefect concurrency-limit create gpu N`` makes the same call)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=slots)
+    forget_absent_limits()
 
 
 def redact_run_parameters(parameters: dict[str, Any]) -> dict[str, Any]:

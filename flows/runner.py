@@ -64,6 +64,18 @@ class PipelineSummary:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class _Submitted:
+    """An evaluation running beside the walk (:meth:`PlanRunner.submit`), logged by :meth:`PlanRunner.finish`."""
+
+    step: EvalStep
+    key: str
+    inputs: StepInputs
+    reason: str
+    evaluated: str | None
+    future: Any
+
+
 class StepNotCached(RuntimeError):
     """A step of a run meant to be served from cache would have to run (see :func:`run_cached`)."""
 
@@ -90,6 +102,8 @@ class PlanRunner:
         self.final_stage = plan.training_steps[-1].name if plan.training_steps else None
         self.models: dict[str, str] = {}
         """Training step name → its MLflow LoggedModel id (evaluations log against it)."""
+        self.step_names = plan.names
+        self._pending: list[_Submitted] = []
 
     def __call__(self, step: Step, key: str | None, inputs: StepInputs) -> Any:
         assert key is not None, "the flow always knows its inputs"
@@ -117,18 +131,63 @@ class PlanRunner:
         else:
             call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
             call["output_dir"] = str(output_dir)
-            with self.tracker.stage(
-                step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key
-            ) as run:
+            if isinstance(step, EvalStep) and (future := self.submit(step, call)) is not None:
+                # Nothing downstream needs an evaluation: the walk goes on; :meth:`finish` waits.
+                self._pending.append(_Submitted(step, key, inputs, decision.reason, evaluated, future))
+                return None
+            with self._stage_run(step, key) as run:
                 result = self.execute(step, call, run)
-                self._record(step, key, inputs, result)
-                _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
-                if isinstance(step, TrainStep):
-                    if self.cfg.launch_of(step.section(self.cfg)).launcher == "accelerate":
-                        # Its processes report to no tracker: the history rank 0 kept, logged here.
-                        run.log_history(read_log_history(result.output_dir))
-                    self._stage_model(step, run, key, result, cached=False)
-                    self.after_training(step, result, run)
+                self._ran(step, key, inputs, result, run, evaluated)
+        self._conclude(step, key, decision.reason, result, ran=not cached)
+        return result
+
+    def submit(self, step: EvalStep, call: dict[str, Any]) -> Any:
+        """Start evaluation ``step`` beside what follows it and return its future (with a blocking
+        ``result()``), or None to run it now like any step (the default)."""
+        return None
+
+    def finish(self, *, raise_errors: bool = True) -> None:
+        """Wait for the submitted evaluations, in plan order, and log each into its MLflow run as if
+        it had run in place. Every one is waited for, so none is still writing into the store when
+        the run ends; the first failure is raised afterwards (unless ``raise_errors`` is false: the
+        walk failed already and that is the error to report)."""
+        pending, self._pending = self._pending, []
+        first_error: BaseException | None = None
+        for sub in pending:
+            try:
+                with self._stage_run(sub.step, sub.key) as run:
+                    result = sub.future.result()
+                    self._ran(sub.step, sub.key, sub.inputs, result, run, sub.evaluated)
+                self._conclude(sub.step, sub.key, sub.reason, result, ran=True)
+            except Exception as exc:  # noqa: BLE001 - the others are still waited for
+                first_error = first_error or exc
+                logger.error("%s failed: %s", sub.step.name, exc)
+        order = {name: i for i, name in enumerate(self.step_names)}
+        self.summary.outcomes.sort(key=lambda o: order[o.step])
+        if first_error is not None and raise_errors:
+            raise first_error
+
+    def _stage_run(self, step: Step, key: str) -> Any:
+        return self.tracker.stage(step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key)
+
+    def _ran(
+        self, step: Step, key: str, inputs: StepInputs, result: Any, run: StageRun, evaluated: str | None
+    ) -> None:
+        """What follows a step that ran, inside its MLflow run: its cache record, its logged result,
+        and for a training stage its history, LoggedModel and health alerts."""
+        self._record(step, key, inputs, result)
+        _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
+        if isinstance(step, TrainStep):
+            if self.cfg.launch_of(step.section(self.cfg)).launcher == "accelerate":
+                # Its processes report to no tracker: the history rank 0 kept, logged here.
+                run.log_history(read_log_history(result.output_dir))
+            self._stage_model(step, run, key, result, cached=False)
+            self.after_training(step, result, run)
+
+    def _conclude(self, step: Step, key: str, reason: str, result: Any, *, ran: bool) -> None:
+        """The step's shared copy and its line in the summary."""
+        cached = not ran
+        output_dir = step.output_dir(self.store, key)
         if self.shared is not None:
             # A step that ran replaces the shared copy: it was missing, failed verification or forced.
             self.shared.push(step.kind, key, output_dir, result, replace=not cached)
@@ -137,15 +196,14 @@ class PlanRunner:
             StepOutcome(
                 step.name,
                 status,
-                decision.reason,
+                reason,
                 key,
                 step.output_of(result),
                 step.metrics_of(result),
                 step.kind,
             )
         )
-        logger.info("%-22s %-6s %s", step.name, decision.status, decision.reason)
-        return result
+        logger.info("%-22s %-6s %s", step.name, "cached" if cached else "run", reason)
 
     def execute(self, step: Step, call: dict[str, Any], run: StageRun) -> Any:
         """Run ``step`` (``call``: the step task's arguments) inside its MLflow ``run``; its result."""
@@ -230,7 +288,12 @@ def run_plan(plan: Plan, force: Sequence[str] = (), runner: type[PlanRunner] = P
         store.clean_interrupted_writes()
         visit = runner(plan, store, tracker, force, open_shared(cfg.orchestration.shared_store))
         with remembered_digests(visit.records.digests_path):
-            plan.walk(base_model(cfg), visit)
+            try:
+                plan.walk(base_model(cfg), visit)
+            except BaseException:
+                visit.finish(raise_errors=False)
+                raise
+            visit.finish()
         if leftovers := store.unfinished_checkpoints():  # every stage of this plan finished
             logger.warning(
                 "%d checkpoint folder(s) of unfinished stages of other configs or code: %s "

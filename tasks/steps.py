@@ -16,9 +16,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from posttrain.core.config import PipelineConfig
-from posttrain.pipeline.plan import StepInputs, build_plan
+from posttrain.pipeline.plan import Step, StepInputs, build_plan
 
-__all__ = ["step_task"]
+__all__ = ["GPU_TAG", "step_task", "task_for"]
+
+GPU_TAG = "gpu"
+"""The tag of every step that holds the accelerator (training and evaluation, not data): Prefect's
+tag concurrency limit ``gpu`` bounds how many run at once (``orchestration.gpu_slots``)."""
 
 
 @task(name="posttrain-step", task_run_name="{step}", cache_policy=NO_CACHE, persist_result=False, retries=0)
@@ -27,3 +31,8 @@ def step_task(
 ) -> Any:
     """Run plan step ``step`` of ``cfg`` on ``inputs`` into ``output_dir``."""
     return build_plan(cfg).step(step).run(cfg, inputs, output_dir, report_to=report_to)
+
+
+def task_for(step: Step) -> Any:
+    """:func:`step_task` for plan step ``step``, with the ``gpu`` tag unless it is the data step."""
+    return step_task if step.kind == "data" else step_task.with_options(tags={GPU_TAG})

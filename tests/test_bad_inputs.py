@@ -471,6 +471,14 @@ CASES = [
         "{cfg}: sft.training.launch: unknown key",
     ),
     (
+        "zero gpu slots",
+        ["orchestration.gpu_slots=0"],
+        None,
+        [],
+        {},
+        "{cfg}: orchestration.gpu_slots: Input should be greater than or equal to 1",
+    ),
+    (
         "shared store of an unknown filesystem",
         ["orchestration.shared_store=nosuchfs://bucket/posttrain"],
         None,

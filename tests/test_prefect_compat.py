@@ -254,3 +254,38 @@ def test_kubernetes_deployment_job_variables_render_a_job_requesting_gpus():
         == 2
     )
     assert gpu["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "/opt/posttrain"
+
+
+def test_a_gpu_limit_set_right_after_unlimited_task_runs_holds_at_once():
+    """Prefect remembers for 5 s that ``tag:gpu`` had no limit; set_gpu_slots makes it forget."""
+    import time
+
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency import services
+
+    from posttrain.flows.pipeline import set_gpu_slots
+
+    @task(tags={"gpu"})
+    def hold(name: str) -> tuple[str, float, float]:
+        start = time.monotonic()
+        time.sleep(1.0)
+        return name, start, time.monotonic()
+
+    @flow
+    def two_at_once() -> list[tuple[str, float, float]]:
+        hold("unlimited")  # leaves "no limit for tag:gpu" in Prefect's memory
+        assert services._no_limits_cache.get(frozenset({"tag:gpu"})), (
+            "Prefect no longer remembers absent limits"
+        )
+        set_gpu_slots(1)
+        first = hold.submit("submitted")
+        second = hold("called")
+        return sorted([first.result(), second], key=lambda span: span[1])
+
+    try:
+        (_, _, first_end), (_, second_start, _) = two_at_once()
+        assert first_end <= second_start
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_concurrency_limit_by_tag("gpu")

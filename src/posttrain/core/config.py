@@ -549,6 +549,17 @@ class OrchestrationConfig(StrictModel):
     """An fsspec URL (``file:///mnt/shared/posttrain``, ``s3://bucket/posttrain``) where finished step
     outputs are shared between workers: pulled into ``store`` when missing, pushed when finished
     (:mod:`posttrain.pipeline.shared`)."""
+    concurrent_evals: bool = False
+    """The Prefect flow submits each evaluation to its task runner and trains the next stage while
+    it runs, and waits for them all before it ends (the MLflow eval runs are written then). Off by
+    default: on one device an evaluation beside a training stage only slows both; set
+    ``gpu_slots`` to queue them for the device instead. Changes no cache key."""
+    gpu_slots: int | None = Field(default=None, ge=1)
+    """At most this many posttrain steps run at once on this Prefect server: every training and
+    evaluation task carries the tag ``gpu``, and the flow sets Prefect's tag concurrency limit
+    ``gpu`` to this value as it starts (``prefect concurrency-limit create gpu N`` does the same by
+    hand). The limit holds across flow runs, sweep points and workers sharing the server; null
+    leaves whatever limit the server has."""
 
 
 class PipelineConfig(StrictModel):
