@@ -502,3 +502,43 @@ def test_managed_stages_get_a_free_group_port_unless_they_set_one(tmp_path):
     own = GRPOStageConfig.model_validate({**STAGE, "trainer": {**STAGE["trainer"], "vllm_group_port": 51216}})
     assert GRPOConfig(**grpo_arguments(own, ctx, server)).vllm_group_port == 51216  # the user's choice
     assert "vllm_group_port" not in grpo_arguments(stage, ctx)  # no managed server: TRL's own default
+
+
+def test_an_adapter_output_is_served_merged_from_a_scratch_folder(fake, tmp_path, tiny_model_dir):
+    """The server loads the evaluated weights: for an adapter output the chain merged onto its base
+    (not the base alone, as a GRPO stage's server may), in a folder that goes away with the server."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.core.config import LoraConfig
+    from posttrain.evaluation.served import eval_server
+    from posttrain.models import artifacts
+    from posttrain.models.loading import build_peft_config, load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(str(tiny_model_dir), "fp32", for_training=True)
+    policy = get_peft_model(model, build_peft_config(LoraConfig(r=4, alpha=8)))
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            param.data.fill_(0.01)
+    policy.eval()
+    adapter = tmp_path / "adapter"
+    assert artifacts.save_policy(policy, tokenizer, adapter, adapter_policy="adapter") == "adapter"
+    (adapter / "stage.json").write_text(json.dumps({"adapter": {"base": str(tiny_model_dir)}}))
+    server_cfg, command, _ = fake
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model_cfg = ModelConfig(name=str(tiny_model_dir), precision="fp32")
+    with eval_server(server_cfg, model_cfg, str(adapter), tmp_path / "work", command=command()) as (
+        _,
+        served,
+    ):
+        assert not artifacts.is_adapter_dir(served) and served != str(tiny_model_dir)
+        with torch.no_grad():
+            merged = AutoModelForCausalLM.from_pretrained(served, dtype=torch.float32)
+            assert torch.allclose(merged(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5)
+    assert not Path(served).exists()
+    with eval_server(server_cfg, model_cfg, str(tiny_model_dir), tmp_path / "work", command=command()) as (
+        _,
+        s,
+    ):
+        assert s == str(tiny_model_dir)  # a full model is served from its own folder
