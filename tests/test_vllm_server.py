@@ -4,6 +4,7 @@ process group is checked too. No GPU, no vLLM, no TRL server."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -21,8 +22,9 @@ from posttrain.pipeline.validation import check_vllm_server, managed_vllm_stages
 
 FAKE_SERVER = textwrap.dedent(
     """
-    import http.server, subprocess, sys, time
+    import http.server, json, subprocess, sys, time
     port, pids, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    replies, requests = (sys.argv[4], sys.argv[5]) if len(sys.argv) > 5 else (None, None)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # an engine process
     with open(pids, "w") as fh:
         fh.write(f"{child.pid}\\n")
@@ -33,15 +35,47 @@ FAKE_SERVER = textwrap.dedent(
     if mode == "hang":  # never listens: what a server stuck in start-up looks like
         time.sleep(600)
 
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
+    def complete(body):
+        # vLLM's /v1/completions as TRL's client reads it: sample j of every prompt is reply j (token
+        # ids from the test), cut at max_tokens; choices come back out of order (only `index` says).
+        fixed = json.load(open(replies))
+        choices = []
+        for i, _ in enumerate(body["prompt"]):
+            for j in range(body["n"]):
+                ids = fixed[j % len(fixed)]
+                cut = ids[: body["max_tokens"]]
+                reason = "length" if len(cut) < len(ids) else "stop"
+                choices.append({"index": i * body["n"] + j, "token_ids": cut, "finish_reason": reason})
+        return {"choices": choices[::-1]}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self, code, payload=None):
+            data = json.dumps(payload).encode() if payload is not None else b""
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
             self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self.answer(200)
+            elif self.path == "/v1/models" and replies:
+                self.answer(200, {"data": [{"id": "served-model"}]})
+            else:
+                self.answer(404)
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/v1/completions" or not replies:
+                return self.answer(404)
+            with open(requests, "a") as fh:
+                fh.write(json.dumps(body) + "\\n")
+            self.answer(200, complete(body))
 
         def log_message(self, *args):
             pass
 
-    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
     """
 )
 
@@ -60,8 +94,14 @@ def fake(tmp_path):
     pids = tmp_path / "pids"
     cfg = VLLMServerConfig(gpus=[1], port=free_port(), timeout_s=60)
 
-    def command(mode: str = "serve") -> list[str]:
-        return [sys.executable, str(script), str(cfg.port), str(pids), mode]
+    def command(mode: str = "serve", replies: list[list[int]] | None = None) -> list[str]:
+        """The stand-in's command line; with ``replies`` it also answers /v1/completions with them
+        and appends each request's JSON body to ``tmp_path/requests.jsonl``."""
+        cmd = [sys.executable, str(script), str(cfg.port), str(pids), mode]
+        if replies is not None:
+            (tmp_path / "replies.json").write_text(json.dumps(replies))
+            cmd += [str(tmp_path / "replies.json"), str(tmp_path / "requests.jsonl")]
+        return cmd
 
     return cfg, command, pids
 
@@ -288,3 +328,217 @@ def test_the_same_host_and_port_in_the_trainer_are_accepted():
     cfg = parse_config(with_trainer(vllm_server_host="127.0.0.1", vllm_server_port=8000), "cfg.yaml")
     check_vllm_server(cfg, "cfg.yaml")
     assert managed_vllm_stages(cfg) == [0]
+
+
+# --------------------------------------------------------------------------- evaluation through the server
+
+QUESTIONS = [("What is 40 plus 2?", 42), ("What is 5 plus 2?", 7), ("What is 21 times 2?", 42)]
+
+
+def eval_config(tiny_model_dir, tmp_path, port: int, **eval_options):
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": f"#### {a}"}) + "\n" for q, a in QUESTIONS))
+    eval_cfg = {"data": "local", "path": str(data), "backend": "vllm_server", "max_new_tokens": 64}
+    return parse_config(
+        {
+            "name": "x",
+            "model": {"name": str(tiny_model_dir), "precision": "fp32"},
+            "eval": {**eval_cfg, **eval_options},
+            "vllm_server": {"gpus": [1], "port": port, "timeout_s": 60},
+        }
+    )
+
+
+def requests_sent(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("max_new_tokens", "truncated"),
+    [
+        (64, False),  # the whole reply, ending in EOS
+        (3, True),  # cut by eval.max_new_tokens: the server must be asked for 3 tokens
+    ],
+)
+def test_eval_step_generates_through_the_server_and_stops_it(
+    fake, tmp_path, tiny_model_dir, tiny_tokenizer, max_new_tokens, truncated
+):
+    from posttrain.evaluation.report import EvalReport
+    from posttrain.pipeline.steps import ModelRef, eval_step
+
+    server_cfg, command, pids = fake
+    reply = [
+        *tiny_tokenizer("The answer is 42.", add_special_tokens=False)["input_ids"],
+        tiny_tokenizer.eos_token_id,
+    ]
+    cfg = eval_config(tiny_model_dir, tmp_path, server_cfg.port, max_new_tokens=max_new_tokens)
+    out = tmp_path / "eval-baseline"
+    result = eval_step(
+        cfg,
+        "baseline",
+        ModelRef(str(tiny_model_dir), "f"),
+        None,
+        out,
+        server_command=command(replies=[reply]),
+    )
+    child = int(pids.read_text())
+    assert gone(child)
+    with pytest.raises(OSError):
+        health(ServerAddress(server_cfg.host, server_cfg.port))
+
+    expected = tiny_tokenizer.decode(reply[:max_new_tokens], skip_special_tokens=True)
+    report = EvalReport.load(out)
+    assert [r.completion for r in report.records] == [expected] * 3
+    assert [r.truncated for r in report.records] == [truncated] * 3
+    assert [r.tokens for r in report.records] == [min(len(reply), max_new_tokens)] * 3
+    assert [r.correct_flexible for r in report.records] == ([False] * 3 if truncated else [True, False, True])
+    assert result.summary["accuracy_flexible"] == pytest.approx(0 if truncated else 2 / 3)
+    assert "loading model weights" in (out / "vllm_server.log").read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith("served-")]  # no scratch folder left
+
+    [body] = requests_sent(tmp_path)  # one request, the hf backend's sampling settings
+    assert (body["model"], body["n"], body["temperature"], body["max_tokens"]) == (
+        "served-model",
+        1,
+        0.0,
+        max_new_tokens,
+    )
+    assert tiny_tokenizer.eos_token_id in body["stop_token_ids"] and body["return_token_ids"] is True
+    prompts = [tiny_tokenizer.decode(p) for p in body["prompt"]]
+    assert [q in p for (q, _), p in zip(QUESTIONS, prompts, strict=True)] == [True] * 3
+
+
+def test_samples_come_back_per_prompt_in_order(fake, tmp_path, tiny_model_dir, tiny_tokenizer):
+    """pass@k through the server: n samples per prompt, sample j of each prompt where it belongs."""
+    from posttrain.core.config import EvalConfig
+    from posttrain.evaluation import evaluate
+
+    server_cfg, command, _ = fake
+    words = ["The answer is 42.", "It is 7."]
+    replies = [tiny_tokenizer(w, add_special_tokens=False)["input_ids"] for w in words]
+    records = [{"id": str(i), "question": q, "answer": str(a)} for i, (q, a) in enumerate(QUESTIONS)]
+    cfg = EvalConfig(backend="vllm_server", pass_k=2, temperature=0.7, seed=5, max_new_tokens=32)
+    with vllm_server(server_cfg, "m", tmp_path / "log", command=command(replies=replies)) as address:
+        report = evaluate(str(tiny_model_dir), records, cfg, server=address)
+    assert [[s.completion for s in r.samples] for r in report.records] == [words] * 3
+    assert [r.num_correct_flexible for r in report.records] == [1, 1, 1]
+    [body] = requests_sent(tmp_path)
+    assert (body["n"], body["temperature"], body["seed"]) == (2, 0.7, 5)
+
+
+def test_the_server_is_stopped_when_scoring_fails(
+    fake, tmp_path, tiny_model_dir, tiny_tokenizer, monkeypatch
+):
+    import posttrain.evaluation.evaluator as evaluator
+    from posttrain.pipeline.steps import ModelRef, eval_step
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("scoring failed")
+
+    monkeypatch.setattr(evaluator, "score_completion", broken)
+    server_cfg, command, pids = fake
+    cfg = eval_config(tiny_model_dir, tmp_path, server_cfg.port)
+    out = tmp_path / "eval-baseline"
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        eval_step(
+            cfg,
+            "baseline",
+            ModelRef(str(tiny_model_dir), "f"),
+            None,
+            out,
+            server_command=command(replies=[[1]]),
+        )
+    assert requests_sent(tmp_path)  # it did generate through the server before scoring
+    assert gone(int(pids.read_text()))
+    with pytest.raises(OSError):
+        health(ServerAddress(server_cfg.host, server_cfg.port))
+    assert not out.exists()
+
+
+def test_eval_through_the_server_fails_in_one_line_on_a_cpu_before_loading(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    import posttrain.evaluation.served as served
+    import posttrain.generation.vllm_server as module
+    from posttrain.core.errors import HardwareError
+    from posttrain.pipeline.steps import ModelRef, eval_step
+
+    monkeypatch.setattr(module, "cuda_available", lambda: False)
+    monkeypatch.setattr(served, "servable_model", lambda *a: pytest.fail("loaded a model"))
+    cfg = eval_config(tiny_model_dir, tmp_path, free_port())
+    out = tmp_path / "eval-baseline"
+    with pytest.raises(HardwareError, match="^vllm_server: a managed vLLM server needs a CUDA GPU") as err:
+        eval_step(cfg, "baseline", ModelRef(str(tiny_model_dir), "f"), None, out)
+    assert "\n" not in str(err.value) and not out.exists()
+
+
+def test_eval_backend_vllm_server_without_the_section_is_a_config_error(tmp_path):
+    from posttrain.cli import main
+
+    raw = {"name": "x", "model": {"name": "m"}, "eval": {"backend": "vllm_server"}}
+    with pytest.raises(ConfigError) as err:
+        check_vllm_server(parse_config(raw, "cfg.yaml"), "cfg.yaml")
+    assert str(err.value).startswith("cfg.yaml: eval.backend: vllm_server needs a vllm_server: section")
+    assert "\n" not in str(err.value)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(json.dumps(raw))  # JSON is YAML
+    assert main(["validate", str(path)]) == 2
+
+
+# --------------------------------------------------------------------------- TRL's weight-sync group port
+
+
+def test_managed_stages_get_a_free_group_port_unless_they_set_one(tmp_path):
+    from trl import GRPOConfig
+
+    from posttrain.training.grpo import grpo_arguments
+    from posttrain.training.runner import StageContext
+
+    ctx = StageContext(stage="grpo-s", work_dir=tmp_path, precision="fp32", seed=0, report_to="none")
+    server = ServerAddress("127.0.0.1", 8123)
+    stage = GRPOStageConfig.model_validate(STAGE)
+    ports = [GRPOConfig(**grpo_arguments(stage, ctx, server)).vllm_group_port for _ in range(2)]
+    assert 51216 not in ports and ports[0] != ports[1]  # two stages (or runs) on one machine
+    own = GRPOStageConfig.model_validate({**STAGE, "trainer": {**STAGE["trainer"], "vllm_group_port": 51216}})
+    assert GRPOConfig(**grpo_arguments(own, ctx, server)).vllm_group_port == 51216  # the user's choice
+    assert "vllm_group_port" not in grpo_arguments(stage, ctx)  # no managed server: TRL's own default
+
+
+def test_an_adapter_output_is_served_merged_from_a_scratch_folder(fake, tmp_path, tiny_model_dir):
+    """The server loads the evaluated weights: for an adapter output the chain merged onto its base
+    (not the base alone, as a GRPO stage's server may), in a folder that goes away with the server."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.core.config import LoraConfig
+    from posttrain.evaluation.served import eval_server
+    from posttrain.models import artifacts
+    from posttrain.models.loading import build_peft_config, load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(str(tiny_model_dir), "fp32", for_training=True)
+    policy = get_peft_model(model, build_peft_config(LoraConfig(r=4, alpha=8)))
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            param.data.fill_(0.01)
+    policy.eval()
+    adapter = tmp_path / "adapter"
+    assert artifacts.save_policy(policy, tokenizer, adapter, adapter_policy="adapter") == "adapter"
+    (adapter / "stage.json").write_text(json.dumps({"adapter": {"base": str(tiny_model_dir)}}))
+    server_cfg, command, _ = fake
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model_cfg = ModelConfig(name=str(tiny_model_dir), precision="fp32")
+    with eval_server(server_cfg, model_cfg, str(adapter), tmp_path / "work", command=command()) as (
+        _,
+        served,
+    ):
+        assert not artifacts.is_adapter_dir(served) and served != str(tiny_model_dir)
+        with torch.no_grad():
+            merged = AutoModelForCausalLM.from_pretrained(served, dtype=torch.float32)
+            assert torch.allclose(merged(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5)
+    assert not Path(served).exists()
+    with eval_server(server_cfg, model_cfg, str(tiny_model_dir), tmp_path / "work", command=command()) as (
+        _,
+        s,
+    ):
+        assert s == str(tiny_model_dir)  # a full model is served from its own folder

@@ -214,7 +214,7 @@ def _check_machine(cfg, source: str) -> None:
     """What a config needs of this machine that only running it needs (a GPU config still
     validates on a laptop): a managed vLLM server's CUDA and vLLM, checked before the store is
     locked or a model loads."""
-    if managed_vllm_stages(cfg):
+    if managed_vllm_stages(cfg) or cfg.eval.backend == "vllm_server":
         try:
             check_vllm_server()
         except HardwareError as exc:

@@ -490,7 +490,12 @@ class EvalConfig(_EvalSource):
     max_new_tokens: int = Field(256, ge=1)
     batch_size: int = Field(64, ge=1)
     """Rows decoded together. 64 is ~28% faster than 32 for SmolLM2 on 2 CPU cores (bf16)."""
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["hf", "vllm", "vllm_server"] = "hf"
+    """How completions are generated: ``hf`` (posttrain's continuous-batching engine on the model
+    in memory; CPU or GPU), ``vllm`` (an offline vLLM engine in the evaluation's own process; CUDA +
+    vLLM) or ``vllm_server`` (the managed ``trl vllm-serve`` of the ``vllm_server:`` section, which
+    is then required, started for each evaluation step on the evaluated model and stopped after;
+    CUDA + vLLM). All three use the same sampling settings and the same scoring."""
     pass_k: int = Field(1, ge=1)
     temperature: float = Field(0.0, ge=0)
     """0 = greedy; pass@k > 1 needs temperature > 0."""

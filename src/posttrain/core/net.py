@@ -1,4 +1,5 @@
 """Is a server there? One quick HTTP request, so a run fails in seconds instead of retrying for minutes.
+And which port is free, for a server posttrain will start.
 
 MLflow's client retries a refused connection with backoff for minutes, and Prefect's client
 likewise; a run that only finds out inside its first logging call has already taken the store's
@@ -13,7 +14,7 @@ import urllib.request
 
 from posttrain.core.redact import redact_text
 
-__all__ = ["PREFLIGHT_TIMEOUT_S", "unreachable"]
+__all__ = ["PREFLIGHT_TIMEOUT_S", "free_port", "unreachable"]
 
 PREFLIGHT_TIMEOUT_S = 4.0
 """Per request; the CLI makes at most two (MLflow, Prefect), so it fails within ten seconds."""
@@ -48,3 +49,17 @@ def unreachable(url: str, timeout: float = PREFLIGHT_TIMEOUT_S) -> str | None:
         return f"{redact_text(url)}: no answer within {timeout:g} s"
     except (OSError, ValueError) as exc:
         return f"{redact_text(url)}: {exc}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at ``host`` now, as the kernel picks one for port 0.
+
+    The socket is closed before the port is used, so another process could take it in between;
+    the kernel hands out ephemeral ports in turn, which makes that rare.
+
+    >>> 0 < free_port() < 65536
+    True
+    """
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

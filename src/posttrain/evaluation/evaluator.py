@@ -33,6 +33,8 @@ from posttrain.generation.engine import (
     pad_token_id,
     stop_token_ids,
 )
+from posttrain.generation.vllm_server import ServerAddress
+from posttrain.generation.vllm_server_client import generate_via_server
 from posttrain.models.hardware import resolve_dtype
 from posttrain.models.loading import load_model_and_tokenizer, load_tokenizer
 from posttrain.models.resolve import resolve_model_path
@@ -62,6 +64,10 @@ def _records(dataset: Any, limit: int | None) -> list[dict[str, Any]]:
     return records
 
 
+_SERVED = ("vllm", "vllm_server")
+"""Backends whose model is loaded by vLLM, not here: evaluation only needs the tokenizer."""
+
+
 def _load(
     model: Any, tokenizer: Any, precision: str | None, backend: str
 ) -> tuple[Any, Any, str, str | None]:
@@ -70,13 +76,15 @@ def _load(
         model, tokenizer = model
     if isinstance(model, (str, Path)):
         name = str(model)
-        if backend == "vllm":
+        if backend in _SERVED:
             path = resolve_model_path(name)
             return None, tokenizer or load_tokenizer(path), name, path
         loaded, loaded_tokenizer = load_model_and_tokenizer(name, precision or "auto")
         return loaded, tokenizer or loaded_tokenizer, name, None
-    if backend == "vllm":
-        raise ValueError("the vLLM backend loads the model itself: pass a model path or name, not an object")
+    if backend in _SERVED:
+        raise ValueError(
+            f"the {backend} backend's model is loaded by vLLM: pass a model path or name, not an object"
+        )
     if tokenizer is None:
         raise ValueError(
             "pass the tokenizer along with an in-memory model (tokenizer=... or (model, tokenizer))"
@@ -184,6 +192,7 @@ def evaluate(
     data_name: str | None = None,
     refill_at: float = DEFAULT_REFILL_AT,
     progress: bool = False,
+    server: ServerAddress | None = None,
 ) -> EvalReport:
     """Generate for and score every example of ``dataset``; return the report.
 
@@ -195,6 +204,10 @@ def evaluate(
     from ``system_prompt`` and ``few_shot``. ``cfg.limit`` keeps the first N. ``num_samples``
     (default ``cfg.pass_k``) samples are drawn per question when ``cfg.temperature > 0``; pass@k uses
     all of them.
+
+    With ``cfg.backend == "vllm_server"``, ``server`` is the running server that serves ``model``
+    (the pipeline's eval step starts it: :mod:`posttrain.evaluation.served`); ``model`` is then
+    only read for its tokenizer.
     """
     cfg = cfg or EvalConfig()
     samples = num_samples or cfg.pass_k
@@ -206,12 +219,28 @@ def evaluate(
         from posttrain.generation.vllm import check_vllm
 
         check_vllm()  # fail before loading anything
+    if cfg.backend == "vllm_server" and server is None:
+        raise ValueError(
+            "eval.backend: vllm_server generates through a running server: pass server= "
+            "(posttrain run starts it from the config's vllm_server: section)"
+        )
     records = _records(dataset, cfg.limit)
     start = time.perf_counter()
     model, tokenizer, name, vllm_path = _load(model, tokenizer, precision, cfg.backend)
     load_seconds = time.perf_counter() - start
     prompts = _prompt_ids(tokenizer, records, system_prompt, few_shot)
-    if vllm_path is not None:
+    if cfg.backend == "vllm_server":
+        assert server is not None
+        groups, stats = generate_via_server(
+            server,
+            prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_ids=stop_token_ids(None, tokenizer),
+            samples=samples,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+        )
+    elif vllm_path is not None:
         from posttrain.generation.vllm import generate_vllm
 
         stop = stop_token_ids(None, tokenizer)

@@ -80,7 +80,7 @@ def check_vllm_server() -> None:
     if not cuda_available():
         raise HardwareError(
             "vllm_server: a managed vLLM server needs a CUDA GPU and this machine has none; "
-            "remove vllm_server (and the stages' use_vllm) to train on a CPU"
+            "remove vllm_server (and the stages' use_vllm, eval.backend: vllm_server) to run on a CPU"
         )
     if importlib.util.find_spec("vllm") is None:
         raise HardwareError("vllm_server: vLLM is not installed: pip install 'posttrain[vllm]'")

@@ -8,13 +8,16 @@ key, is the plan's business (:mod:`posttrain.pipeline.plan`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.core.atomic import staging_dir, write_result
 from posttrain.core.config import EvalConfig, GRPOStageConfig, PipelineConfig
+from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import fingerprint_tree
 from posttrain.core.metric_names import qualify_metrics
 from posttrain.core.prompts import select_few_shot
@@ -148,35 +151,55 @@ def load_data(data: DataResult) -> PreparedData:
 
 
 def eval_step(
-    cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult, output_dir: str | Path
+    cfg: PipelineConfig,
+    stage: str,
+    model: ModelRef,
+    data: DataResult,
+    output_dir: str | Path,
+    *,
+    server_command: Sequence[str] | None = None,
 ) -> EvalResult:
     """Evaluate one model on the configured evaluation sets: the primary set's report.json +
-    examples.jsonl in ``output_dir``, each extra set's in ``output_dir/<name>``."""
+    examples.jsonl in ``output_dir``, each extra set's in ``output_dir/<name>``.
+
+    With ``eval.backend: vllm_server`` the managed server runs for the whole step (every set) and
+    is stopped before the reports are written, also when evaluation fails; its log is kept in
+    ``output_dir``. ``server_command`` replaces ``trl vllm-serve`` (tests).
+    """
     from posttrain.evaluation.evaluator import evaluate  # heavy: torch, transformers
     from posttrain.evaluation.report import report_metrics
+    from posttrain.evaluation.served import eval_server
 
-    # Adapter outputs are merged onto their base here; vLLM loads from a path itself. Loaded once
-    # for every set.
-    loaded = (
-        model.path
-        if cfg.eval.backend == "vllm"
-        else load_stage_model(
-            model.path, cfg.model.precision, cfg.model.cache_dir, revision=cfg.model.revision
-        )
-    )
-    reports = {}
-    for name, set_cfg in cfg.eval.all_sets():
-        reports[name] = evaluate(
-            loaded,
-            _set_records(cfg, set_cfg, data),
-            set_cfg,
-            precision=cfg.model.precision,
-            data_name=set_cfg.data if name is None else f"{name} ({set_cfg.data})",
-            progress=True,
-            system_prompt=cfg.data.system_prompt or None,
-            few_shot=select_few_shot(cfg.data.few_shot),
-        )
     with staging_dir(output_dir) as tmp:
+        with contextlib.ExitStack() as stack:
+            server = None
+            # Adapter outputs are merged onto their base (in memory for hf, into a folder for the
+            # server); vLLM loads from a path itself. Loaded once for every set.
+            if cfg.eval.backend == "vllm_server":
+                if cfg.vllm_server is None:
+                    raise ConfigError("eval.backend: vllm_server needs the vllm_server: section")
+                server, loaded = stack.enter_context(
+                    eval_server(cfg.vllm_server, cfg.model, model.path, tmp, command=server_command)
+                )
+            elif cfg.eval.backend == "vllm":
+                loaded = model.path
+            else:
+                loaded = load_stage_model(
+                    model.path, cfg.model.precision, cfg.model.cache_dir, revision=cfg.model.revision
+                )
+            reports = {}
+            for name, set_cfg in cfg.eval.all_sets():
+                reports[name] = evaluate(
+                    loaded,
+                    _set_records(cfg, set_cfg, data),
+                    set_cfg,
+                    precision=cfg.model.precision,
+                    data_name=set_cfg.data if name is None else f"{name} ({set_cfg.data})",
+                    progress=True,
+                    system_prompt=cfg.data.system_prompt or None,
+                    few_shot=select_few_shot(cfg.data.few_shot),
+                    server=server,
+                )
         for name, report in reports.items():
             report.save(Path(tmp, name) if name else tmp)
         primary = reports[None]

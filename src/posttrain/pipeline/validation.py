@@ -109,7 +109,13 @@ def managed_vllm_stages(cfg: PipelineConfig) -> list[int]:
 
 def check_vllm_server(cfg: PipelineConfig, source: str = "<config>") -> None:
     """With a managed ``vllm_server:``, a stage in TRL's server mode connects where posttrain starts
-    the server: its own ``vllm_server_base_url``, or a host/port that differ, would point elsewhere."""
+    the server: its own ``vllm_server_base_url``, or a host/port that differ, would point elsewhere.
+    ``eval.backend: vllm_server`` needs the section (the server's settings)."""
+    if cfg.eval.backend == "vllm_server" and cfg.vllm_server is None:
+        raise ConfigError(
+            f"{source}: eval.backend: vllm_server needs a vllm_server: section (the managed server's "
+            "gpus, port, ...); add it or choose eval.backend: hf or vllm"
+        )
     for i in managed_vllm_stages(cfg):
         options = cfg.grpo.stages[i].trainer_options()
         where = f"{source}: grpo.stages.{i}.trainer"

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import GRPOStageConfig, ModelConfig, VLLMServerConfig
+from posttrain.core.net import free_port
 from posttrain.generation.vllm_server import ServerAddress, vllm_server
 from posttrain.models.artifacts import StageResult, adapter_root
 from posttrain.models.resolve import resolve_model_path
@@ -74,8 +75,18 @@ def grpo_arguments(
 ) -> dict[str, Any]:
     """The keyword arguments of the stage's ``GRPOConfig`` (reward weights aside): its options, the
     keys posttrain manages, and a managed vLLM server's address. The address is not part of
-    :func:`grpo_options`, so it never enters the stage's cache key or ``stage.json``."""
-    return {**trainer_arguments(ctx, grpo_options(stage_cfg)), **(server.trainer_options() if server else {})}
+    :func:`grpo_options`, so it never enters the stage's cache key or ``stage.json``.
+
+    With a managed server, ``vllm_group_port`` (where the trainer hosts the NCCL group that pushes
+    weights into the server) is a free port unless the stage sets it: TRL's fixed default 51216
+    collides when two runs share a machine. The server needs no flag for it: in TRL 1.16 the
+    client sends it as ``master_port`` in ``init_communicator``'s request.
+    """
+    options = trainer_arguments(ctx, grpo_options(stage_cfg))
+    if server is None:
+        return options
+    group_port = {} if "vllm_group_port" in options else {"vllm_group_port": free_port()}
+    return {**options, **server.trainer_options(), **group_port}
 
 
 @contextlib.contextmanager
