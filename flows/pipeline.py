@@ -31,7 +31,7 @@ from posttrain.flows.runner import PipelineSummary, PlanRunner, StepOutcome, run
 from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import EvalStep, Step, TrainStep, build_plan, dry_run
 from posttrain.pipeline.records import StoreRecords
-from posttrain.pipeline.steps import base_model
+from posttrain.pipeline.steps import base_model, import_step_libraries
 from posttrain.pipeline.store import Store
 from posttrain.pipeline.validation import check_rewards
 from posttrain.tasks.steps import GPU_TAG, task_for
@@ -85,6 +85,8 @@ def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -
     plan = build_plan(cfg)
     if cfg.orchestration.gpu_slots is not None:
         set_gpu_slots(cfg.orchestration.gpu_slots)
+    if cfg.orchestration.concurrent_evals:
+        import_step_libraries()  # before an evaluation's thread and this one race to import them
     with posttrain_logs_to_prefect():
         summary = run_plan(plan, force or (), _PrefectRunner)
         create_markdown_artifact(

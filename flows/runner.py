@@ -10,9 +10,12 @@ MLflow exactly what the flow logs for the same run.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from posttrain.core.atomic import discard_checkpoints
@@ -25,7 +28,7 @@ from posttrain.pipeline.plan import EvalStep, Plan, Planner, Step, StepInputs, T
 from posttrain.pipeline.records import StoreRecords
 from posttrain.pipeline.shared import SharedStore, open_shared
 from posttrain.pipeline.steps import DataResult, EvalResult, base_model, load_data
-from posttrain.pipeline.store import Store
+from posttrain.pipeline.store import StepLock, Store
 from posttrain.pipeline.validation import check_rewards
 from posttrain.tracking import MODEL_ID_TAG, StageRun, Tracker, flatten_params, start_pipeline_run
 
@@ -38,6 +41,8 @@ __all__ = [
     "StepOutcome",
     "run_cached",
     "run_plan",
+    "side_by_side",
+    "warn_unfinished",
 ]
 
 
@@ -62,6 +67,13 @@ class PipelineSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_SIDE_BY_SIDE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("posttrain_points", default=None)
+"""The store whose runs this context runs side by side (:func:`side_by_side`)."""
+
+_HANDED_OVER = object()
+"""What :meth:`PlanRunner._visit` returns for a submitted evaluation: its lock is released as it ends."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,19 @@ class PlanRunner:
 
     def __call__(self, step: Step, key: str | None, inputs: StepInputs) -> Any:
         assert key is not None, "the flow always knows its inputs"
+        # Decided and made under the key's lock: another point of a sweep may be making this step.
+        lock = self.store.step_lock(key).acquire()
+        try:
+            result = self._visit(step, key, inputs, lock)
+        except BaseException:
+            lock.release()
+            raise
+        if result is not _HANDED_OVER:
+            lock.release()
+            return result
+        return None
+
+    def _visit(self, step: Step, key: str, inputs: StepInputs, lock: StepLock) -> Any:
         decision = self.planner.decide(step, key, inputs)
         cached = decision.status == "cached"
         evaluated = self.models.get(step.stage) if isinstance(step, EvalStep) else None
@@ -133,8 +158,10 @@ class PlanRunner:
             call["output_dir"] = str(output_dir)
             if isinstance(step, EvalStep) and (future := self.submit(step, call)) is not None:
                 # Nothing downstream needs an evaluation: the walk goes on; :meth:`finish` waits.
-                self._pending.append(_Submitted(step, key, inputs, decision.reason, evaluated, future))
-                return None
+                submitted = _Submitted(step, key, inputs, decision.reason, evaluated, future)
+                self._pending.append(submitted)
+                future.add_done_callback(lambda _, sub=submitted: self._evaluated(sub, lock))
+                return _HANDED_OVER
             with self._stage_run(step, key) as run:
                 result = self.execute(step, call, run)
                 self._ran(step, key, inputs, result, run, evaluated)
@@ -145,6 +172,15 @@ class PlanRunner:
         """Start evaluation ``step`` beside what follows it and return its future (with a blocking
         ``result()``), or None to run it now like any step (the default)."""
         return None
+
+    def _evaluated(self, sub: _Submitted, lock: StepLock) -> None:
+        """As a submitted evaluation ends (in its thread): its cache record, then its key's lock."""
+        try:
+            self._record(sub.step, sub.key, sub.inputs, sub.future.result())
+        except Exception:  # noqa: BLE001, S110 - finish() reports the failure
+            pass
+        finally:
+            lock.release()
 
     def finish(self, *, raise_errors: bool = True) -> None:
         """Wait for the submitted evaluations, in plan order, and log each into its MLflow run as if
@@ -157,7 +193,7 @@ class PlanRunner:
             try:
                 with self._stage_run(sub.step, sub.key) as run:
                     result = sub.future.result()
-                    self._ran(sub.step, sub.key, sub.inputs, result, run, sub.evaluated)
+                    self._ran(sub.step, sub.key, sub.inputs, result, run, sub.evaluated, record=False)
                 self._conclude(sub.step, sub.key, sub.reason, result, ran=True)
             except Exception as exc:  # noqa: BLE001 - the others are still waited for
                 first_error = first_error or exc
@@ -171,11 +207,20 @@ class PlanRunner:
         return self.tracker.stage(step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key)
 
     def _ran(
-        self, step: Step, key: str, inputs: StepInputs, result: Any, run: StageRun, evaluated: str | None
+        self,
+        step: Step,
+        key: str,
+        inputs: StepInputs,
+        result: Any,
+        run: StageRun,
+        evaluated: str | None,
+        *,
+        record: bool = True,
     ) -> None:
-        """What follows a step that ran, inside its MLflow run: its cache record, its logged result,
-        and for a training stage its history, LoggedModel and health alerts."""
-        self._record(step, key, inputs, result)
+        """What follows a step that ran, inside its MLflow run: its cache record (unless written
+        already), its logged result, and for a training stage its history, LoggedModel and health alerts."""
+        if record:
+            self._record(step, key, inputs, result)
         _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
         if isinstance(step, TrainStep):
             if self.cfg.launch_of(step.section(self.cfg)).launcher == "accelerate":
@@ -280,12 +325,14 @@ def run_plan(plan: Plan, force: Sequence[str] = (), runner: type[PlanRunner] = P
     cfg = plan.config
     store = Store.at(cfg.orchestration.store)
     store.check_writable()
+    alone = _SIDE_BY_SIDE.get() != store.root  # else the sweep tidies the store, once for all points
     # Reentrant: `posttrain run` takes the lock before Prefect's server starts, then runs the flow.
     with (
         store.lock(reentrant=True),
         start_pipeline_run(cfg, steps=plan.names, store=str(store.root)) as tracker,
     ):
-        store.clean_interrupted_writes()
+        if alone:
+            store.clean_interrupted_writes()
         visit = runner(plan, store, tracker, force, open_shared(cfg.orchestration.shared_store))
         with remembered_digests(visit.records.digests_path):
             try:
@@ -294,15 +341,35 @@ def run_plan(plan: Plan, force: Sequence[str] = (), runner: type[PlanRunner] = P
                 visit.finish(raise_errors=False)
                 raise
             visit.finish()
-        if leftovers := store.unfinished_checkpoints():  # every stage of this plan finished
-            logger.warning(
-                "%d checkpoint folder(s) of unfinished stages of other configs or code: %s "
-                "(a rerun of that config resumes from them; delete them otherwise)",
-                len(leftovers),
-                ", ".join(p.name for p in leftovers),
-            )
+        if alone:  # every stage of this plan finished
+            warn_unfinished(store)
         tracker.plot_accuracy_by_stage()
     return visit.summary
+
+
+def warn_unfinished(store: Store) -> None:
+    """Warn of checkpoint folders left in ``store`` by stages no run of it finished."""
+    if leftovers := store.unfinished_checkpoints():
+        logger.warning(
+            "%d checkpoint folder(s) of unfinished stages of other configs or code: %s "
+            "(a rerun of that config resumes from them; delete them otherwise)",
+            len(leftovers),
+            ", ".join(p.name for p in leftovers),
+        )
+
+
+@contextlib.contextmanager
+def side_by_side(store: Store) -> Iterator[None]:
+    """Around pipeline runs of ``store`` running at the same time (a sweep's points): the store's
+    leftovers of a killed run are tidied once before, and unfinished checkpoints reported once
+    after, instead of by each run (which would delete a sibling's output while it is written)."""
+    store.clean_interrupted_writes()
+    token = _SIDE_BY_SIDE.set(store.root)
+    try:
+        yield
+    finally:
+        _SIDE_BY_SIDE.reset(token)
+    warn_unfinished(store)
 
 
 def run_cached(cfg: PipelineConfig, force: Sequence[str] = ()) -> dict[str, Any] | None:

@@ -44,3 +44,57 @@ def test_sweep_without_two_values_is_refused_in_one_line(sets, capsys):
     assert main(["sweep", SMOKE, *(a for s in sets for a in ("--set", s))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "sweep" in err[0], err
+
+
+def test_parallel_points_run_side_by_side_and_make_a_shared_step_once(tmp_path, monkeypatch, capsys):
+    import threading
+
+    import posttrain.pipeline.steps as steps
+
+    calls: list[str] = []
+    both_training = threading.Barrier(2, timeout=20)  # one point at a time never gets past it
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            calls.append(name)
+            if name == "sft_step":
+                both_training.wait()
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("prepare_step", "eval_step", "sft_step"):
+        monkeypatch.setattr(steps, name, spy(name, getattr(steps, name)))
+    db = tmp_path / "mlflow.db"
+    fixed = [
+        f"orchestration.store={tmp_path / 'store'}",
+        f"tracking.tracking_uri=sqlite:///{db}",
+        f"model.cache_dir={tmp_path / 'models'}",
+        "dpo=null",
+        "grpo.stages=[]",
+        "tracking.system_metrics=false",
+    ]
+    argv = ["sweep", SMOKE, "--parallel", "2", *(a for s in fixed for a in ("--set", s))]
+    assert main([*argv, "--set", "sft.trainer.learning_rate=1e-3,1e-4"]) == 0
+    # data and the baseline evaluation are the same step for both points: made once, under its lock
+    assert sorted(calls) == ["eval_step"] * 3 + ["prepare_step"] + ["sft_step"] * 2
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    parents = [r for r in runs if r.data.tags.get("posttrain.role") == "pipeline"]
+    assert sorted(r.data.params["sft.trainer.learning_rate"] for r in parents) == ["0.0001", "0.001"]
+    # neither point's start closed the other's runs as abandoned
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    for parent in parents:
+        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        assert sorted(r.info.run_name for r in children) == ["data", "eval-baseline", "eval-sft", "sft"]
+    assert not list((tmp_path / "store").glob("*/*.tmp-*"))
+    assert "sft.trainer.learning_rate" in capsys.readouterr().out
+
+
+def test_parallel_below_one_is_refused_in_one_line(capsys):
+    assert main(["sweep", SMOKE, "--set", "seed=0,1", "--parallel", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: sweep: --parallel 0: give 1 or more points at a time"], err

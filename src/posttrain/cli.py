@@ -313,24 +313,26 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     configs = [load_config(args.config, point) for point in points]  # every point valid before any runs
     if len({c.orchestration.store for c in configs}) > 1:
         raise CLIError("sweep: orchestration.store cannot vary between points (one store, one lock)")
+    if len({(c.tracking.enabled, c.tracking.tracking_uri) for c in configs}) > 1:
+        raise CLIError("sweep: tracking.enabled/tracking_uri cannot vary between points (one comparison)")
+    if args.parallel < 1:
+        raise CLIError(f"sweep: --parallel {args.parallel}: give 1 or more points at a time")
     _check_servers(configs[0], args.config)
     for cfg in configs:
         _check_machine(cfg, args.config)
     store = _open_store(configs[0], args.config)
-    run_ids = []
     with _locked(store, args.config):
         server = prestart_embedded_prefect(store)
-        from posttrain.flows.pipeline import posttrain_pipeline
         from posttrain.flows.server import quiet_run_failures_on_console
+        from posttrain.flows.sweep import run_sweep
         from posttrain.tracking import open_tracking_store
 
         quiet_run_failures_on_console()
         open_tracking_store(configs[0])
         if server is not None:
             server.wait()
-        for point, cfg in zip(points, configs, strict=True):
-            logger.info("sweep point %s", " ".join(p for p in point if p not in args.set))
-            run_ids.append(posttrain_pipeline(cfg)["run_id"])
+        labels = [" ".join(p for p in point if p not in args.set) for point in points]
+        run_ids = run_sweep(configs, labels, parallel=args.parallel)
     if None in run_ids:
         print(f"{len(points)} points ran (tracking disabled: nothing to compare)")
         return 0
@@ -518,6 +520,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("config")
     with_set(p)
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run up to N points at a time (steps they share are made once; "
+        "orchestration.gpu_slots bounds their steps on the device)",
+    )
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("eval", help="evaluate a model on GSM8K-format data, or diff two reports")

@@ -41,6 +41,7 @@ import torch
 
 from posttrain.generation.engine import encode_prompts, generate_continuous, pad_token_id, stop_token_ids
 from posttrain.generation.transformers_compat import no_init_weights
+from posttrain.models.building import building_models
 from posttrain.models.peft_compat import effective_state_dict
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ class ShadowPolicy:
         from transformers import AutoModelForCausalLM
 
         base = model.get_base_model() if isinstance(model, PeftModel) else model
-        with no_init_weights():  # every weight is overwritten by sync(); random init would cost ~1 s
+        # every weight is overwritten by sync(); random init would cost ~1 s
+        with building_models(), no_init_weights():
             self.model = AutoModelForCausalLM.from_config(base.config, dtype=dtype).eval()
         self.model.generation_config = base.generation_config
         self.model.requires_grad_(False)

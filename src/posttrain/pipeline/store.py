@@ -3,7 +3,8 @@
 Layout (default ``./.posttrain``, `orchestration.store`)::
 
     .posttrain-store          marker: this folder is a posttrain store (posttrain cleans only these)
-    lock                      held by the running pipeline (one writer per store)
+    lock                      held by the running pipeline (one writer per store; a sweep's points share it)
+    locks/<key>               held while a step is decided and made (a sweep's concurrent points wait)
     data/<key>/               prepared train/eval datasets (datasets save_to_disk + stats.json)
     stages/<stage>-<key>/     model + tokenizer + stage.json, written atomically by the stage
     stages/<stage>-<key>.ckpt/  checkpoints of a stage not finished yet (resumed by the next run)
@@ -22,13 +23,13 @@ marker existed (nothing but posttrain's own entries) is adopted, and any other f
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import fcntl
 import json
 import logging
 import os
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from posttrain.core.errors import PosttrainError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MARKER", "Store", "StoreError", "StoreLockedError"]
+__all__ = ["MARKER", "StepLock", "Store", "StoreError", "StoreLockedError"]
 
 
 class StoreError(PosttrainError, RuntimeError):
@@ -52,12 +53,14 @@ class StoreLockedError(StoreError):
 
 MARKER = ".posttrain-store"
 # What a posttrain store holds: a folder with anything else in it is someone else's.
-_OWN_ENTRIES = {MARKER, "lock", "data", "stages", "evals", "results", "prefect"}
+_OWN_ENTRIES = {MARKER, "lock", "locks", "data", "stages", "evals", "results", "prefect"}
 
-# Stores whose lock this process holds, with the holding thread: the CLI takes the lock before
-# Prefect's server starts, and the flow it then runs in the same thread re-enters it.
-_HELD: dict[Path, int] = {}
-_HELD_GUARD = threading.Lock()
+# Stores whose lock this context holds: the CLI takes the lock before Prefect's server starts, and
+# the flow it then runs re-enters it, as do a sweep's points, which Prefect runs in worker threads
+# with a copy of the submitting thread's context.
+_HOLDING: contextvars.ContextVar[frozenset[Path]] = contextvars.ContextVar(
+    "posttrain_store_locks", default=frozenset()
+)
 
 
 @dataclass(frozen=True)
@@ -158,17 +161,19 @@ class Store:
         stale lock behind. With ``reentrant``, a thread that already holds this store's lock (the
         CLI, around the flow it runs) passes through; anyone else is refused as usual.
         """
-        if reentrant and _HELD.get(self.root) == threading.get_ident():
+        if reentrant and self.root in _HOLDING.get():
             yield
             return
         with self._flock():
-            with _HELD_GUARD:
-                _HELD[self.root] = threading.get_ident()
+            token = _HOLDING.set(_HOLDING.get() | {self.root})
             try:
                 yield
             finally:
-                with _HELD_GUARD:
-                    _HELD.pop(self.root, None)
+                _HOLDING.reset(token)
+
+    def step_lock(self, key: str) -> StepLock:
+        """The lock of cache key ``key`` in this store (not yet taken)."""
+        return StepLock(self.root / "locks" / key)
 
     @contextlib.contextmanager
     def _flock(self) -> Iterator[None]:
@@ -198,3 +203,41 @@ class Store:
                 fh.seek(0)
                 fh.truncate()
                 fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class StepLock:
+    """One step's lock: held from the cache decision until the step's record is written, so runs
+    sharing a store (a sweep's concurrent points) never make the same output at once; the second
+    waits, then finds it cached. flock, like the store's lock: per open file, so it also holds
+    between threads of one process, and the kernel releases it when the process dies. Taken in one
+    thread, it may be released in another (an evaluation's, when it finishes)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh = None
+
+    def acquire(self) -> StepLock:
+        self.path.parent.mkdir(exist_ok=True)
+        fh = self.path.open("a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                fh.close()
+                raise
+            logger.info("%s: waiting for another run of this store to finish it", self.path.name)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        self._fh = fh
+        return self
+
+    def release(self) -> None:
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            fh.close()
+
+    def __enter__(self) -> StepLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

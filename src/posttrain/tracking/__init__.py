@@ -52,7 +52,13 @@ from posttrain.tracking.models import (
     promote_champion,
     stage_models,
 )
-from posttrain.tracking.pipeline import Tracker, model_requirements, open_tracking_store, start_pipeline_run
+from posttrain.tracking.pipeline import (
+    Tracker,
+    model_requirements,
+    open_tracking_store,
+    side_by_side_runs,
+    start_pipeline_run,
+)
 from posttrain.tracking.stage import StageRun
 
 __all__ = [
@@ -79,6 +85,7 @@ __all__ = [
     "open_tracking_store",
     "plot_comparison",
     "resolve_tracking_uri",
+    "side_by_side_runs",
     "start_pipeline_run",
     "tracking_problem",
 ]

@@ -140,6 +140,7 @@ class StageRun:
             return
         import mlflow.data
         from mlflow.entities import Dataset, DatasetInput, InputTag  # heavy: deferred until needed
+        from mlflow.exceptions import MlflowException
 
         digest = (digest or getattr(dataset, "_fingerprint", None) or "")[:36] or None
         with warnings.catch_warnings():  # schema inference warns about int columns as if for a model
@@ -151,7 +152,14 @@ class StageRun:
         tags = [InputTag("mlflow.data.context", context)]
         if source:
             tags.append(InputTag("posttrain.source", truncate(source, 500)))
-        self._client.log_inputs(self.run_id, [DatasetInput(Dataset(**ds.to_dict()), tags)])
+        inputs = [DatasetInput(Dataset(**ds.to_dict()), tags)]
+        try:
+            self._client.log_inputs(self.run_id, inputs)
+        except MlflowException:
+            # MLflow's SQL store gets or creates the dataset row (experiment, name, digest) in two
+            # statements: a run logging the same dataset at the same moment (a sweep's points) makes
+            # it fail on the unique constraint. The row exists now, so a second try links to it.
+            self._client.log_inputs(self.run_id, inputs)
 
     def log_eval(
         self,

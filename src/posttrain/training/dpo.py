@@ -27,6 +27,7 @@ from posttrain.core.errors import StageError
 from posttrain.core.parsing import answers_match, parse_strict
 from posttrain.generation.sampling import Samples, sample_completions
 from posttrain.models.artifacts import StageResult
+from posttrain.models.building import building_models
 from posttrain.models.loading import load_stage_model
 from posttrain.training import distributed
 from posttrain.training.runner import (
@@ -187,17 +188,18 @@ def run_dpo(
                 dpo_cfg, model_cfg, str(model_path), rows, ctx.seed, ctx.work_dir
             )
             distributed.barrier()
-        model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
-        args = DPOConfig(**trainer_arguments(ctx, options))
-        ref = {"ref_model": frozen_reference(model)} if peft_config is None else {}
-        trainer = DPOTrainer(
-            model=model,
-            args=args,
-            train_dataset=pairs,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-            **ref,
-        )
+        with building_models():
+            model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
+            args = DPOConfig(**trainer_arguments(ctx, options))
+            ref = {"ref_model": frozen_reference(model)} if peft_config is None else {}
+            trainer = DPOTrainer(
+                model=model,
+                args=args,
+                train_dataset=pairs,
+                processing_class=tokenizer,
+                peft_config=peft_config,
+                **ref,
+            )
         carry_token_count(trainer, ctx.resume_from)
         output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(trainer, output, tokenizer, metrics=pair_metrics)

@@ -32,6 +32,7 @@ from posttrain.core.config import GRPOStageConfig, ModelConfig, VLLMServerConfig
 from posttrain.core.net import free_port
 from posttrain.generation.vllm_server import ServerAddress, vllm_server
 from posttrain.models.artifacts import StageResult, adapter_root
+from posttrain.models.building import building_models
 from posttrain.models.resolve import resolve_model_path
 from posttrain.training import distributed
 from posttrain.training.eval_callback import HeldoutEval, heldout_slice
@@ -250,16 +251,17 @@ def run_grpo_stage(
                         vllm_server_cfg, model_cfg, str(model_path), ctx, command=server_command
                     )
                 )
-            trainer, monitor = make_grpo_trainer(
-                stage_cfg,
-                model_cfg,
-                str(model_path),
-                train_dataset,
-                ctx,
-                fast_generation=fast_generation,
-                heldout=heldout,
-                server=server,
-            )
+            with building_models():
+                trainer, monitor = make_grpo_trainer(
+                    stage_cfg,
+                    model_cfg,
+                    str(model_path),
+                    train_dataset,
+                    ctx,
+                    fast_generation=fast_generation,
+                    heldout=heldout,
+                    server=server,
+                )
             output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(
             trainer,

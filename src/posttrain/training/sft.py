@@ -19,6 +19,7 @@ from typing import Any
 from posttrain.core.config import ModelConfig, SFTStageConfig
 from posttrain.data.builders import build_sft_dataset
 from posttrain.models.artifacts import StageResult
+from posttrain.models.building import building_models
 from posttrain.training.runner import (
     StageContext,
     TrainOutcome,
@@ -94,9 +95,10 @@ def run_sft(
     options = sft_cfg.trainer_options()
 
     def train(ctx: StageContext) -> TrainOutcome:
-        trainer, tokenizer, data = make_sft_trainer(
-            sft_cfg, model_cfg, model_path, train_dataset, ctx, eval_dataset=eval_dataset
-        )
+        with building_models():
+            trainer, tokenizer, data = make_sft_trainer(
+                sft_cfg, model_cfg, model_path, train_dataset, ctx, eval_dataset=eval_dataset
+            )
         carry_token_count(trainer, ctx.resume_from)
         return TrainOutcome.from_trainer(
             trainer,
