@@ -16,7 +16,11 @@ parent logs the stage's history from its output (rank 0's, one stage run).
 
 On a CPU, accelerate starts several processes only through ``mpirun``; ``configs/accelerate/cpu.yaml``
 therefore uses the torchrun launcher (``distributed_type: MULTI_GPU``) with ``use_cpu: true``, and
-inside the processes accelerate picks MULTI_CPU with the gloo backend.
+inside the processes accelerate picks MULTI_CPU with the gloo backend. accelerate (1.x) turns FSDP
+on only for GPU-type runs: a file with ``distributed_type: FSDP`` and ``use_cpu: true`` would train
+as plain DDP without a word, so :func:`accelerate_setup` refuses it. Whatever the file, a sharded
+policy (FSDP, ZeRO-3) is gathered by every rank before rank 0 saves it
+(:mod:`posttrain.training.sharded`).
 """
 
 from __future__ import annotations
@@ -94,6 +98,11 @@ def accelerate_setup(launch: TrainingConfig, key: str = "training.accelerate_con
     if not isinstance(processes, int) or processes < 1:
         raise ConfigError(f"{key}: {name}: num_processes must be a positive integer, not {processes!r}")
     kind = str(raw.get("distributed_type", "NO")).upper()
+    if kind == "FSDP" and raw.get("use_cpu", False):
+        raise ConfigError(
+            f"{key}: {name}: FSDP with use_cpu: true would train as plain DDP (accelerate turns FSDP on "
+            f"only on GPUs); use {CPU_ACCELERATE_CONFIG} on a CPU"
+        )
     return AccelerateSetup(
         config_file=str(path),
         num_processes=processes,
