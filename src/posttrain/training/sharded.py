@@ -18,10 +18,14 @@ The gather is the one transformers' ``Trainer.save_model`` uses:
   ``get_model_state_dict`` with the full-state-dict, CPU-offload options accelerate passes for
   FSDP2. Recognising the model rather than asking accelerate lets the same code run under
   ``fully_shard`` on a CPU, where accelerate 1.x never turns FSDP on (see
-  :data:`posttrain.pipeline.launcher` and tests/test_launcher_multiprocess.py).
+  :mod:`posttrain.pipeline.launcher` and tests/test_launcher_multiprocess.py).
 
 Rank 0 then holds the weights twice for a moment (the gathered dict and the rebuilt model), on
-the CPU; the other ranks return None.
+the CPU; the other ranks return None. With LoRA under ZeRO-3 the frozen base is gathered too
+(``Trainer.save_model`` skips it for an adapter), since a merged policy needs it.
+
+Checked on a CPU: FSDP2 (tests/test_launcher_multiprocess.py). Not run anywhere yet: ZeRO-3 and
+FSDP1, which need GPUs (and the deepspeed package for ZeRO-3).
 """
 
 from __future__ import annotations
@@ -88,7 +92,9 @@ def policy_to_save(model: Any, accelerator: Any, wrapped: Any = None) -> Any:
     if not accelerator.is_main_process:
         return None
     assert state, f"the {kind} gather left the main process no weights"
-    return _rebuild(model, state)
+    # The template's classes and configs: the FSDP1 wrapper's inner module (a no-op for FSDP2,
+    # whose model is its own module, and for ZeRO-3, whose trainer.model is the plain module).
+    return _rebuild(accelerator.unwrap_model(model), state)
 
 
 def _plain_class(module: Any) -> type:
