@@ -18,9 +18,9 @@ On a CPU, accelerate starts several processes only through ``mpirun``; ``configs
 therefore uses the torchrun launcher (``distributed_type: MULTI_GPU``) with ``use_cpu: true``, and
 inside the processes accelerate picks MULTI_CPU with the gloo backend. accelerate (1.x) turns FSDP
 and DeepSpeed on only for GPU-type runs: a file with ``distributed_type: FSDP`` (or ``DEEPSPEED``)
-and ``use_cpu: true`` would train as plain DDP without a word, so :func:`accelerate_setup` refuses it. Whatever the file, a sharded
-policy (FSDP, ZeRO-3) is gathered by every rank before rank 0 saves it
-(:mod:`posttrain.training.sharded`).
+and ``use_cpu: true`` would train as plain DDP without a word, so :func:`accelerate_setup` refuses
+it. Whatever the file, a sharded policy (FSDP, ZeRO-3) is gathered by every rank before rank 0
+saves it (:mod:`posttrain.training.sharded`).
 """
 
 from __future__ import annotations
