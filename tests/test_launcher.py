@@ -83,6 +83,20 @@ def test_the_launch_command_takes_a_free_port_unless_the_file_names_one(tmp_path
     assert "--main_process_port" not in cmd
 
 
+@pytest.mark.parametrize("name", ["fsdp2.yaml", "zero3.yaml"])
+def test_sharding_on_a_cpu_is_refused_not_run_as_ddp(name, tmp_path, monkeypatch):
+    """accelerate 1.x picks MULTI_CPU (DDP) for a CPU run whatever the file's FSDP or DeepSpeed
+    settings (its state.py turns them on without ``cpu`` only): an FSDP2 file with use_cpu: true
+    trained 2 processes as DDP (its reducer's warning in the log, 2026-12-01)."""
+    monkeypatch.chdir(REPO)
+    on_cpu = tmp_path / f"cpu-{name}"
+    on_cpu.write_text(
+        (REPO / "configs/accelerate" / name).read_text().replace("use_cpu: false", "use_cpu: true")
+    )
+    with pytest.raises(ConfigError, match=rf"^training.accelerate_config: .*cpu-{name}: distributed_type "):
+        accelerate_setup(TrainingConfig(launcher="accelerate", accelerate_config=str(on_cpu)))
+
+
 def test_without_an_accelerate_config_the_machine_picks_one(monkeypatch):
     monkeypatch.chdir(REPO)
     setup = accelerate_setup(TrainingConfig(launcher="accelerate"))

@@ -5,18 +5,25 @@ with the same global batch (2 x 2 vs 1 x 4).
 Each rank records a hash of every sequence its training forward passes see
 (``POSTTRAIN_RECORD_INPUTS``, posttrain.training.distributed): the two ranks must see different
 sequences, and for SFT and DPO (deterministic data) together exactly the 1-process run's.
+
+Saving a sharded policy (FSDP2) is checked with torch's ``fully_shard`` on the CPU
+(tests/fsdp2_save_worker.py): accelerate 1.x never turns FSDP on for a CPU run, so a stage cannot
+train under FSDP2 here (posttrain.pipeline.launcher refuses such a config).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from posttrain.core.config import PipelineConfig
 from posttrain.core.errors import StageError
+from posttrain.core.processes import stop_process_group
 from posttrain.models.artifacts import read_stage_json
 from posttrain.models.loading import load_stage_model
 from posttrain.pipeline.launcher import CPU_ACCELERATE_CONFIG
@@ -180,3 +187,59 @@ def test_a_failing_child_is_a_stage_error_with_its_exit_code(tiny_model_dir, tmp
     with pytest.raises(StageError, match=r"^stage sft: accelerate launch exited with code [1-9]"):
         build_plan(cfg).step("sft").run(cfg, missing, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.ckpt").exists()
+
+
+SAVE_WORKER = Path(__file__).with_name("fsdp2_save_worker.py")
+SAVE_TIMEOUT_S = 90
+"""The worker takes about 10 s on 2 cores; a save that does not gather on every rank hangs."""
+
+
+def weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    names = ("model.safetensors", "adapter_model.safetensors")
+    return load_file(next(folder / n for n in names if (folder / n).exists()))
+
+
+def test_a_fsdp2_sharded_policy_is_saved_whole(tiny_model_dir, tmp_path):
+    """2 processes shard the tiny model with FSDP2, take one step, and save it as a stage does: the
+    files equal those of the same step on a whole copy (full fine-tune, LoRA merged, LoRA adapter)."""
+    import torch
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_ACCELERATE_CONFIG]
+    cmd += [
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        "0",
+        str(SAVE_WORKER),
+        str(tiny_model_dir),
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(  # noqa: S603 - our interpreter and worker, no shell
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        log, _ = proc.communicate(timeout=SAVE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        stop_process_group(proc)
+        pytest.fail(f"the sharded save did not finish in {SAVE_TIMEOUT_S} s (a rank waits on a collective)")
+    assert proc.returncode == 0, log[-3000:]
+    start = weights(tiny_model_dir)
+    for folder in ("full", "merged", "adapter"):
+        sharded, whole = weights(tmp_path / folder / "sharded"), weights(tmp_path / folder / "whole")
+        assert sharded.keys() == whole.keys() and sharded, folder
+        for key, value in sharded.items():
+            assert value.shape == whole[key].shape, (folder, key)  # whole tensors, not one rank's half
+            assert torch.allclose(value, whole[key], rtol=0, atol=1e-6), (folder, key)
+        if folder != "adapter":
+            assert {k: v.shape for k, v in sharded.items()} == {k: v.shape for k, v in start.items()}
+            assert any(not torch.equal(v, start[k]) for k, v in sharded.items()), folder  # it trained
+            model, _ = load_stage_model(str(tmp_path / folder / "sharded"))
+            assert type(model).__name__ == "LlamaForCausalLM"
+    for name in ("config.json", "generation_config.json"):
+        assert (tmp_path / "full/sharded" / name).read_text() == (tmp_path / "full/whole" / name).read_text()
+    config = "adapter_config.json"
+    assert (tmp_path / "adapter/sharded" / config).read_text() == (
+        tmp_path / "adapter/whole" / config
+    ).read_text()

@@ -16,7 +16,11 @@ parent logs the stage's history from its output (rank 0's, one stage run).
 
 On a CPU, accelerate starts several processes only through ``mpirun``; ``configs/accelerate/cpu.yaml``
 therefore uses the torchrun launcher (``distributed_type: MULTI_GPU``) with ``use_cpu: true``, and
-inside the processes accelerate picks MULTI_CPU with the gloo backend.
+inside the processes accelerate picks MULTI_CPU with the gloo backend. accelerate (1.x) turns FSDP
+and DeepSpeed on only for GPU-type runs: a file with ``distributed_type: FSDP`` (or ``DEEPSPEED``)
+and ``use_cpu: true`` would train as plain DDP without a word, so :func:`accelerate_setup` refuses
+it. Whatever the file, a sharded policy (FSDP, ZeRO-3) is gathered by every rank before rank 0
+saves it (:mod:`posttrain.training.sharded`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ GPU_ACCELERATE_CONFIG = "configs/accelerate/ddp.yaml"
 CPU_ACCELERATE_CONFIG = "configs/accelerate/cpu.yaml"
 STAGE_MODULE = "posttrain.pipeline.stage_main"
 _CPU_TYPES = ("NO", "MULTI_CPU")
+_GPU_ONLY_TYPES = ("FSDP", "DEEPSPEED")
+"""Sharding that accelerate 1.x enables only without ``cpu`` (accelerate/state.py); with ``use_cpu``
+the processes silently run as MULTI_CPU, plain DDP."""
 _TAIL_LINES = 20
 
 
@@ -94,6 +101,11 @@ def accelerate_setup(launch: TrainingConfig, key: str = "training.accelerate_con
     if not isinstance(processes, int) or processes < 1:
         raise ConfigError(f"{key}: {name}: num_processes must be a positive integer, not {processes!r}")
     kind = str(raw.get("distributed_type", "NO")).upper()
+    if kind in _GPU_ONLY_TYPES and raw.get("use_cpu", False):
+        raise ConfigError(
+            f"{key}: {name}: distributed_type {kind} with use_cpu: true would train as plain DDP "
+            f"(accelerate turns {kind} on only on GPUs); use {CPU_ACCELERATE_CONFIG} on a CPU"
+        )
     return AccelerateSetup(
         config_file=str(path),
         num_processes=processes,

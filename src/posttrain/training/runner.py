@@ -56,6 +56,7 @@ from posttrain.models.resolve import resolve_model_path
 from posttrain.rewards.guard import GuardedReward
 from posttrain.rewards.registry import build_reward
 from posttrain.training import distributed
+from posttrain.training.sharded import policy_to_save
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,13 @@ class TrainOutcome:
         samples: Sequence[str] = (),
     ) -> TrainOutcome:
         """The outcome of a finished TRL trainer: its model, log history and ``train()`` metrics,
-        plus the stage's own ``metrics``."""
+        plus the stage's own ``metrics``.
+
+        Every rank must call this: a model the ranks trained sharded (FSDP, ZeRO-3) is gathered
+        here, and the model is then whole on the main process only (None on the others;
+        :mod:`posttrain.training.sharded`)."""
         return cls(
-            model=trainer.model,
+            model=policy_to_save(trainer.model, trainer.accelerator, trainer.model_wrapped),
             tokenizer=tokenizer if tokenizer is not None else trainer.processing_class,
             log_history=trainer.state.log_history,
             metrics={**output.metrics, **(metrics or {}), "global_step": trainer.state.global_step},
