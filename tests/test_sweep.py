@@ -12,17 +12,22 @@ from posttrain.cli import main
 SMOKE = str(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml")
 
 
-def test_sweep_runs_each_point_reusing_shared_steps_and_compares_them(tmp_path, step_calls, capsys):
-    db = tmp_path / "mlflow.db"
+def sets(tmp_path: Path, *extra: str) -> list[str]:
+    """``--set`` arguments for the smoke config cut to data → (baseline) → sft, in ``tmp_path``."""
     fixed = [
         f"orchestration.store={tmp_path / 'store'}",
-        f"tracking.tracking_uri=sqlite:///{db}",
+        f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
         f"model.cache_dir={tmp_path / 'models'}",
         "dpo=null",
         "grpo.stages=[]",
-        "eval.baseline=false",
+        *extra,
     ]
-    argv = ["sweep", SMOKE, *(a for s in fixed for a in ("--set", s))]
+    return [a for s in fixed for a in ("--set", s)]
+
+
+def test_sweep_runs_each_point_reusing_shared_steps_and_compares_them(tmp_path, step_calls, capsys):
+    db = tmp_path / "mlflow.db"
+    argv = ["sweep", SMOKE, *sets(tmp_path, "eval.baseline=false")]
     assert main([*argv, "--set", "sft.trainer.learning_rate=1e-3,1e-4"]) == 0
     out = capsys.readouterr().out
     # the data step is shared by both points; SFT and its evaluation ran once per point
@@ -66,15 +71,7 @@ def test_parallel_points_run_side_by_side_and_make_a_shared_step_once(tmp_path, 
     for name in ("prepare_step", "eval_step", "sft_step"):
         monkeypatch.setattr(steps, name, spy(name, getattr(steps, name)))
     db = tmp_path / "mlflow.db"
-    fixed = [
-        f"orchestration.store={tmp_path / 'store'}",
-        f"tracking.tracking_uri=sqlite:///{db}",
-        f"model.cache_dir={tmp_path / 'models'}",
-        "dpo=null",
-        "grpo.stages=[]",
-        "tracking.system_metrics=false",
-    ]
-    argv = ["sweep", SMOKE, "--parallel", "2", *(a for s in fixed for a in ("--set", s))]
+    argv = ["sweep", SMOKE, "--parallel", "2", *sets(tmp_path, "tracking.system_metrics=false")]
     assert main([*argv, "--set", "sft.trainer.learning_rate=1e-3,1e-4"]) == 0
     # data and the baseline evaluation are the same step for both points: made once, under its lock
     assert sorted(calls) == ["eval_step"] * 3 + ["prepare_step"] + ["sft_step"] * 2
