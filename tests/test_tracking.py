@@ -563,3 +563,27 @@ def test_stage_models_link_evaluations_and_reuse_by_cache_key(uri, tmp_path, mon
         [tracker.experiment_id], filter_string="tags.`posttrain.stage` = 'sft'"
     )
     assert [m.model_id for m in found] == [model_id]
+
+
+def test_a_lost_race_to_create_a_dataset_row_is_retried_once_and_nothing_else_is():
+    from mlflow.exceptions import MlflowException
+
+    from posttrain.tracking.stage import _retry_dataset_race
+
+    calls = []
+
+    def lost_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id")
+        return "linked"
+
+    assert _retry_dataset_race(lost_once) == "linked" and len(calls) == 2
+
+    def other_error():
+        calls.append(2)
+        raise MlflowException("RESOURCE_DOES_NOT_EXIST: run 'x' not found")
+
+    with pytest.raises(MlflowException, match="not found"):
+        _retry_dataset_race(other_error)
+    assert calls.count(2) == 1

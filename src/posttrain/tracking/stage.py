@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,25 @@ def _eval_dataset(records: Sequence[Mapping[str, Any]], name: str) -> Any | None
     with warnings.catch_warnings():  # schema inference warns about column types as if for a model
         warnings.simplefilter("ignore", UserWarning)
         return mlflow.data.from_pandas(frame, name=name)
+
+
+def _retry_dataset_race(call: Callable[[], Any]) -> Any:
+    """``call()``, once more if it lost the race to create a dataset row.
+
+    MLflow's SQL store gets or creates the dataset row (experiment, name, digest) in two statements,
+    so two runs logging the same dataset at the same moment (a sweep's side-by-side points) make one
+    fail on the unique constraint. The row exists then, and a second try links to it.
+    """
+    from mlflow.exceptions import MlflowException  # heavy: deferred until needed
+
+    try:
+        return call()
+    except MlflowException as exc:
+        text = str(exc).lower()
+        if "datasets" not in text or not ("unique" in text or "duplicate" in text):
+            raise
+        logger.debug("dataset row created concurrently by another run; linking to it")
+        return call()
 
 
 def _clip(value: Any, limit: int) -> Any:
@@ -140,7 +159,6 @@ class StageRun:
             return
         import mlflow.data
         from mlflow.entities import Dataset, DatasetInput, InputTag  # heavy: deferred until needed
-        from mlflow.exceptions import MlflowException
 
         digest = (digest or getattr(dataset, "_fingerprint", None) or "")[:36] or None
         with warnings.catch_warnings():  # schema inference warns about int columns as if for a model
@@ -153,13 +171,7 @@ class StageRun:
         if source:
             tags.append(InputTag("posttrain.source", truncate(source, 500)))
         inputs = [DatasetInput(Dataset(**ds.to_dict()), tags)]
-        try:
-            self._client.log_inputs(self.run_id, inputs)
-        except MlflowException:
-            # MLflow's SQL store gets or creates the dataset row (experiment, name, digest) in two
-            # statements: a run logging the same dataset at the same moment (a sweep's points) makes
-            # it fail on the unique constraint. The row exists now, so a second try links to it.
-            self._client.log_inputs(self.run_id, inputs)
+        _retry_dataset_race(lambda: self._client.log_inputs(self.run_id, inputs))
 
     def log_eval(
         self,
@@ -204,7 +216,12 @@ class StageRun:
         if mlflow.get_tracking_uri() != self.tracking_uri:
             mlflow.set_tracking_uri(self.tracking_uri)
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
-        mlflow.log_metrics(numeric, run_id=self.run_id, model_id=model_id, dataset=dataset, synchronous=True)
+        # MLflow links the dataset (log_inputs) before it logs any metric: a retry logs each once.
+        _retry_dataset_race(
+            lambda: mlflow.log_metrics(
+                numeric, run_id=self.run_id, model_id=model_id, dataset=dataset, synchronous=True
+            )
+        )
         mirror_eval(self._client, self.parent_run_id, self.name, numeric)
 
     def log_completions(self, directory: str | Path, max_chars: int = 4000) -> int:
