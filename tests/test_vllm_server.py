@@ -17,6 +17,7 @@ import pytest
 
 from posttrain.core.config import GRPOStageConfig, ModelConfig, VLLMServerConfig, parse_config
 from posttrain.core.errors import ConfigError, StageError
+from posttrain.core.net import free_port
 from posttrain.generation.vllm_server import HEALTH_PATH, ServerAddress, serve_command, vllm_server
 from posttrain.pipeline.validation import check_vllm_server, managed_vllm_stages
 
@@ -78,12 +79,6 @@ FAKE_SERVER = textwrap.dedent(
     http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
