@@ -164,6 +164,55 @@ def test_sampling_is_seeded_per_sequence(lively_model, tiny_tokenizer, prompts, 
     assert other != wide
 
 
+@pytest.mark.parametrize("cache_kind", ["slots", "dynamic"])
+def test_repeated_prompts_are_prefilled_once(
+    lively_model, tiny_tokenizer, prompts, stops, reference, monkeypatch, cache_kind
+):
+    """A group of G copies of one prompt (GRPO, DPO sampling, pass@k) runs its prompt through the model
+    once; every copy still gets exactly what `generate` gives it (greedy) or what its seed draws alone."""
+    from transformers import DynamicCache
+
+    import posttrain.generation.engine as engine
+
+    if cache_kind == "dynamic":
+        monkeypatch.setattr(engine, "new_cache", lambda model: (DynamicCache(config=model.config), False))
+    groups = [prompts[1], prompts[3], prompts[0]]
+    repeated = [p for p in groups for _ in range(3)]
+    prefill_rows = []
+    hook = lively_model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: (
+            prefill_rows.append(kwargs["input_ids"].shape[0]) if kwargs["input_ids"].shape[1] > 1 else None
+        ),
+        with_kwargs=True,
+    )
+    try:
+        greedy, _ = generate_continuous(
+            lively_model,
+            repeated,
+            max_new_tokens=MAX_NEW,
+            stop_ids=stops,
+            pad_token_id=tiny_tokenizer.pad_token_id,
+            batch_size=len(repeated),
+        )
+    finally:
+        hook.remove()
+    assert prefill_rows == [3]  # three distinct prompts, nine rows
+    expected = [reference[i] for i in (1, 3, 0) for _ in range(3)]
+    assert [list(c.token_ids) for c in greedy] == expected
+
+    kwargs = dict(
+        max_new_tokens=12, stop_ids=stops, pad_token_id=tiny_tokenizer.pad_token_id, temperature=1.0
+    )
+    seeds = list(range(200, 200 + len(repeated)))
+    together, _ = generate_continuous(lively_model, repeated, batch_size=len(repeated), seeds=seeds, **kwargs)
+    alone = [
+        generate_continuous(lively_model, [p], batch_size=1, seeds=[s], **kwargs)[0][0]
+        for p, s in zip(repeated, seeds, strict=True)
+    ]
+    assert together == alone
+    assert len({c.token_ids for c in together[:3]}) > 1  # copies of one prompt draw different samples
+
+
 def test_draw_tokens_samples_the_distribution():
     from posttrain.generation.engine import draw_tokens
 

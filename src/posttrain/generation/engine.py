@@ -230,12 +230,26 @@ def draw_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def _prefill(
     model: Any, prompts: Sequence[Sequence[int]], requests: list[int], pad_id: int
 ) -> tuple[_Batch, torch.Tensor]:
-    """Run the prompts of ``requests`` together (left-padded); return their batch and last logits."""
+    """Run the prompts of ``requests`` together (left-padded); return their batch and last logits.
+
+    Identical prompts are run once and their KV rows copied: GRPO asks for ``num_generations``
+    completions of each prompt, DPO sampling and pass@k for several, so most of a prefill would
+    otherwise recompute the same keys and values.
+    """
     device = model.device
-    length = max(len(prompts[r]) for r in requests)
-    ids = torch.full((len(requests), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(requests), length), dtype=torch.long)
-    for row, request in enumerate(requests):
+    slot: dict[tuple[int, ...], int] = {}
+    distinct: list[int] = []
+    rows = []
+    for request in requests:
+        key = tuple(prompts[request])
+        if key not in slot:
+            slot[key] = len(distinct)
+            distinct.append(request)
+        rows.append(slot[key])
+    length = max(len(prompts[r]) for r in distinct)
+    ids = torch.full((len(distinct), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(distinct), length), dtype=torch.long)
+    for row, request in enumerate(distinct):
         prompt = prompts[request]
         ids[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         mask[row, length - len(prompt) :] = 1
@@ -250,8 +264,13 @@ def _prefill(
         use_cache=True,
         logits_to_keep=1,
     )
+    logits = out.logits[:, -1]
+    if len(distinct) < len(requests):
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        cache.batch_select_indices(index)
+        ids, mask, logits = ids[index], mask[index], logits[index]
     batch = _Batch(cache, mergeable, mask, mask.sum(-1), ids[:, -1], list(requests))
-    return batch, out.logits[:, -1]
+    return batch, logits
 
 
 def _decode_step(model: Any, batch: _Batch) -> torch.Tensor:
