@@ -312,7 +312,10 @@ def _log_result(run: Any, result: Any, *, model_id: str | None = None, dataset_n
         return
     info = read_stage_json(result.output_dir)
     run.log_stage_json(info)
-    run.log_metrics({k: v for k, v in result.metrics.items() if isinstance(v, int | float)})
+    metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
+    # The summary holds each metric's last logged value (summarize_history): logged at the stage's
+    # last step it ends the curves the trainer drew; without a step it would start them at step 0.
+    run.log_metrics(metrics, step=int(metrics.get("step", 0)))
     run.log_alerts(list(result.alerts))
     if result.samples:
         run.log_completions(result.output_dir)

@@ -116,6 +116,11 @@ def test_mlflow_holds_parent_and_nested_stage_runs(first_run, workdir):
     assert set(by_name) == set(STEPS)
     grpo = by_name["grpo-format"]
     assert any(k.startswith("rewards/") for k in grpo.data.metrics)
+    # Each curve is the trainer's own points (steps 1..N); the stage's summary of last values lands
+    # on the last step, not on a false point at step 0 that every chart would start from.
+    for key in ("reward", "loss"):
+        steps = [m.step for m in client.get_metric_history(grpo.info.run_id, key)]
+        assert steps and min(steps) >= 1 and steps[-1] == max(steps), (key, steps)
     assert "eval/accuracy_strict" in by_name["eval-sft"].data.metrics
     artifacts = {a.path for a in client.list_artifacts(grpo.info.run_id)}
     assert "stage.json" in artifacts
