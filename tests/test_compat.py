@@ -227,6 +227,50 @@ def test_no_init_weights_is_a_context_manager():
         pass
 
 
+def _decode_once(model, packed: bool):
+    """Prefill 3 equal-length rows, then decode one token with an all-ones mask (no padding)."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([[5, 9, 3, 7], [2, 8, 8, 1], [4, 4, 6, 2]])
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
+    step = dict(input_ids=ids[:, :1], attention_mask=torch.ones(3, 5, dtype=torch.long), cache=cache)
+    step["position_ids"] = torch.full((3, 1), 4)
+    if not packed:
+        return model(**step).logits
+    with transformers_compat.packed_decode_attention(model):
+        assert model.config._attn_implementation == transformers_compat.DECODE_ATTENTION
+        return model(**step).logits
+
+
+def test_packed_decode_attention_matches_sdpa_and_skips_its_gqa_path(tiny_model_dir, monkeypatch):
+    """One unmasked query token: the packed path gives sdpa's logits without SDPA's slow ``enable_gqa``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # the tiny model is GQA
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("enable_gqa", False))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        expected = _decode_once(model, packed=False)
+        layers = model.config.num_hidden_layers
+        assert calls[-layers:] == [True] * layers, (
+            "transformers no longer takes the enable_gqa path: drop the hook"
+        )
+        calls.clear()
+        got = _decode_once(model, packed=True)
+    assert calls[-layers:] == [False] * layers
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"  # restored after the block
+
+
 # --------------------------------------------------------------------------- peft
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.generation.transformers_compat import new_cache
+from posttrain.generation.transformers_compat import new_cache, packed_decode_attention
 
 logger = logging.getLogger(__name__)
 
@@ -342,29 +342,30 @@ def generate_continuous(
         if len(survivors) < len(current):
             current.keep(survivors)
 
-    while waiting or batch is not None:
-        active = len(batch) if batch is not None else 0
-        if waiting and active <= threshold and (batch is None or batch.mergeable):
-            newcomers = [waiting.popleft() for _ in range(min(batch_size - active, len(waiting)))]
-            fresh, logits = _prefill(model, prompts, newcomers, pad_token_id)
-            stats.prefills += 1
-            emit(fresh, logits)
-            if len(fresh):
-                if batch is None:
-                    batch = fresh
-                else:
-                    batch.absorb(fresh)
-        if batch is not None and len(batch):
-            logits = _decode_step(model, batch)
-            stats.decode_steps += 1
-            stats.row_steps += len(batch)
-            emit(batch, logits)
-        if batch is not None and not len(batch):
-            batch = None
-        now = time.perf_counter()
-        if progress and now - last_report > 0.5:
-            bar.set_postfix_str(f"{stats.generated_tokens / (now - start):.0f} tok/s", refresh=False)
-            last_report = now
+    with packed_decode_attention(model):  # one unmasked query token: see transformers_compat
+        while waiting or batch is not None:
+            active = len(batch) if batch is not None else 0
+            if waiting and active <= threshold and (batch is None or batch.mergeable):
+                newcomers = [waiting.popleft() for _ in range(min(batch_size - active, len(waiting)))]
+                fresh, logits = _prefill(model, prompts, newcomers, pad_token_id)
+                stats.prefills += 1
+                emit(fresh, logits)
+                if len(fresh):
+                    if batch is None:
+                        batch = fresh
+                    else:
+                        batch.absorb(fresh)
+            if batch is not None and len(batch):
+                logits = _decode_step(model, batch)
+                stats.decode_steps += 1
+                stats.row_steps += len(batch)
+                emit(batch, logits)
+            if batch is not None and not len(batch):
+                batch = None
+            now = time.perf_counter()
+            if progress and now - last_report > 0.5:
+                bar.set_postfix_str(f"{stats.generated_tokens / (now - start):.0f} tok/s", refresh=False)
+                last_report = now
     stats.seconds = time.perf_counter() - start
     bar.close()
     logger.debug("generation stats: %s", stats.as_dict())
