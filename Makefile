@@ -34,7 +34,7 @@ lint: setup
 	$(BIN)/ruff format --check src flows tasks tests benchmarks tools
 	$(BIN)/lint-imports
 
-# The built-in SmolLM2 on real GSM8K, end to end on the CPU (about 30 minutes on 2 cores).
+# The built-in SmolLM2 on real GSM8K, end to end on the CPU (20-30 minutes on 2 cores; README, "Demo").
 demo: setup
 	$(BIN)/posttrain models pull smollm2-135m-instruct
 	$(BIN)/posttrain run configs/smollm2-gsm8k-cpu.yaml
