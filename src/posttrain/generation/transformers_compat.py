@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +178,6 @@ def _packed_sdpa(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, except one unmasked query token of a GQA layer is packed per KV head."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     plain = not dropout and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
     if query.shape[2] == 1 and attention_mask is None and groups > 1 and plain:
