@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
 import torch
@@ -198,7 +199,9 @@ def _packed_sdpa(
     )
 
 
+@cache
 def _register_packed_sdpa() -> None:
+    """Add :data:`DECODE_ATTENTION` to transformers' registries, once per process."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
