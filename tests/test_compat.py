@@ -15,7 +15,7 @@ import torch
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from posttrain.generation import transformers_compat
+from posttrain.generation import torch_compat, transformers_compat
 from posttrain.models import datasets_compat, peft_compat
 from posttrain.training import trl_compat
 
@@ -39,6 +39,7 @@ def pinned(package: str) -> SpecifierSet:
         ("transformers", transformers_compat.TRANSFORMERS_VERSIONS),
         ("peft", peft_compat.PEFT_VERSIONS),
         ("datasets", datasets_compat.DATASETS_VERSIONS),
+        ("torch", torch_compat.TORCH_VERSIONS),
     ],
 )
 def test_compat_module_matches_the_pin_and_the_installed_version(package, checked):
@@ -269,6 +270,42 @@ def test_packed_decode_attention_matches_sdpa_and_skips_its_gqa_path(tiny_model_
     assert calls[-layers:] == [False] * layers
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     assert model.config._attn_implementation == "sdpa"  # restored after the block
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def test_packed_linear_weights_give_linear_outputs_from_current_weights(tiny_model_dir):
+    """bf16 prepacked linears: same logits as ``F.linear``, packed afresh on each entry, undone on exit."""
+    if not torch_compat._bf16_prepack_supported():
+        pytest.skip("this CPU has no native bf16 in oneDNN: the engine leaves linears unpacked here")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ids = torch.tensor([[5, 9, 3, 7, 1], [2, 8, 8, 1, 6]])
+    with torch.inference_mode():
+        for _ in range(2):  # the second round runs on changed weights (as after a training step)
+            expected = model(input_ids=ids).logits
+            with torch_compat.packed_linear_weights(model) as count:
+                assert count == len(linears) and all("forward" in vars(m) for m in linears)
+                got = model(input_ids=ids).logits
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-2)
+            assert not any("forward" in vars(m) for m in linears)  # plain nn.Linear again
+            model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)
+
+
+def test_packed_linear_weights_leave_fp32_and_subclassed_linears_alone(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert torch_compat.packable_linears(model) == []
+
+    class Adapted(torch.nn.Linear):  # stands for bitsandbytes' Linear4bit and other subclasses
+        pass
+
+    holder = torch.nn.Sequential(Adapted(4, 4).to(torch.bfloat16))
+    assert torch_compat.packable_linears(holder) == []
 
 
 # --------------------------------------------------------------------------- peft

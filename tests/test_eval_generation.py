@@ -347,3 +347,23 @@ def test_grpo_rollout_cuts_completions_after_eos_as_trl_does(lively_model, tiny_
     trl_cut = [next((ids[: i + 1] for i, t in enumerate(ids) if t in stops), ids) for ids in generated]
     assert out["completion_ids"] == trl_cut
     assert any(len(ids) < MAX_NEW for ids in trl_cut) and any(len(ids) == MAX_NEW for ids in trl_cut)
+
+
+def test_bf16_engine_with_packed_linears_gives_the_unpacked_tokens(
+    lively_model, tiny_tokenizer, prompts, stops, monkeypatch
+):
+    """bf16 decoding through prepacked linear weights (torch_compat) changes no token."""
+    import contextlib
+    import copy
+
+    from posttrain.generation import engine, torch_compat
+
+    if not torch_compat._bf16_prepack_supported():
+        pytest.skip("this CPU has no native bf16 in oneDNN: the engine leaves linears unpacked here")
+    model = copy.deepcopy(lively_model).to(torch.bfloat16)
+    run = dict(max_new_tokens=MAX_NEW, stop_ids=stops, pad_token_id=tiny_tokenizer.pad_token_id, batch_size=4)
+    packed, _ = generate_continuous(model, prompts, **run)
+    monkeypatch.setattr(engine, "packed_linear_weights", lambda model: contextlib.nullcontext(0))
+    plain, _ = generate_continuous(model, prompts, **run)
+    assert [c.token_ids for c in packed] == [c.token_ids for c in plain]
+    assert len({len(c.token_ids) for c in plain}) > 1  # the comparison covers rows finishing early

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from posttrain.generation.torch_compat import packed_linear_weights
 from posttrain.generation.transformers_compat import new_cache, packed_decode_attention
 
 logger = logging.getLogger(__name__)
@@ -342,7 +343,8 @@ def generate_continuous(
         if len(survivors) < len(current):
             current.keep(survivors)
 
-    with packed_decode_attention(model):  # one unmasked query token: see transformers_compat
+    # One unmasked query token (transformers_compat) and bf16 weights laid out once (torch_compat).
+    with packed_decode_attention(model), packed_linear_weights(model):
         while waiting or batch is not None:
             active = len(batch) if batch is not None else 0
             if waiting and active <= threshold and (batch is None or batch.mergeable):
