@@ -277,7 +277,7 @@ def test_packed_decode_attention_matches_sdpa_and_skips_its_gqa_path(tiny_model_
 
 def test_packed_linear_weights_give_linear_outputs_from_current_weights(tiny_model_dir):
     """bf16 prepacked linears: same logits as ``F.linear``, packed afresh on each entry, undone on exit."""
-    if not torch_compat._bf16_prepack_supported():
+    if not torch_compat.bf16_prepack_supported():
         pytest.skip("this CPU has no native bf16 in oneDNN: the engine leaves linears unpacked here")
     from transformers import AutoModelForCausalLM
 

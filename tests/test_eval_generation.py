@@ -358,7 +358,7 @@ def test_bf16_engine_with_packed_linears_gives_the_unpacked_tokens(
 
     from posttrain.generation import engine, torch_compat
 
-    if not torch_compat._bf16_prepack_supported():
+    if not torch_compat.bf16_prepack_supported():
         pytest.skip("this CPU has no native bf16 in oneDNN: the engine leaves linears unpacked here")
     model = copy.deepcopy(lively_model).to(torch.bfloat16)
     run = dict(max_new_tokens=MAX_NEW, stop_ids=stops, pad_token_id=tiny_tokenizer.pad_token_id, batch_size=4)

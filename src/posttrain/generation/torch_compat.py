@@ -19,7 +19,6 @@ the weights between calls. Only inference uses it: the packed op has no autograd
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -27,9 +26,7 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["TORCH_VERSIONS", "packable_linears", "packed_linear_weights"]
+__all__ = ["TORCH_VERSIONS", "bf16_prepack_supported", "packable_linears", "packed_linear_weights"]
 
 TORCH_VERSIONS = ">=2.6,<2.14"
 """The torch versions this module was checked against (pyproject's pin)."""
@@ -39,18 +36,17 @@ PACK_ROWS_HINT = 64
 
 
 @cache
-def _bf16_prepack_supported() -> bool:
+def bf16_prepack_supported() -> bool:
     """oneDNN is built in and runs bf16 natively on this CPU (what inductor checks before packing)."""
-    mkldnn = getattr(torch.ops, "mkldnn", None)
     try:
-        return bool(torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch build without the ops
         return False
 
 
 def packable_linears(model: Any) -> list[torch.nn.Linear]:
     """The plain bf16 CPU ``nn.Linear`` modules of ``model`` (not subclasses: 4-bit or adapter layers)."""
-    if not _bf16_prepack_supported():
+    if not bf16_prepack_supported():
         return []
     return [
         module
