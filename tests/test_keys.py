@@ -122,6 +122,26 @@ def test_train_identity_depends_on_its_section_trainer_model_seed_and_inputs():
     assert train_key(cfg, "grpo-correctness", "model-fp", "data-fp") != key
 
 
+def test_a_stages_own_lora_keys_that_stage_and_an_unset_one_keeps_old_keys():
+    """``lora:`` in a stage section is what that stage trains (full model or adapter); leaving it
+    out must keep every key of configs written before stages could set it."""
+    cfg = smoke()
+    key = train_key(cfg, "grpo-format", "model-fp", "data-fp")
+    assert "lora" not in stage_section(cfg, "grpo-format").model_dump(mode="json")
+    # Stating model.lora again changes nothing; full fine-tuning or another adapter does.
+    assert (
+        train_key(
+            smoke("grpo.stages.0.lora={r: 8, alpha: 16, dropout: 0.0}"), "grpo-format", "model-fp", "data-fp"
+        )
+        == key
+    )
+    for changed in (smoke("grpo.stages.0.lora=null"), smoke("grpo.stages.0.lora={r: 4}")):
+        assert train_key(changed, "grpo-format", "model-fp", "data-fp") != key
+        assert train_key(changed, "grpo-correctness", "model-fp", "data-fp") == train_key(
+            cfg, "grpo-correctness", "model-fp", "data-fp"
+        )
+
+
 def test_a_custom_reward_module_is_part_of_the_stage_code():
     cfg = smoke()
     stage = GRPOStageConfig(name="own", rewards=[{"name": "my_rewards.scoring:score"}])

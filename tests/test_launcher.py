@@ -148,6 +148,25 @@ def test_a_stage_overrides_the_global_launcher():
     assert "training" not in cfg_with().sft.model_dump(mode="json")  # unset: not in the stage's hash
 
 
+@pytest.mark.parametrize("stage_lora", [None, "grpo.stages.1.lora=null", "sft.lora={r: 4}"])
+def test_a_launched_child_rebuilds_the_same_config(stage_lora):
+    """The child of `accelerate launch` validates the request's config again: it must train exactly
+    what the parent planned, down to a stage's unset `lora:` (follow model.lora) vs an explicit null."""
+    import json
+
+    from posttrain.pipeline import load_config
+    from posttrain.pipeline.launcher import _request
+
+    cfg = load_config(REPO / "configs" / "smoke.yaml", [stage_lora] if stage_lora else [])
+    inputs = StepInputs(ModelRef(path="m", fingerprint="f"), None)
+    sent = json.loads(json.dumps(_request(cfg, "sft", inputs, "out"), default=str))
+    child = PipelineConfig.model_validate(sent["config"])
+    assert child == cfg
+    twins = dict(child.stage_sections())
+    for key, section in cfg.stage_sections():
+        assert child.model_for(twins[key]) == cfg.model_for(section), key
+
+
 @pytest.mark.skipif(cuda_available(), reason="checks the message on a machine without CUDA")
 def test_a_gpu_accelerate_config_on_a_cpu_fails_in_one_line_before_launching(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)

@@ -266,6 +266,25 @@ def test_one_reward_weight_reruns_exactly_that_stage_and_what_follows(first_run,
     assert step_calls == (["grpo_step", "eval_step"] if changed else ["grpo_step"])
 
 
+def test_a_stages_own_lora_null_fully_fine_tunes_that_stage_only(first_run, workdir, step_calls):
+    """The smoke config trains LoRA adapters (model.lora); `lora: null` in one stage trains that stage's
+    full model, reruns it and what follows, and leaves the stages before it cached."""
+    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.models.artifacts import read_stage_json
+
+    summary = posttrain_pipeline(smoke(workdir, "grpo.stages.1.lora=null"))
+    got = statuses(summary)
+    before = STEPS[: STEPS.index("grpo-correctness")]
+    assert {s: got[s] for s in before} == dict.fromkeys(before, "cached")
+    assert got["grpo-correctness"] == "ran" and step_calls[0] == "grpo_step"
+    infos = [
+        read_stage_json(next(o["output"] for o in run["outcomes"] if o["step"] == step))
+        for run, step in ((first_run, "grpo-correctness"), (summary, "grpo-correctness"), (summary, "dpo"))
+    ]
+    assert [info["artifact"] for info in infos] == ["merged", "full", "merged"]
+    assert infos[0]["model_config_hash"] != infos[1]["model_config_hash"]
+
+
 def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_calls, monkeypatch):
     """Even when the digest of the weights is remembered and the flip keeps their size and mtime."""
     import json

@@ -163,35 +163,6 @@ class VLLMServerConfig(StrictModel):
         return args
 
 
-class _StageWithTrainer(StrictModel):
-    trl_kind: ClassVar[str]
-    trainer: dict[str, Any] = Field(default_factory=dict, description="TRL options, passed through")
-    training: TrainingOverride | None = None
-    """How this stage is launched, over the top-level ``training:`` section; only the number of
-    processes enters the stage's cache key (see posttrain.pipeline.keys)."""
-
-    @model_serializer(mode="wrap", when_used="json")
-    def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
-        """The JSON form without secrets, and without ``training`` when unset: a stage's config hash
-        (cache key, ``stage.json``) stays what it was before stages could override it."""
-        data = redact(handler(self))
-        if isinstance(data, dict) and data.get("training") is None:
-            data.pop("training", None)
-        return data
-
-    @field_validator("trainer")
-    @classmethod
-    def _check_trainer(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return validate_trainer_options(cls.trl_kind, value)
-
-    def trainer_options(self) -> dict[str, Any]:
-        """posttrain's defaults overlaid with this stage's YAML options."""
-        return {**TRAINER_DEFAULTS[self.trl_kind], **self.trainer}
-
-
-# --------------------------------------------------------------------------- sections
-
-
 class LoraConfig(StrictModel):
     """``model.lora``: posttrain's four settings plus any other ``peft.LoraConfig`` option by peft's
     own name (``use_rslora``, ``use_dora``, ``modules_to_save``, ``init_lora_weights``, ...), checked
@@ -229,6 +200,41 @@ class LoraConfig(StrictModel):
         """Keyword arguments of ``peft.LoraConfig`` (without ``task_type``), by peft's names."""
         ours = {peft: getattr(self, name) for name, peft in POSTTRAIN_LORA_KEYS.items()}
         return {**ours, **(self.model_extra or {})}
+
+
+class _StageWithTrainer(StrictModel):
+    trl_kind: ClassVar[str]
+    trainer: dict[str, Any] = Field(default_factory=dict, description="TRL options, passed through")
+    training: TrainingOverride | None = None
+    """How this stage is launched, over the top-level ``training:`` section; only the number of
+    processes enters the stage's cache key (see posttrain.pipeline.keys)."""
+    lora: LoraConfig | None = None
+    """This stage's own ``model.lora``: a mapping trains a LoRA adapter, ``null`` the full model;
+    absent, the stage follows ``model.lora`` (see :meth:`PipelineConfig.model_for`)."""
+
+    @model_serializer(mode="wrap", when_used="json")
+    def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """The JSON form without secrets, and without ``training`` or ``lora`` when unset: a stage's
+        config hash (cache key, ``stage.json``) stays what it was before stages could override them."""
+        data = redact(handler(self))
+        if isinstance(data, dict):
+            if data.get("training") is None:
+                data.pop("training", None)
+            if "lora" not in self.model_fields_set:
+                data.pop("lora", None)
+        return data
+
+    @field_validator("trainer")
+    @classmethod
+    def _check_trainer(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return validate_trainer_options(cls.trl_kind, value)
+
+    def trainer_options(self) -> dict[str, Any]:
+        """posttrain's defaults overlaid with this stage's YAML options."""
+        return {**TRAINER_DEFAULTS[self.trl_kind], **self.trainer}
+
+
+# --------------------------------------------------------------------------- sections
 
 
 class ModelConfig(StrictModel):
@@ -583,6 +589,37 @@ class PipelineConfig(StrictModel):
     """A managed vLLM server for GRPO stages in ``vllm_mode: server``; null: none (a stage in server
     mode then connects to a server you run, at its own ``vllm_server_host``/``port``)."""
 
+    @model_validator(mode="after")
+    def _stage_lora_fits_model(self) -> PipelineConfig:
+        for key, section in self.stage_sections():
+            if "lora" not in section.model_fields_set or section.lora is not None:
+                continue
+            if self.model.quantization == "4bit":
+                raise ValueError(f"{key}.lora: null (full fine-tuning) cannot train a 4bit model (QLoRA)")
+            if self.model.adapter_policy == "adapter":
+                raise ValueError(
+                    f"{key}.lora: null (full fine-tuning) saves the whole model, but "
+                    "model.adapter_policy: adapter keeps adapters only"
+                )
+        return self
+
+    def stage_sections(self) -> list[tuple[str, _StageWithTrainer]]:
+        """``(config key, section)`` of every training stage in the file (``sft``, ``grpo.stages.1``)."""
+        sections: list[tuple[str, _StageWithTrainer]] = []
+        if self.sft is not None:
+            sections.append(("sft", self.sft))
+        if self.dpo is not None:
+            sections.append(("dpo", self.dpo))
+        sections += [(f"grpo.stages.{i}", s) for i, s in enumerate(self.grpo.stages)]
+        return sections
+
+    def model_for(self, section: Any) -> ModelConfig:
+        """The model settings one training stage runs with: its own ``lora:`` when it sets one
+        (e.g. a full SFT for the format, then LoRA for GRPO), else ``model``'s."""
+        if "lora" not in getattr(section, "model_fields_set", ()):
+            return self.model
+        return self.model.model_copy(update={"lora": section.lora})
+
     def launch_of(self, section: Any) -> TrainingConfig:
         """The resolved ``training:`` settings of one stage section (its override over the global)."""
         return self.training.merged(getattr(section, "training", None))
@@ -653,12 +690,17 @@ def _parse_override_value(text: str) -> Any:
 def format_validation_error(exc: ValidationError, source: str) -> str:
     """One line: ``source: dotted.key: problem`` for the first error (``(+N more)`` if there are more)."""
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    loc = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
     more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-    return f"{source}: {loc}: {msg}{more}"
+    if not loc and _KEYED_MESSAGE.match(msg):  # a check across sections names its key itself
+        return f"{source}: {msg}{more}"
+    return f"{source}: {loc or '(top level)'}: {msg}{more}"
+
+
+_KEYED_MESSAGE = re.compile(r"^[a-z_]+(\.[a-z0-9_]+)*: ")
 
 
 def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:

@@ -149,9 +149,11 @@ def train_identity(
     # trainer_options() includes posttrain's code-side defaults, which the section hash does not.
     config_hash = stable_hash(
         {
-            "stage": stable_hash(section.model_copy(update={"trainer": trainer, "training": None})),
+            "stage": stable_hash(
+                _without_lora(section.model_copy(update={"trainer": trainer, "training": None}))
+            ),
             "trainer": {k: v for k, v in section.trainer_options().items() if k not in CHECKPOINT_OPTIONS},
-            "model": stable_hash(cfg.model),
+            "model": stable_hash(cfg.model_for(section)),  # the stage's own `lora:` included
             "seed": cfg.seed,
             **({"processes": processes} if processes > 1 else {}),
         }
@@ -163,6 +165,14 @@ def train_identity(
         {"model": model_fingerprint, "data": data_fingerprint},
         code_fingerprint(section.trl_kind, rewards),
     )
+
+
+def _without_lora(section: SFTStageConfig | DPOStageConfig | GRPOStageConfig) -> dict[str, object]:
+    """A stage section's JSON without its ``lora:``, which enters the key as part of the model it trains
+    (``cfg.model_for``): restating ``model.lora`` in a stage then changes nothing."""
+    data = section.model_dump(mode="json")
+    data.pop("lora", None)
+    return data
 
 
 def train_key(cfg: PipelineConfig, stage: str, model_fingerprint: str, data_fingerprint: str) -> str:

@@ -133,9 +133,13 @@ def launch_command(setup: AccelerateSetup, request: str | Path) -> list[str]:
 
 def _request(cfg: PipelineConfig, step: str, inputs: Any, output_dir: str) -> dict[str, Any]:
     """What a child needs to run the step: the real config (secrets included, the file is private to
-    this user and deleted after the launch) and the step's inputs."""
+    this user and deleted after the launch) and the step's inputs.
+
+    Only the keys the config set are sent: the child fills in the same defaults, and an unset key
+    stays unset (a stage without ``lora:`` follows ``model.lora``; an explicit null would not).
+    """
     return {
-        "config": cfg.model_dump(mode="python"),
+        "config": cfg.model_dump(mode="python", exclude_unset=True),
         "step": step,
         "model": asdict(inputs.model),
         "data": asdict(inputs.data) if inputs.data is not None else None,

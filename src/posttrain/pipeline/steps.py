@@ -261,7 +261,9 @@ def sft_step(
     from posttrain.training.sft import run_sft  # heavy: torch, transformers, TRL
 
     train = load_data(data).train
-    return run_sft(cfg.sft, cfg.model, model.path, train, output_dir, seed=cfg.seed, report_to=report_to)
+    return run_sft(
+        cfg.sft, cfg.model_for(cfg.sft), model.path, train, output_dir, seed=cfg.seed, report_to=report_to
+    )
 
 
 def dpo_step(
@@ -271,7 +273,9 @@ def dpo_step(
     from posttrain.training.dpo import run_dpo  # heavy: torch, transformers, TRL
 
     train = load_data(data).train
-    return run_dpo(cfg.dpo, cfg.model, model.path, train, output_dir, seed=cfg.seed, report_to=report_to)
+    return run_dpo(
+        cfg.dpo, cfg.model_for(cfg.dpo), model.path, train, output_dir, seed=cfg.seed, report_to=report_to
+    )
 
 
 def grpo_step(
@@ -292,7 +296,7 @@ def grpo_step(
     prepared = load_data(data)
     return run_grpo_stage(
         stage_cfg,
-        cfg.model,
+        cfg.model_for(stage_cfg),
         model.path,
         prepared.train,
         output_dir,
