@@ -130,8 +130,7 @@ def data_key(cfg: PipelineConfig, model_fingerprint: str) -> str:
 
 def stage_section(cfg: PipelineConfig, stage: str) -> SFTStageConfig | DPOStageConfig | GRPOStageConfig:
     """The config section of the training stage whose step name is ``stage``."""
-    sections = [s for s in (cfg.sft, cfg.dpo, *cfg.grpo.stages) if s is not None]
-    for section in sections:
+    for _, section in cfg.stage_sections():
         if section.step_name == stage:
             return section
     raise KeyError(stage)
