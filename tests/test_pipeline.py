@@ -247,20 +247,30 @@ def test_dry_run_and_the_flow_run_the_same_plan(first_run, workdir, monkeypatch)
     assert ran == expected
 
 
-def test_one_reward_weight_reruns_exactly_that_stage_and_what_follows(first_run, workdir, step_calls):
-    from posttrain.flows.pipeline import posttrain_pipeline
-    from posttrain.models.artifacts import fingerprint_dir
+def output_of(summary, step: str) -> str:
+    return next(o["output"] for o in summary["outcomes"] if o["step"] == step)
 
-    summary = posttrain_pipeline(smoke(workdir, "grpo.stages.1.rewards.1.weight=0.25"))
+
+def rerun_of_the_last_stage(workdir: Path, step_calls: list[str], override: str):
+    """Run the smoke config with ``override``, which touches only its last GRPO stage: every step
+    before it must be served from the cache and that stage must train again."""
+    from posttrain.flows.pipeline import posttrain_pipeline
+
+    summary = posttrain_pipeline(smoke(workdir, override))
     got = statuses(summary)
     before = STEPS[: STEPS.index("grpo-correctness")]
     assert {s: got[s] for s in before} == dict.fromkeys(before, "cached")
     assert got["grpo-correctness"] == "ran" and step_calls[0] == "grpo_step"
+    return summary
+
+
+def test_one_reward_weight_reruns_exactly_that_stage_and_what_follows(first_run, workdir, step_calls):
+    from posttrain.models.artifacts import fingerprint_dir
+
+    summary = rerun_of_the_last_stage(workdir, step_calls, "grpo.stages.1.rewards.1.weight=0.25")
+    got = statuses(summary)
     # The evaluation reruns exactly when the retrained policy differs (its key is the weights' hash).
-    outputs = [
-        next(o["output"] for o in run["outcomes"] if o["step"] == "grpo-correctness")
-        for run in (first_run, summary)
-    ]
+    outputs = [output_of(run, "grpo-correctness") for run in (first_run, summary)]
     changed = fingerprint_dir(outputs[0]) != fingerprint_dir(outputs[1])
     assert got["eval-grpo-correctness"] == ("ran" if changed else "cached")
     assert step_calls == (["grpo_step", "eval_step"] if changed else ["grpo_step"])
@@ -269,16 +279,11 @@ def test_one_reward_weight_reruns_exactly_that_stage_and_what_follows(first_run,
 def test_a_stages_own_lora_null_fully_fine_tunes_that_stage_only(first_run, workdir, step_calls):
     """The smoke config trains LoRA adapters (model.lora); `lora: null` in one stage trains that stage's
     full model, reruns it and what follows, and leaves the stages before it cached."""
-    from posttrain.flows.pipeline import posttrain_pipeline
     from posttrain.models.artifacts import read_stage_json
 
-    summary = posttrain_pipeline(smoke(workdir, "grpo.stages.1.lora=null"))
-    got = statuses(summary)
-    before = STEPS[: STEPS.index("grpo-correctness")]
-    assert {s: got[s] for s in before} == dict.fromkeys(before, "cached")
-    assert got["grpo-correctness"] == "ran" and step_calls[0] == "grpo_step"
+    summary = rerun_of_the_last_stage(workdir, step_calls, "grpo.stages.1.lora=null")
     infos = [
-        read_stage_json(next(o["output"] for o in run["outcomes"] if o["step"] == step))
+        read_stage_json(output_of(run, step))
         for run, step in ((first_run, "grpo-correctness"), (summary, "grpo-correctness"), (summary, "dpo"))
     ]
     assert [info["artifact"] for info in infos] == ["merged", "full", "merged"]
