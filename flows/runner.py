@@ -273,9 +273,10 @@ class PlanRunner:
         the weights for the final stage when ``tracking.log_model``, a reference otherwise)."""
         model_id = self.tracker.find_stage_model(key) if cached else None
         if model_id is None:
-            params = {
-                **flatten_params(self.cfg.model, "model"),
-                **flatten_params(step.section(self.cfg), "stage"),
+            section = step.section(self.cfg)
+            params = {  # the model settings this stage trained with (its own `lora:` included)
+                **flatten_params(self.cfg.model_for(section), "model"),
+                **flatten_params(section, "stage"),
             }
             where = {"kind": step.kind, "cache_key": key, "params": params}
             if step.name == self.final_stage and self.tracker.log_models:

@@ -279,6 +279,8 @@ def test_one_reward_weight_reruns_exactly_that_stage_and_what_follows(first_run,
 def test_a_stages_own_lora_null_fully_fine_tunes_that_stage_only(first_run, workdir, step_calls):
     """The smoke config trains LoRA adapters (model.lora); `lora: null` in one stage trains that stage's
     full model, reruns it and what follows, and leaves the stages before it cached."""
+    import mlflow
+
     from posttrain.models.artifacts import read_stage_json
 
     summary = rerun_of_the_last_stage(workdir, step_calls, "grpo.stages.1.lora=null")
@@ -288,6 +290,18 @@ def test_a_stages_own_lora_null_fully_fine_tunes_that_stage_only(first_run, work
     ]
     assert [info["artifact"] for info in infos] == ["merged", "full", "merged"]
     assert infos[0]["model_config_hash"] != infos[1]["model_config_hash"]
+    # Its LoggedModel's params say what trained it: no adapter, where the earlier stages had one.
+    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    parent = client.get_run(summary["run_id"])
+    models = client.search_logged_models(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`posttrain.pipeline_run_id` = '{parent.info.run_id}'",
+    )
+    [model] = [m for m in models if m.name == "grpo-correctness"]  # the cached stages keep theirs
+    assert (
+        model.params["model.lora"] == model.params["stage.lora"] == "null"
+        and "model.lora.r" not in model.params
+    )
 
 
 def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_calls, monkeypatch):
