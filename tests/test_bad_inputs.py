@@ -357,14 +357,6 @@ CASES = [
         "{cfg}: grpo.stages.0.lora: null (full fine-tuning) cannot train a 4bit model",
     ),
     (
-        "a stage fully fine-tunes under adapter_policy adapter",
-        ["model.lora={r: 4}", "model.adapter_policy=adapter", "sft.lora=null"],
-        None,
-        [],
-        {},
-        "{cfg}: sft.lora: null (full fine-tuning) saves the whole model",
-    ),
-    (
         "a stage's lora rank 0",
         ["dpo.lora={r: 0}"],
         None,

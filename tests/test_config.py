@@ -127,6 +127,24 @@ def test_bad_configs_fail_in_one_line_naming_the_key(tmp_path, data, fragment):
     assert message.startswith(str(tmp_path / "cfg.yaml"))
 
 
+def test_a_stage_lora_overrides_model_lora_for_that_stage_only():
+    """Unset follows model.lora; a mapping is that stage's adapter; null is its full model, which under
+    adapter_policy: adapter saves the whole model like any full fine-tuning (not refused)."""
+    model = {"name": "tiny-random", "lora": {"r": 8}, "adapter_policy": "adapter"}
+    cfg = parse_config(
+        minimal(
+            model=model,
+            sft={"lora": None},
+            grpo={"stages": [grpo_stage(), {**grpo_stage(), "name": "b", "lora": {"r": 2}}]},
+        )
+    )
+    sft, first, second = (section for _, section in cfg.stage_sections())
+    assert cfg.model_for(sft).lora is None and cfg.model_for(sft).adapter_policy == "adapter"
+    assert cfg.model_for(first) is cfg.model and cfg.model_for(second).lora.r == 2
+    with pytest.raises(ConfigError, match=r"x.yaml: sft.lora: null \(full fine-tuning\) cannot train a 4bit"):
+        parse_config(minimal(model={**model, "quantization": "4bit"}, sft={"lora": None}), "x.yaml")
+
+
 def test_lora_passes_peft_options_through_by_peft_names():
     from posttrain.models.loading import build_peft_config
 

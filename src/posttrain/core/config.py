@@ -591,16 +591,12 @@ class PipelineConfig(StrictModel):
 
     @model_validator(mode="after")
     def _stage_lora_fits_model(self) -> PipelineConfig:
+        """ModelConfig's own rule, for a stage's ``lora: null``. (Under ``adapter_policy: adapter`` a
+        full stage saves the whole model, as full fine-tuning always does: see save_policy.)"""
         for key, section in self.stage_sections():
-            if "lora" not in section.model_fields_set or section.lora is not None:
-                continue
-            if self.model.quantization == "4bit":
+            full = "lora" in section.model_fields_set and section.lora is None
+            if full and self.model.quantization == "4bit":
                 raise ValueError(f"{key}.lora: null (full fine-tuning) cannot train a 4bit model (QLoRA)")
-            if self.model.adapter_policy == "adapter":
-                raise ValueError(
-                    f"{key}.lora: null (full fine-tuning) saves the whole model, but "
-                    "model.adapter_policy: adapter keeps adapters only"
-                )
         return self
 
     def stage_sections(self) -> list[tuple[str, _StageWithTrainer]]:
