@@ -225,6 +225,57 @@ def test_report_breaks_accuracy_down_by_number_of_operations(tmp_path):
     assert "   2      3     0.0%     33.3%    33.3%" in table
 
 
+def test_a_sampled_report_gives_pass_at_k_per_difficulty(tmp_path):
+    # Two samples per question at pass_k 2: ops 1 has one question right once (strict) and one never;
+    # ops 2 has one question right in flexible scoring only, twice.
+    samples = {
+        "a": (1, [RIGHT_FORMATTED, WRONG_FORMATTED]),
+        "b": (1, [WRONG_FORMATTED, WRONG_FORMATTED]),
+        "c": (2, [RIGHT_UNFORMATTED, RIGHT_UNFORMATTED]),
+    }
+    records = tuple(
+        EvalRecord.from_samples(i, f"q {i}?", "42", [score_completion(t, "42") for t in texts], ops=ops)
+        for i, (ops, texts) in samples.items()
+    )
+    report = EvalReport(
+        model="m", summary=summarize([r.samples for r in records], 2), records=records, config={"pass_k": 2}
+    )
+    assert report.by_ops == {
+        "1": {
+            "n": 2,
+            "accuracy_strict": 0.25,
+            "accuracy_flexible": 0.25,
+            "strict_format_rate": 1.0,
+            "pass@2_strict": 0.5,
+            "pass@2_flexible": 0.5,
+        },
+        "2": {
+            "n": 1,
+            "accuracy_strict": 0.0,
+            "accuracy_flexible": 1.0,
+            "strict_format_rate": 0.0,
+            "pass@2_strict": 0.0,
+            "pass@2_flexible": 1.0,
+        },
+    }
+    metrics = report_metrics(report)
+    assert metrics["pass@2_strict/ops_1"] == 0.5 and metrics["pass@2_flexible/ops_2"] == 1.0
+    assert "accuracy_flexible/ops_1" not in metrics  # only pass@k joins accuracy_strict per difficulty
+    report.save(tmp_path)
+    assert EvalReport.load(tmp_path).by_ops == report.by_ops
+    table = format_summary_table(report)
+    assert (
+        "    pass@2 strict" in table and "   1      2    25.0%     25.0%   100.0%             50.0%" in table
+    )
+    # Greedy reports (pass_k 1, or no pass_k recorded) keep the four fields.
+    assert list(_by_ops_report().by_ops["1"]) == [
+        "n",
+        "accuracy_strict",
+        "accuracy_flexible",
+        "strict_format_rate",
+    ]
+
+
 def test_reports_written_before_difficulties_still_load(tmp_path):
     report = _report("old", {"q1": True})
     report.save(tmp_path)

@@ -147,8 +147,10 @@ class EvalReport:
     @property
     def by_ops(self) -> dict[str, dict[str, float]]:
         """``{"<ops>": {"n", "accuracy_strict", "accuracy_flexible", "strict_format_rate"}}`` over
-        every sample, from the records (empty when no record has an ``ops``)."""
-        return summarize_by_ops([r.samples for r in self.records], [r.ops for r in self.records])
+        every sample (plus pass@k when the evaluation sampled ``pass_k > 1``), from the records
+        (empty when no record has an ``ops``)."""
+        k = int(self.config.get("pass_k", 1))
+        return summarize_by_ops([r.samples for r in self.records], [r.ops for r in self.records], k)
 
     def save(self, directory: str | Path) -> Path:
         """Write ``report.json`` and ``examples.jsonl`` into ``directory`` (created); return it."""
@@ -193,15 +195,17 @@ class EvalReport:
 
 
 BY_OPS_METRICS = ("accuracy_strict",)
-"""The per-difficulty numbers that also become metrics (``accuracy_strict/ops_<n>``); report.json has all."""
+"""The per-difficulty numbers that also become metrics (``accuracy_strict/ops_<n>``), with pass@k
+when the evaluation sampled it (``pass@8_strict/ops_2``); report.json has all."""
 
 
 def report_metrics(report: EvalReport) -> dict[str, float]:
-    """The report's summary plus :data:`BY_OPS_METRICS` per difficulty (``accuracy_strict/ops_2``)."""
+    """The report's summary plus :data:`BY_OPS_METRICS` and pass@k per difficulty (``accuracy_strict/ops_2``)."""
     by_ops = {
-        metric_name(metric, ops=ops): values[metric]
+        metric_name(metric, ops=ops): value
         for ops, values in report.by_ops.items()
-        for metric in BY_OPS_METRICS
+        for metric, value in values.items()
+        if metric in BY_OPS_METRICS or metric.startswith("pass@")
     }
     return {**report.summary, **by_ops}
 
@@ -210,11 +214,13 @@ def format_by_ops(by_ops: Mapping[str, Mapping[str, float]]) -> str:
     """A plain-text table of accuracy and format per number of operations ("" when there is none)."""
     if not by_ops:
         return ""
-    lines = [f"{'ops':>4}  {'n':>5}  {'strict':>7}  {'flexible':>8}  {'format':>7}"]
+    passes = [key for key in next(iter(by_ops.values())) if key.startswith("pass@")]
+    header = "".join(f"  {key.replace('_', ' '):>16}" for key in passes)
+    lines = [f"{'ops':>4}  {'n':>5}  {'strict':>7}  {'flexible':>8}  {'format':>7}{header}"]
     for ops, m in by_ops.items():
         lines.append(
             f"{ops:>4}  {int(m['n']):>5}  {m['accuracy_strict']:>7.1%}  {m['accuracy_flexible']:>8.1%}  "
-            f"{m['strict_format_rate']:>7.1%}"
+            f"{m['strict_format_rate']:>7.1%}" + "".join(f"  {m[key]:>16.1%}" for key in passes)
         )
     return "\n".join(lines)
 

@@ -105,12 +105,14 @@ BY_OPS_FIELDS = ("accuracy_strict", "accuracy_flexible", "strict_format_rate")
 
 
 def summarize_by_ops(
-    samples: Sequence[Sequence[SampleScore]], ops: Sequence[int | None]
+    samples: Sequence[Sequence[SampleScore]], ops: Sequence[int | None], k: int = 1
 ) -> dict[str, dict[str, float]]:
     """Accuracy and format per difficulty: ``{"<ops>": {"n", "accuracy_strict", ...}}``, easiest first.
 
     ``ops`` is each question's number of arithmetic operations (synthetic problems' own count,
-    GSM8K's calculator annotations); questions without one (None) are left out.
+    GSM8K's calculator annotations); questions without one (None) are left out. With ``k > 1``
+    each difficulty also gets ``pass@<k>_strict`` and ``pass@<k>_flexible``: whether training
+    made more problems of that difficulty solvable at all, or only made the solvable ones likelier.
 
     >>> ok = score_completion("<reasoning>\\nx\\n</reasoning>\\n<answer>\\n1\\n</answer>", "1")
     >>> bad = score_completion("1", "1")
@@ -126,8 +128,9 @@ def summarize_by_ops(
     for group, n in zip(samples, ops, strict=True):
         if n is not None:
             groups[int(n)].append(group)
+    fields = (*BY_OPS_FIELDS, f"pass@{k}_strict", f"pass@{k}_flexible") if k > 1 else BY_OPS_FIELDS
     out = {}
     for n, group in sorted(groups.items()):
-        metrics = summarize(group)
-        out[str(n)] = {"n": len(group), **{k: metrics[k] for k in BY_OPS_FIELDS}}
+        metrics = summarize(group, k)
+        out[str(n)] = {"n": len(group), **{field: metrics[field] for field in fields}}
     return out
