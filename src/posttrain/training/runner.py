@@ -30,8 +30,10 @@ import logging
 import math
 import re
 import shutil
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,28 @@ from posttrain.training import distributed
 from posttrain.training.sharded import policy_to_save
 
 logger = logging.getLogger(__name__)
+
+_TRAINING = threading.Lock()
+"""Held while a stage trains: one trainer at a time in this process.
+
+accelerate keeps its state (device, mixed precision, process group) in one process-wide object,
+and every ``TrainingArguments`` resets it while it sets up its devices. A sweep's points run in
+threads of one process, so a trainer built for one point reset the state under another point's
+training, which then failed mid-step (`'AcceleratorState' object has no attribute
+'distributed_type'`). Evaluations and generation build no trainer and still run beside training.
+"""
+
+
+@contextmanager
+def one_trainer_at_a_time(stage: str) -> Iterator[None]:
+    """Hold :data:`_TRAINING` for a stage's training; say so when it has to wait for another."""
+    if not _TRAINING.acquire(blocking=False):
+        logger.info("[%s] waiting for another stage training in this process to finish", stage)
+        _TRAINING.acquire()
+    try:
+        yield
+    finally:
+        _TRAINING.release()
 
 
 @dataclass
@@ -341,7 +365,8 @@ def execute_stage(
         resume_from=resume_from,
     )
     try:
-        outcome = train_fn(ctx)
+        with one_trainer_at_a_time(stage):
+            outcome = train_fn(ctx)
     except BaseException:
         if main and last_checkpoint(work) is None:  # nothing to resume from: leave nothing behind
             shutil.rmtree(work, ignore_errors=True)
