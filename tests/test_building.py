@@ -1,5 +1,6 @@
 """One model built at a time: transformers' loading patches torch for the whole process
-(:mod:`posttrain.models.building`), so a model built in another thread meanwhile must wait."""
+(:mod:`posttrain.models.building`), so a model built in another thread meanwhile must wait; and no
+MLflow flush while a stage trains (it shuts down the thread pools the trainer's logging uses)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,30 @@ def test_a_model_built_beside_another_build_waits_and_gets_real_weights(tmp_path
     model = AutoModelForCausalLM.from_pretrained(built["dir"])
     assert not any(p.is_meta for p in model.parameters())
     assert all(p.abs().sum() > 0 for p in model.parameters())
+
+
+def test_an_mlflow_flush_waits_for_a_training_stage_to_end(monkeypatch):
+    import mlflow
+
+    from posttrain.models.building import one_trainer_at_a_time
+    from posttrain.tracking.mlflow_io import flush_async_logging
+
+    flushed, training = threading.Event(), threading.Event()
+    overlapped: list[bool] = []
+    monkeypatch.setattr(mlflow, "flush_async_logging", flushed.set)
+
+    def train():
+        with one_trainer_at_a_time("sft"):
+            training.set()
+            overlapped.append(flushed.wait(timeout=1.0))  # did a flush run during training?
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    assert training.wait(30)
+    flush_async_logging()
+    trainer.join(30)
+    assert overlapped == [False] and flushed.is_set()
+    with one_trainer_at_a_time("grpo"):  # reentrant: a flush from inside a training stage goes through
+        flushed.clear()
+        flush_async_logging()
+        assert flushed.is_set()

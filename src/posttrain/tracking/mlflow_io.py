@@ -19,6 +19,7 @@ from typing import Any
 from posttrain.core.config import PipelineConfig, TrackingConfig
 from posttrain.core.net import unreachable
 from posttrain.core.redact import redact, redact_text
+from posttrain.models.building import between_trainings
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,19 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def flush_async_logging() -> None:
+    """Write out what transformers' MLflow callback queued (it logs asynchronously), between trainings.
+
+    MLflow's flush shuts its logging thread pools down and starts new ones, so a flush while a
+    stage trains in another thread (a sweep's other point, a concurrent evaluation's end) made that
+    training's next log fail (`cannot schedule new futures after shutdown`).
+    """
+    import mlflow  # heavy: deferred until needed
+
+    with between_trainings():
+        mlflow.flush_async_logging()
 
 
 def prompt_async_flush() -> None:

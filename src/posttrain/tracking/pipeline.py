@@ -30,6 +30,7 @@ from posttrain.tracking.mlflow_io import (
     copy_metric_history,
     experiment_name,
     flatten_params,
+    flush_async_logging,
     git_commit,
     mirror_eval,
     mlflow_client,
@@ -134,7 +135,7 @@ class Tracker:
             try:
                 yield stage
             finally:
-                mlflow.flush_async_logging()
+                flush_async_logging()
 
     def record_cached_stage(
         self,
@@ -348,7 +349,7 @@ class Tracker:
         import mlflow  # heavy: deferred until needed
 
         with contextlib.suppress(Exception):
-            mlflow.flush_async_logging()
+            flush_async_logging()
         mlflow_client(self.tracking_uri).set_terminated(self.run_id, status)
         # set_tracking_uri(None) clears both the global and $MLFLOW_TRACKING_URI.
         mlflow.set_tracking_uri(self._previous_uri)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from posttrain.tracking.compare import cell_text, is_curve_metric, reward_curves
 from posttrain.tracking.mlflow_io import (
     MAX_TAG_LENGTH,
     flatten_params,
+    flush_async_logging,
     metric_batch,
     mirror_eval,
     mlflow_client,
@@ -284,9 +285,7 @@ class StageRun:
         return True
 
     def _reward_history(self) -> dict[str, list[tuple[int, float]]]:
-        import mlflow  # heavy: deferred until needed
-
-        mlflow.flush_async_logging()  # the callback logs asynchronously
+        flush_async_logging()  # the callback logs asynchronously
         client = self._client
         keys = [k for k in client.get_run(self.run_id).data.metrics if is_curve_metric(k)]
         return {

@@ -30,10 +30,8 @@ import logging
 import math
 import re
 import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +50,7 @@ from posttrain.models.artifacts import (
     write_log_history,
     write_stage_json,
 )
+from posttrain.models.building import one_trainer_at_a_time
 from posttrain.models.hardware import check_hardware, cuda_available, resolve_precision
 from posttrain.models.loading import build_peft_config, load_stage_model
 from posttrain.models.resolve import resolve_model_path
@@ -61,28 +60,6 @@ from posttrain.training import distributed
 from posttrain.training.sharded import policy_to_save
 
 logger = logging.getLogger(__name__)
-
-_TRAINING = threading.Lock()
-"""Held while a stage trains: one trainer at a time in this process.
-
-accelerate keeps its state (device, mixed precision, process group) in one process-wide object,
-and every ``TrainingArguments`` resets it while it sets up its devices. A sweep's points run in
-threads of one process, so a trainer built for one point reset the state under another point's
-training, which then failed mid-step (`'AcceleratorState' object has no attribute
-'distributed_type'`). Evaluations and generation build no trainer and still run beside training.
-"""
-
-
-@contextmanager
-def one_trainer_at_a_time(stage: str) -> Iterator[None]:
-    """Hold :data:`_TRAINING` for a stage's training; say so when it has to wait for another."""
-    if not _TRAINING.acquire(blocking=False):
-        logger.info("[%s] waiting for another stage training in this process to finish", stage)
-        _TRAINING.acquire()
-    try:
-        yield
-    finally:
-        _TRAINING.release()
 
 
 @dataclass
