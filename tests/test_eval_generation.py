@@ -367,3 +367,18 @@ def test_bf16_engine_with_packed_linears_gives_the_unpacked_tokens(
     plain, _ = generate_continuous(model, prompts, **run)
     assert [c.token_ids for c in packed] == [c.token_ids for c in plain]
     assert len({len(c.token_ids) for c in plain}) > 1  # the comparison covers rows finishing early
+
+
+def test_a_finished_row_moves_only_the_rows_after_it():
+    """Dropping rows shifts the later rows up in place: earlier rows are neither copied nor reallocated."""
+    layer = SlotLayer()
+    keys = torch.arange(5.0)[:, None, None, None].expand(5, 2, 3, 4).contiguous()
+    layer.update(keys, keys + 100)
+    buffer = layer._k.data_ptr()
+    first_row = layer._k[0].clone()
+    layer.compact(1, torch.tensor([2, 4]), 3)  # rows 1 and 3 finished: keep 0, 2, 4
+    assert layer._k.data_ptr() == buffer  # a view of the same storage, no new allocation
+    assert layer.keys[:, 0, 0, 0].tolist() == [0.0, 2.0, 4.0]
+    assert layer.values[:, 0, 0, 0].tolist() == [100.0, 102.0, 104.0]
+    assert torch.equal(layer._k[0], first_row)
+    assert layer.get_seq_length() == 3 and layer.keys.shape == (3, 2, 3, 4)
