@@ -155,6 +155,50 @@ def test_diff_groups_by_id_and_lists_unmatched():
     assert "1 only in A, 1 only in B" in text
 
 
+def _with(report: EvalReport, dtype: str, **config) -> EvalReport:
+    return EvalReport(
+        model=report.model,
+        summary=report.summary,
+        records=report.records,
+        config={
+            **report.config,
+            "batch_size": 64,
+            "refill_at": 0.5,
+            "max_new_tokens": 256,
+            "seed": 0,
+            "temperature": 0.0,
+            **config,
+        },
+        meta={"dtype": dtype},
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype_a", "dtype_b", "config_b", "expected"),
+    [
+        ("float32", "float32", {}, ()),
+        ("float32", "float32", {"batch_size": 32}, ()),  # fp32 tokens do not depend on the batch
+        ("bfloat16", "bfloat16", {"batch_size": 32}, ("batch_size: 64 -> 32",)),
+        ("bfloat16", "bfloat16", {"refill_at": 1.0}, ("refill_at: 0.5 -> 1.0",)),
+        ("float32", "bfloat16", {}, ("dtype: float32 -> bfloat16",)),
+        ("bfloat16", "bfloat16", {"max_new_tokens": 128}, ("max_new_tokens: 256 -> 128",)),
+        ("float32", "float32", {"system_prompt": None}, ()),  # a key one report lacks is skipped
+        ("float32", "float32", {"seed": 1}, ()),  # greedy: the seed draws nothing
+        ("float32", "float32", {"seed": 1, "temperature": 1.0}, ("temperature: 0.0 -> 1.0", "seed: 0 -> 1")),
+    ],
+)
+def test_diff_names_generation_settings_that_differ(dtype_a, dtype_b, config_b, expected, caplog):
+    """A diff of two reports made with different settings says so: they move completions by themselves."""
+    a = _with(_report("a", {"q1": True}), dtype_a)
+    b = _with(_report("b", {"q1": False}), dtype_b, **config_b)
+    diff = diff_reports(a, b)
+    assert diff.settings == expected
+    text = format_diff(diff)
+    assert ("different settings" in text) == bool(expected)
+    assert all(line in text for line in expected)
+    assert ("different settings" in caplog.text) == bool(expected)
+
+
 def test_diff_flexible_mode_uses_flexible_flags():
     a = _report("a", {"q1": False})
     flexible_only = EvalRecord.from_samples("q1", "q?", "42", [score_completion("so 42", "42")])

@@ -15,7 +15,7 @@ from posttrain.evaluation.report import EvalRecord, EvalReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReportDiff", "diff_reports", "format_diff"]
+__all__ = ["ReportDiff", "diff_reports", "format_diff", "setting_differences"]
 
 Pair = tuple[EvalRecord, EvalRecord]
 
@@ -34,6 +34,8 @@ class ReportDiff:
     stayed_wrong: tuple[Pair, ...]
     only_in_a: tuple[str, ...] = ()
     only_in_b: tuple[str, ...] = ()
+    settings: tuple[str, ...] = ()
+    """Generation settings that differ between the reports (see :func:`setting_differences`)."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -87,6 +89,39 @@ class ReportDiff:
         }
 
 
+GENERATION_SETTINGS = (
+    "system_prompt",
+    "few_shot",
+    "max_new_tokens",
+    "temperature",
+    "pass_k",
+    "seed",
+    "backend",
+)
+"""Report ``config`` keys that change completions even when the model is the same."""
+
+BATCH_SETTINGS = ("batch_size", "refill_at")
+"""Keys that change completions only below fp32: the batch decides each prompt's padding and row,
+and bf16 attention rounds differently with them (README, "bf16 against fp32")."""
+
+
+def setting_differences(a: EvalReport, b: EvalReport) -> tuple[str, ...]:
+    """``key: A -> B`` for every generation setting two reports differ in, so a diff is not read as
+    the model's doing when the settings alone moved the completions. Keys a report lacks are skipped."""
+    dtype_a, dtype_b = a.meta.get("dtype"), b.meta.get("dtype")
+    values = {"dtype": (dtype_a, dtype_b)}
+    values |= {key: (a.config.get(key), b.config.get(key)) for key in GENERATION_SETTINGS}
+    if not a.config.get("temperature") and not b.config.get("temperature"):
+        del values["seed"]  # greedy: the seed draws nothing
+    if "float32" not in (dtype_a, dtype_b):
+        values |= {key: (a.config.get(key), b.config.get(key)) for key in BATCH_SETTINGS}
+    return tuple(
+        f"{key}: {_shorten(str(x), 40)} -> {_shorten(str(y), 40)}"
+        for key, (x, y) in values.items()
+        if x is not None and y is not None and x != y
+    )
+
+
 def diff_reports(a: EvalReport, b: EvalReport, mode: str = "strict") -> ReportDiff:
     """Group the questions both reports share by (correct in A, correct in B), in A's order."""
     if mode not in ("strict", "flexible"):
@@ -104,6 +139,9 @@ def diff_reports(a: EvalReport, b: EvalReport, mode: str = "strict") -> ReportDi
         logger.warning(
             "reports cover different questions: %d only in A, %d only in B", len(only_a), len(only_b)
         )
+    settings = setting_differences(a, b)
+    if settings:
+        logger.warning("reports were generated with different settings: %s", "; ".join(settings))
     return ReportDiff(
         model_a=a.model,
         model_b=b.model,
@@ -114,6 +152,7 @@ def diff_reports(a: EvalReport, b: EvalReport, mode: str = "strict") -> ReportDi
         stayed_wrong=tuple(groups[(False, False)]),
         only_in_a=only_a,
         only_in_b=only_b,
+        settings=settings,
     )
 
 
@@ -146,6 +185,9 @@ def format_diff(diff: ReportDiff, n_examples: int = 3) -> str:
         lines.append(f"  {name.replace('_', ' '):<13} {count:>6}  ({count / total:.1%})")
     if diff.only_in_a or diff.only_in_b:
         lines.append(f"  unmatched: {len(diff.only_in_a)} only in A, {len(diff.only_in_b)} only in B")
+    if diff.settings:
+        lines.append("  generated with different settings, which change completions by themselves:")
+        lines += [f"    {setting}" for setting in diff.settings]
     if by_ops := diff.by_ops():
         lines.append(f"\nby number of operations ({diff.mode}):")
         lines.append(f"  {'ops':>4}  {'n':>5}  {'A':>6}  {'B':>6}  {'fixed':>5}  {'broken':>6}")
