@@ -168,14 +168,13 @@ class _Batch:
         A mergeable cache shifts only the rows after the first finished one, in place, and shrinks
         to a view: the rows before it are not copied.
         """
-        first = next((i for i, row in enumerate(rows) if row != i), len(rows))
-        if self.mergeable:
-            source = torch.tensor(rows[first:], dtype=torch.long, device=self.mask.device)
-            for layer in self.cache.layers:
-                layer.compact(first, source, len(rows))
-        else:
-            self.cache.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.mask.device))
         index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        if self.mergeable:
+            first = next((i for i, row in enumerate(rows) if row != i), len(rows))
+            for layer in self.cache.layers:
+                layer.compact(first, index[first:], len(rows))
+        else:
+            self.cache.batch_select_indices(index)
         self.mask, self.positions, self.last = self.mask[index], self.positions[index], self.last[index]
         self.requests = [self.requests[i] for i in rows]
         lead = int(self.mask.any(0).to(torch.int8).argmax()) if rows else 0
