@@ -64,6 +64,31 @@ CASES = [
     ),
     ("max_steps -5", ["dpo.trainer.max_steps=-5"], None, [], {}, "{cfg}: dpo.trainer: option 'max_steps'"),
     (
+        "unquoted no for a trainer option (YAML boolean)",
+        ["sft.trainer.save_strategy=no"],
+        None,
+        [],
+        {},
+        "{cfg}: sft.trainer: option 'save_strategy': Input should be 'no', 'steps', 'epoch' or 'best' "
+        "(got False) (YAML reads unquoted yes/no/on/off/true/false as a boolean: quote the word",
+    ),
+    (
+        "unquoted off for a config field (YAML boolean)",
+        None,
+        BASE.replace("name: bad", "name: bad\neval: {data: off}"),
+        [],
+        {},
+        "{cfg}: eval.data: Input should be 'heldout', 'hub', 'local' or 'synthetic' (YAML reads unquoted",
+    ),
+    (
+        "unquoted no for a LoRA option (YAML boolean)",
+        ["model.lora.bias=no"],
+        None,
+        [],
+        {},
+        "{cfg}: model.lora: option 'bias': Input should be 'none', 'all' or 'lora_only' (got False) (YAML",
+    ),
+    (
         "zero epochs",
         ["sft.trainer.max_steps=-1", "sft.trainer.num_train_epochs=0"],
         None,

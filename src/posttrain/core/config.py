@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from posttrain.core.errors import ConfigError
+from posttrain.core.errors import ConfigError, yaml_boolean_hint
 from posttrain.core.metric_names import is_ops_slice
 from posttrain.core.peft_options import (
     LORA_ALIASES,
@@ -690,6 +690,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
+    elif not err["type"].startswith("bool"):
+        msg += yaml_boolean_hint(err.get("input"))
     more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     if not loc and _KEYED_MESSAGE.match(msg):  # a check across sections names its key itself
         return f"{source}: {msg}{more}"

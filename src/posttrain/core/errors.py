@@ -6,7 +6,15 @@ one base class, :class:`PosttrainError`, instead of importing one error from eac
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DataError", "HardwareError", "ModelError", "PosttrainError", "StageError"]
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "HardwareError",
+    "ModelError",
+    "PosttrainError",
+    "StageError",
+    "yaml_boolean_hint",
+]
 
 
 class PosttrainError(Exception):
@@ -31,3 +39,19 @@ class HardwareError(ModelError):
 
 class StageError(PosttrainError, RuntimeError):
     """A stage that cannot run or whose output cannot be read; the message says what to change."""
+
+
+def yaml_boolean_hint(value: object) -> str:
+    """A hint to append when a config value that was refused is a boolean, else ``""``.
+
+    YAML 1.1 (PyYAML, so every config and ``--set``) reads unquoted ``yes``/``no``/``on``/``off`` as
+    booleans, so ``save_strategy: no`` arrives as ``False`` and the refusal alone reads like nonsense.
+
+    >>> yaml_boolean_hint(False)
+    " (YAML reads unquoted yes/no/on/off/true/false as a boolean: quote the word, e.g. 'no')"
+    >>> yaml_boolean_hint("no")
+    ''
+    """
+    if not isinstance(value, bool):
+        return ""
+    return " (YAML reads unquoted yes/no/on/off/true/false as a boolean: quote the word, e.g. 'no')"
