@@ -13,6 +13,7 @@ __all__ = [
     "ModelError",
     "PosttrainError",
     "StageError",
+    "refused_option",
     "yaml_boolean_hint",
 ]
 
@@ -55,3 +56,12 @@ def yaml_boolean_hint(value: object) -> str:
     if not isinstance(value, bool):
         return ""
     return " (YAML reads unquoted yes/no/on/off/true/false as a boolean: quote the word, e.g. 'no')"
+
+
+def refused_option(key: str, problem: str, value: object) -> ValueError:
+    """The error for a trainer or LoRA option whose value its library's type refuses.
+
+    >>> str(refused_option("bias", "Input should be 'none', 'all' or 'lora_only'", False))[:60]
+    "option 'bias': Input should be 'none', 'all' or 'lora_only' "
+    """
+    return ValueError(f"option '{key}': {problem} (got {value!r}){yaml_boolean_hint(value)}")

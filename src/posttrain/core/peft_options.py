@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from posttrain.core.checked import remembered_check
-from posttrain.core.errors import yaml_boolean_hint
+from posttrain.core.errors import refused_option
 
 __all__ = [
     "LORA_ALIASES",
@@ -96,8 +96,7 @@ def _validate_lora_options(options: dict[str, Any]) -> dict[str, Any]:
         try:
             coerced[key] = TypeAdapter(types[key]).validate_python(value)
         except ValidationError as exc:
-            msg = exc.errors()[0]["msg"]
-            raise ValueError(f"option '{key}': {msg} (got {value!r}){yaml_boolean_hint(value)}") from None
+            raise refused_option(key, exc.errors()[0]["msg"], value) from None
     return coerced
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from posttrain.core.checked import remembered_check
-from posttrain.core.errors import yaml_boolean_hint
+from posttrain.core.errors import refused_option
 
 # Keys posttrain sets itself: accepting them from YAML would silently fight the pipeline.
 _MANAGED_TRAINER_KEYS = {
@@ -147,8 +147,7 @@ def _validate_trainer_options(kind: str, options: dict[str, Any]) -> dict[str, A
         try:
             coerced[key] = TypeAdapter(types[key]).validate_python(value)
         except ValidationError as exc:
-            msg = exc.errors()[0]["msg"]
-            raise ValueError(f"option '{key}': {msg} (got {value!r}){yaml_boolean_hint(value)}") from None
+            raise refused_option(key, exc.errors()[0]["msg"], value) from None
     merged = {**TRAINER_DEFAULTS[kind], **coerced}
     _check_ranges(kind, merged, set(coerced))
     with tempfile.TemporaryDirectory() as tmp:
