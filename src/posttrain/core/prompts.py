@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from posttrain.core.calculator import render_calculator_form
 from posttrain.core.errors import DataError
 from posttrain.core.gsm8k import extract_final_answer
 from posttrain.core.parsing import ANNOTATION_RE
@@ -70,12 +71,14 @@ FEW_SHOT_EXAMPLES: tuple[Mapping[str, str], ...] = (
 )
 
 
-def format_sft_target(solution: str) -> str:
+def format_sft_target(solution: str, *, calculator: bool = False) -> str:
     """Rewrite a GSM8K worked solution into the trained ``<reasoning>``/``<answer>`` format.
 
-    Calculator annotations (``<<48/2=24>>``) are removed because the model cannot call a calculator
-    at inference time; the ``#### N`` line becomes the answer block holding the *normalized* number,
-    the same string the rewards compare against.
+    Without the calculator, annotations (``<<48/2=24>>``) are removed: the model computes every
+    value itself. With ``calculator=True`` each annotated step is written the way the inline
+    calculator completes it (:func:`posttrain.core.calculator.render_calculator_form`): the model
+    learns to write the expression and ``=``, and the tool writes the value. The ``#### N`` line
+    becomes the answer block holding the *normalized* number, the string the rewards compare against.
 
     >>> print(format_sft_target("She sold 48/2 = <<48/2=24>>24 clips.\\n#### 1,024"))
     <reasoning>
@@ -84,9 +87,12 @@ def format_sft_target(solution: str) -> str:
     <answer>
     1024
     </answer>
+    >>> format_sft_target("He paid $<<3*5=15>>15.\\n#### 15", calculator=True).splitlines()[1]
+    'He paid $3*5 = 15.'
     """
     answer = extract_final_answer(solution)
-    body = ANNOTATION_RE.sub("", solution.rsplit("####", 1)[0])
+    body = solution.rsplit("####", 1)[0]
+    body = render_calculator_form(body) if calculator else ANNOTATION_RE.sub("", body)
     lines = [line.rstrip() for line in body.strip().splitlines()]
     reasoning = "\n".join(line for line in lines if line) or "The answer follows directly from the question."
     return f"<reasoning>\n{reasoning}\n</reasoning>\n<answer>\n{answer}\n</answer>"

@@ -11,14 +11,13 @@ Signatures follow TRL 1.16: ``f(completions, answer, **kwargs) -> list[float | N
 
 from __future__ import annotations
 
-import ast
 import logging
-import operator
 import re
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
+from posttrain.core.calculator import evaluate_arithmetic
 from posttrain.core.parsing import (
     answer_block,
     completion_text,
@@ -106,32 +105,6 @@ _OPERAND = rf"\(?\$?{_NUMBER}\)?"
 _CALC_RE = re.compile(
     rf"(?<![\w.])({_OPERAND}(?:\s*[-+*/x\u00d7\u00f7]\s*{_OPERAND})+)\s*=\s*\$?(-?{_NUMBER})"
 )
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-
-
-def _evaluate(expression: str) -> Fraction | None:
-    """The exact value of ``+ - * /`` over numbers and parentheses (no names, calls or powers)."""
-    text = expression.replace("$", "").replace(",", "").replace("\u00d7", "*").replace("x", "*")
-    text = text.replace("\u00f7", "/")
-    try:
-        tree = ast.parse(text, mode="eval").body
-    except SyntaxError:
-        return None
-
-    def value(node: ast.AST) -> Fraction:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
-            return Fraction(str(node.value))
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Div) and right == 0:
-                raise ZeroDivisionError
-            return _OPS[type(node.op)](left, right)
-        raise ValueError(ast.dump(node))
-
-    try:
-        return value(tree)
-    except (ValueError, ZeroDivisionError):
-        return None
 
 
 def arithmetic_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
@@ -155,7 +128,7 @@ def arithmetic_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
         text = reasoning_block(completion) or completion_text(completion)
         checks = []
         for expression, result in _CALC_RE.findall(text):
-            got, claimed = _evaluate(expression), normalize_number(result)
+            got, claimed = evaluate_arithmetic(expression), normalize_number(result)
             if got is not None and claimed is not None:
                 checks.append(got == Fraction(claimed))
         scores.append(sum(checks) / len(checks) if checks else 0.0)
