@@ -23,6 +23,14 @@ sampling (no top-k/top-p, unlike ``generate``'s defaults) by inverse CDF, one un
 the sequence's own generator, seeded by the caller, so a sample does not depend on which other
 sequences shared its batch.
 
+A ``tool`` (:mod:`posttrain.generation.tools`, e.g. the inline calculator) may write tokens into a
+row: after a model token in the tool's ``triggers`` the tool reads the row's completion and may
+return tokens to force; the row then takes those tokens one per decode step instead of sampling
+(its logits are computed and ignored, so a call costs one decode step per forced token and the
+batch keeps one shape), and continues from there. Forced tokens are marked 0 in the completion's
+``env_mask`` (TRL's ``rollout_func`` contract: model tokens 1, external tokens 0). A row that never
+triggers a call decodes exactly as it would without the tool.
+
 Evaluation, DPO's on-policy sampling (:mod:`posttrain.generation.sampling`) and GRPO's CPU rollouts
 (:mod:`posttrain.generation.rollout`) all generate here, with :func:`encode_prompts`,
 :func:`stop_token_ids` and :func:`pad_token_id`.
@@ -35,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +55,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Completion",
+    "EngineTool",
     "GenerationStats",
+    "ToolCall",
     "draw_tokens",
     "encode_prompts",
     "generate_continuous",
@@ -57,16 +67,46 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """What a tool made of one call: the tokens to force (empty for a failed call) and whether it worked."""
+
+    tokens: tuple[int, ...]
+    ok: bool
+
+
+class EngineTool(Protocol):
+    """A tool the engine consults while a row decodes (see :mod:`posttrain.generation.tools`)."""
+
+    name: str
+    triggers: frozenset[int]
+    """Token ids after which the tool is asked; any other token never calls it."""
+
+    def __call__(self, token_ids: Sequence[int]) -> ToolCall | None:
+        """The call the completion ``token_ids`` ends with (None: no call)."""
+
+
+@dataclass(frozen=True)
 class Completion:
     """Generated token ids of one sequence; ``finished`` is False when it hit ``max_new_tokens``."""
 
     token_ids: tuple[int, ...]
     """Includes the stop token when one was generated (as ``generate`` returns it)."""
     finished: bool
+    env_mask: tuple[int, ...] | None = None
+    """With a tool: 1 for each token the model chose, 0 for each token a tool forced; None without one."""
+    tool_calls: int = 0
+    """Calls the completion made (failed ones included)."""
+    tool_failures: int = 0
+    """Calls whose input the tool could not use (malformed or unsafe); the model continued on its own."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens the model chose (forced tokens excluded)."""
+        return sum(self.env_mask) if self.env_mask is not None else len(self.token_ids)
 
 
 @dataclass
@@ -80,10 +120,24 @@ class GenerationStats:
     decode_steps: int = 0
     row_steps: int = 0
     prefills: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    forced_tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def tool_metrics(self) -> dict[str, float]:
+        """How often completions called a tool and how often a call failed, under TRL's metric names.
+
+        >>> GenerationStats(sequences=4, tool_calls=6, tool_failures=3).tool_metrics()
+        {'tools/call_frequency': 1.5, 'tools/failure_frequency': 0.5}
+        """
+        return {
+            "tools/call_frequency": self.tool_calls / max(self.sequences, 1),
+            "tools/failure_frequency": self.tool_failures / self.tool_calls if self.tool_calls else 0.0,
+        }
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -95,6 +149,9 @@ class GenerationStats:
             "decode_steps": self.decode_steps,
             "mean_batch_rows": round(self.row_steps / self.decode_steps, 2) if self.decode_steps else 0.0,
             "prefills": self.prefills,
+            "tool_calls": self.tool_calls,
+            "tool_failures": self.tool_failures,
+            "forced_tokens": self.forced_tokens,
         }
 
 
@@ -313,12 +370,14 @@ def generate_continuous(
     refill_at: float = 0.5,
     progress: bool = False,
     desc: str = "generating",
+    tool: EngineTool | None = None,
 ) -> tuple[list[Completion], GenerationStats]:
     """Generate a completion for every prompt (token ids); results come back in prompt order.
 
     ``batch_size`` caps the rows decoded together; ``refill_at`` is the fraction of ``batch_size``
     at or below which waiting prompts are admitted (1.0 admits on every freed slot). ``seeds`` (one per
-    prompt, default its index) only matter when ``temperature > 0``.
+    prompt, default its index) only matter when ``temperature > 0``. ``tool`` may force tokens into
+    rows (see the module docstring); forced tokens count towards ``max_new_tokens``.
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError("max_new_tokens and batch_size must be >= 1")
@@ -330,6 +389,7 @@ def generate_continuous(
     sampler = _Sampler(temperature, seeds, len(prompts))
     outputs: list[list[int]] = [[] for _ in prompts]
     done: list[bool] = [False] * len(prompts)
+    calls = _ToolCalls(tool, len(prompts))
     stats = GenerationStats(sequences=len(prompts), prompt_tokens=sum(len(p) for p in prompts))
     waiting = deque(sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i)))
     threshold = min(int(refill_at * batch_size), batch_size - 1)
@@ -339,12 +399,19 @@ def generate_continuous(
 
     def emit(current: _Batch, logits: torch.Tensor) -> None:
         tokens = sampler(logits, current.requests)
+        chosen = tokens.tolist()
+        if calls.pending:
+            chosen = calls.force(current.requests, chosen)
+            tokens = torch.tensor(chosen, dtype=tokens.dtype, device=tokens.device)
         current.last = tokens
         survivors = []
-        for row, (request, token) in enumerate(zip(current.requests, tokens.tolist(), strict=True)):
+        for row, (request, token) in enumerate(zip(current.requests, chosen, strict=True)):
             outputs[request].append(token)
+            if calls.tool is not None:
+                calls.after(request, token, outputs[request])
             if token in stop or len(outputs[request]) >= max_new_tokens:
                 done[request] = token in stop
+                calls.queued.pop(request, None)
                 bar.update(1)
             else:
                 survivors.append(row)
@@ -379,8 +446,63 @@ def generate_continuous(
                 last_report = now
     stats.seconds = time.perf_counter() - start
     bar.close()
+    stats.tool_calls, stats.tool_failures = sum(calls.calls), sum(calls.failures)
+    stats.forced_tokens = sum(mask.count(0) for mask in calls.masks)
     logger.debug("generation stats: %s", stats.as_dict())
-    return [Completion(tuple(o), d) for o, d in zip(outputs, done, strict=True)], stats
+    return calls.completions(outputs, done), stats
+
+
+class _ToolCalls:
+    """Per request: the tokens a tool still has to force, which tokens were forced, calls made."""
+
+    def __init__(self, tool: EngineTool | None, count: int) -> None:
+        self.tool = tool
+        self.queued: dict[int, deque[int]] = {}
+        self.masks: list[list[int]] = [[] for _ in range(count)] if tool is not None else []
+        self.calls = [0] * count
+        self.failures = [0] * count
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queued)
+
+    def force(self, requests: list[int], chosen: list[int]) -> list[int]:
+        """``chosen`` with each row that has queued tokens taking its next one instead."""
+        forced = list(chosen)
+        for row, request in enumerate(requests):
+            queue = self.queued.get(request)
+            if queue:
+                forced[row] = queue.popleft()
+                if not queue:
+                    del self.queued[request]
+                self.masks[request].append(0)
+        return forced
+
+    def after(self, request: int, token: int, completion: list[int]) -> None:
+        """Record the token just appended; after a model-chosen trigger, ask the tool."""
+        mask = self.masks[request]
+        if len(mask) == len(completion):  # force() already marked it
+            return
+        mask.append(1)
+        assert self.tool is not None
+        if token not in self.tool.triggers:
+            return
+        call = self.tool(completion)
+        if call is None:
+            return
+        self.calls[request] += 1
+        if not call.ok:
+            self.failures[request] += 1
+        elif call.tokens:
+            self.queued[request] = deque(call.tokens)
+
+    def completions(self, outputs: list[list[int]], done: list[bool]) -> list[Completion]:
+        if self.tool is None:
+            return [Completion(tuple(o), d) for o, d in zip(outputs, done, strict=True)]
+        return [
+            Completion(tuple(o), d, tuple(m), c, f)
+            for o, d, m, c, f in zip(outputs, done, self.masks, self.calls, self.failures, strict=True)
+        ]
 
 
 def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
