@@ -415,6 +415,8 @@ def test_score_and_gold_helpers():
         "strict_format": True,
         "tokens": 0,
         "truncated": False,
+        "tool_calls": 0,
+        "tool_failures": 0,
     }
 
 

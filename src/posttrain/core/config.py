@@ -42,7 +42,7 @@ from posttrain.core.peft_options import (
 )
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, FEW_SHOT_EXAMPLES
 from posttrain.core.redact import redact
-from posttrain.core.trainer_options import TRAINER_DEFAULTS, validate_trainer_options
+from posttrain.core.trainer_options import TRAINER_DEFAULTS, generation_blockers, validate_trainer_options
 
 __all__ = [
     "ConfigError",
@@ -68,11 +68,25 @@ __all__ = [
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    omit_when_empty: ClassVar[tuple[str, ...]] = ()
+    """Keys left out of the JSON form while empty or None: a key added to a section leaves the
+    config hashes (cache keys) of configs that do not use it as they were."""
 
     @model_serializer(mode="wrap", when_used="json")
     def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
         """The JSON form, which everything that leaves the process is built from, without secrets."""
-        return redact(handler(self))
+        return self._without_empty(redact(handler(self)))
+
+    def _without_empty(self, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in self.omit_when_empty:
+                if data.get(key) in (None, [], {}):
+                    data.pop(key, None)
+        return data
+
+
+ToolName = Literal["calculator"]
+"""Tools posttrain's generation engine runs inside a completion (see posttrain.core.calculator)."""
 
 
 class TrainingOverride(StrictModel):
@@ -204,6 +218,7 @@ class LoraConfig(StrictModel):
 
 class _StageWithTrainer(StrictModel):
     trl_kind: ClassVar[str]
+    omit_when_empty: ClassVar[tuple[str, ...]] = ("tools",)
     trainer: dict[str, Any] = Field(default_factory=dict, description="TRL options, passed through")
     training: TrainingOverride | None = None
     """How this stage is launched, over the top-level ``training:`` section; only the number of
@@ -216,7 +231,7 @@ class _StageWithTrainer(StrictModel):
     def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
         """The JSON form without secrets, and without ``training`` or ``lora`` when unset: a stage's
         config hash (cache key, ``stage.json``) stays what it was before stages could override them."""
-        data = redact(handler(self))
+        data = self._without_empty(redact(handler(self)))
         if isinstance(data, dict):
             if data.get("training") is None:
                 data.pop("training", None)
@@ -336,6 +351,10 @@ class SFTStageConfig(_StageWithTrainer):
     step_name: ClassVar[str] = "sft"
     enabled: bool = True
     num_examples: int | None = Field(None, ge=1)
+    tools: list[ToolName] = Field(default_factory=list)
+    """``[calculator]``: targets are written the way the inline calculator completes them (each
+    annotated step as ``expression = value``), so the model learns to write the expression and let
+    the tool write the value. Train and evaluate later stages with the same tool."""
 
 
 class DPOStageConfig(_StageWithTrainer):
@@ -349,6 +368,10 @@ class DPOStageConfig(_StageWithTrainer):
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="correctness"), RewardSpec(name="strict_format", weight=0.5)]
     )
+    tools: list[ToolName] = Field(default_factory=list)
+    """``[calculator]``: on-policy samples are generated with the inline calculator, and a reference
+    solution chosen in their place is written for it (as ``sft.tools``). The tool's tokens are part
+    of the pairs' text: DPO's loss, unlike GRPO's, has no mask for them."""
 
 
 class MonitorConfig(StrictModel):
@@ -406,11 +429,26 @@ class GRPOStageConfig(_StageWithTrainer):
     ``eval/accuracy_flexible``, ``eval/format`` next to the reward); null: no in-training evaluation."""
     eval_limit: int = Field(64, ge=1)
     """Held-out questions per in-training evaluation (those in the stage's ``data_filter`` ops range)."""
+    tools: list[ToolName] = Field(default_factory=list)
+    """``[calculator]``: rollouts (and the in-training evaluation) run the inline calculator: after
+    an arithmetic expression and ``=`` the engine writes the value's tokens, which are masked out of
+    the loss and the token counts (TRL's ``env_mask``), so GRPO rewards setting a problem up right.
+    Generation then always goes through posttrain's engine (a bf16 or fp32 shadow of the policy)."""
 
     @property
     def step_name(self) -> str:
         """The stage's step name in the plan, runs and store: ``grpo-<name>``."""
         return f"grpo-{self.name}"
+
+    @model_validator(mode="after")
+    def _tools_need_the_engine(self) -> GRPOStageConfig:
+        blockers = generation_blockers(self.trainer_options()) if self.tools else []
+        if blockers:
+            raise ValueError(
+                f"tools: {', '.join(self.tools)} runs in posttrain's generation engine, and these trainer "
+                f"options leave generation to TRL or vLLM: {', '.join(blockers)}"
+            )
+        return self
 
     def uses_vllm_server(self) -> bool:
         """True when the stage generates through a vLLM server (TRL's ``use_vllm`` + ``vllm_mode: server``)."""
@@ -475,11 +513,16 @@ _SET_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 class EvalSetConfig(_EvalSource):
     """One more evaluation set, evaluated by the same step as the primary set (``eval.extra_sets``)."""
 
+    omit_when_empty: ClassVar[tuple[str, ...]] = ("tools",)
+
     name: str
     """Names the set's report folder (`<set>/report.json`) and its metrics (`accuracy_strict/<set>`)."""
     data: Literal["heldout", "hub", "local", "synthetic"]  # required: an extra set names its source
     max_new_tokens: int | None = Field(None, ge=1)
     """Generation limit for this set (default: ``eval.max_new_tokens``)."""
+    tools: list[ToolName] | None = None
+    """Tools for this set (default: ``eval.tools``); ``[]`` evaluates without any, e.g. beside a
+    calculator-assisted primary set, so the two accuracies sit side by side."""
 
     @field_validator("name")
     @classmethod
@@ -493,6 +536,7 @@ class EvalSetConfig(_EvalSource):
 
 
 class EvalConfig(_EvalSource):
+    omit_when_empty: ClassVar[tuple[str, ...]] = ("tools",)
     max_new_tokens: int = Field(256, ge=1)
     batch_size: int = Field(64, ge=1)
     """Rows decoded together. 64 is ~28% faster than 32 for SmolLM2 on 2 CPU cores (bf16)."""
@@ -511,11 +555,21 @@ class EvalConfig(_EvalSource):
     extra_sets: list[EvalSetConfig] = Field(default_factory=list)
     """More evaluation sets, each with its own report and metrics (`accuracy_strict/<name>`); the
     fields above (the primary set) keep their metric names."""
+    tools: list[ToolName] = Field(default_factory=list)
+    """``[calculator]``: completions are generated with the inline calculator (posttrain's engine,
+    ``backend: hf``). Reports name the tools and count calls; a calculator-assisted accuracy is
+    never compared silently with a bare one (``eval --diff``)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalConfig:
         if self.pass_k > 1 and self.temperature == 0:
             raise ValueError("pass_k > 1 needs sampling: set temperature > 0")
+        with_tools = [name or "eval" for name, s in self.all_sets() if s.tools]
+        if with_tools and self.backend != "hf":
+            raise ValueError(
+                f"tools run in posttrain's engine (backend: hf); backend {self.backend} cannot force "
+                f"tokens into a completion (sets with tools: {', '.join(with_tools)})"
+            )
         return self
 
     @field_validator("extra_sets")
@@ -534,6 +588,7 @@ class EvalConfig(_EvalSource):
         one extra set is evaluated with (generation settings shared, no further sets)."""
         update: dict[str, Any] = {f: getattr(extra, f) for f in _EvalSource.model_fields}
         update["max_new_tokens"] = extra.max_new_tokens or self.max_new_tokens
+        update["tools"] = self.tools if extra.tools is None else extra.tools
         update["extra_sets"] = []
         return self.model_copy(update=update)
 

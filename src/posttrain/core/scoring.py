@@ -33,6 +33,10 @@ class SampleScore:
     """Generated tokens up to and including the stop token."""
     truncated: bool
     """Hit ``max_new_tokens`` without a stop token."""
+    tool_calls: int = 0
+    """Calls the completion made to an engine tool (the calculator), failed ones included."""
+    tool_failures: int = 0
+    """Calls whose input the tool could not use (malformed or unsafe)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,7 +48,15 @@ def canonical_gold(answer: Any) -> str:
     return value if value is not None else str(answer)
 
 
-def score_completion(completion: str, gold: Any, *, tokens: int = 0, truncated: bool = False) -> SampleScore:
+def score_completion(
+    completion: str,
+    gold: Any,
+    *,
+    tokens: int = 0,
+    truncated: bool = False,
+    tool_calls: int = 0,
+    tool_failures: int = 0,
+) -> SampleScore:
     """Score one completion text against a gold answer (a number or a ``#### N`` solution).
 
     >>> s = score_completion("<reasoning>\\n6*7\\n</reasoning>\\n<answer>\\n42\\n</answer>", "42")
@@ -64,4 +76,6 @@ def score_completion(completion: str, gold: Any, *, tokens: int = 0, truncated: 
         strict_format=parsed.strict_format,
         tokens=tokens,
         truncated=truncated,
+        tool_calls=tool_calls,
+        tool_failures=tool_failures,
     )

@@ -98,6 +98,32 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def generation_blockers(options: Any) -> list[str]:
+    """The GRPO options (a mapping, or TRL's ``GRPOConfig``) that posttrain's generation engine does
+    not reproduce, so TRL (or vLLM) must generate: temperature-only sampling is what the engine does.
+
+    >>> generation_blockers({"temperature": 1.0, "top_p": 1.0}), generation_blockers({"top_p": 0.9, "use_vllm": True})
+    ([], ['top_p=0.9', 'use_vllm'])
+    """
+    get = (
+        options.get if isinstance(options, dict) else lambda key, default=None: getattr(options, key, default)
+    )
+    temperature, top_p, top_k = get("temperature", 1.0), get("top_p", 1.0), get("top_k", 0)
+    min_p, penalty = get("min_p"), get("repetition_penalty", 1.0)
+    checks = [
+        (temperature is not None and temperature <= 0, f"temperature={temperature}"),
+        (top_p not in (None, 1.0), f"top_p={top_p}"),
+        (top_k not in (None, 0), f"top_k={top_k}"),
+        (min_p is not None, f"min_p={min_p}"),
+        (penalty not in (None, 1.0), f"repetition_penalty={penalty}"),
+        (get("cache_implementation") is not None, "cache_implementation"),
+        (bool(get("generation_kwargs")), "generation_kwargs"),
+        (bool(get("use_vllm", False)), "use_vllm"),
+        (bool(get("use_transformers_continuous_batching", False)), "use_transformers_continuous_batching"),
+    ]
+    return [reason for blocked, reason in checks if blocked]
+
+
 @cache
 def _trl_config_class(kind: str) -> type:
     import trl  # heavy: deferred until needed

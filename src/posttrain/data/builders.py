@@ -38,22 +38,25 @@ def _assistant(text: str) -> list[dict[str, str]]:
     return [{"role": "assistant", "content": text}]
 
 
-def _sft_completions(solutions: list[str]) -> dict[str, list[Any]]:
-    return {"completion": [_assistant(format_sft_target(s)) for s in solutions]}
-
-
-def build_sft_dataset(ds: datasets.Dataset, keep_columns: Sequence[str] = ()) -> datasets.Dataset:
+def build_sft_dataset(
+    ds: datasets.Dataset, keep_columns: Sequence[str] = (), *, calculator: bool = False
+) -> datasets.Dataset:
     """``prompt`` + ``completion`` (the worked solution in the trained XML format) for SFTTrainer.
 
     Other columns are dropped unless listed in ``keep_columns`` (e.g. ``("id",)``): SFTTrainer
-    would otherwise try to tokenize or collate them.
+    would otherwise try to tokenize or collate them. ``calculator`` writes each annotated step the
+    way the inline calculator completes it (:func:`posttrain.core.prompts.format_sft_target`).
     """
+
+    def completions(solutions: list[str]) -> dict[str, list[Any]]:
+        return {"completion": [_assistant(format_sft_target(s, calculator=calculator)) for s in solutions]}
+
     missing = {"prompt", "solution"} - set(ds.column_names)
     if missing:
         raise DataError(f"SFT needs the 'prompt' and 'solution' columns; missing {sorted(missing)}")
     drop = [c for c in ds.column_names if c not in ("prompt", *keep_columns)]
     return ds.map(
-        _sft_completions, input_columns="solution", batched=True, remove_columns=drop, desc="SFT targets"
+        completions, input_columns="solution", batched=True, remove_columns=drop, desc="SFT targets"
     )
 
 

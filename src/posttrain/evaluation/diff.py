@@ -97,6 +97,7 @@ GENERATION_SETTINGS = (
     "pass_k",
     "seed",
     "backend",
+    "tools",
 )
 """Report ``config`` keys that change completions even when the model is the same."""
 
@@ -111,6 +112,8 @@ def setting_differences(a: EvalReport, b: EvalReport) -> tuple[str, ...]:
     dtype_a, dtype_b = a.meta.get("dtype"), b.meta.get("dtype")
     values = {"dtype": (dtype_a, dtype_b)}
     values |= {key: (a.config.get(key), b.config.get(key)) for key in GENERATION_SETTINGS}
+    # a report without tools may predate the key: no key is no tool
+    values["tools"] = (a.config.get("tools") or [], b.config.get("tools") or [])
     if not a.config.get("temperature") and not b.config.get("temperature"):
         del values["seed"]  # greedy: the seed draws nothing
     if "float32" not in (dtype_a, dtype_b):

@@ -33,6 +33,7 @@ from posttrain.generation.engine import (
     pad_token_id,
     stop_token_ids,
 )
+from posttrain.generation.tools import engine_tool
 from posttrain.generation.vllm_server import ServerAddress
 from posttrain.generation.vllm_server_client import generate_via_server
 from posttrain.models.hardware import resolve_dtype
@@ -155,6 +156,7 @@ def _generate_hf(
             refill_at=refill_at,
             progress=progress,
             desc="eval",
+            tool=engine_tool(cfg.tools, tokenizer),
         )
     finally:
         model.train(was_training)
@@ -261,7 +263,14 @@ def evaluate(
     texts = [[next(decoded) for _ in group] for group in groups]
     scored = [
         [
-            score_completion(text, record["answer"], tokens=c.num_tokens, truncated=not c.finished)
+            score_completion(
+                text,
+                record["answer"],
+                tokens=c.num_tokens,
+                truncated=not c.finished,
+                tool_calls=c.tool_calls,
+                tool_failures=c.tool_failures,
+            )
             for text, c in zip(group_texts, group, strict=True)
         ]
         for record, group, group_texts in zip(records, groups, texts, strict=True)
@@ -272,7 +281,7 @@ def evaluate(
         )
         for r, s in zip(records, scored, strict=True)
     )
-    summary = summarize(scored, cfg.pass_k)
+    summary = summarize(scored, cfg.pass_k, tools=bool(cfg.tools))
     summary |= lm_eval_accuracy(texts, [str(r["answer"]) for r in records])  # what lm-eval would report
     timings = {
         **stats.as_dict(),
@@ -292,13 +301,16 @@ def evaluate(
         model=name, summary=summary, records=report_records, config=config, timings=timings, meta=_meta(model)
     )
     logger.info(
-        "eval %s: strict %.1f%%, flexible %.1f%%, format %.1f%% on %d examples (%.0f tok/s)",
+        "eval %s: strict %.1f%%, flexible %.1f%%, format %.1f%% on %d examples (%.0f tok/s)%s",
         name,
         100 * summary["accuracy_strict"],
         100 * summary["accuracy_flexible"],
         100 * summary["strict_format_rate"],
         len(records),
         stats.tokens_per_second,
+        f", with {', '.join(cfg.tools)}: {summary['tool_calls_per_completion']:.2f} calls per completion"
+        if cfg.tools
+        else "",
     )
     if report.by_ops:
         logger.info(

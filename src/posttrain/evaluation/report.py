@@ -61,6 +61,9 @@ class EvalRecord:
     truncated: bool
     ops: int | None = None
     """Arithmetic operations in the question (difficulty), when its source says."""
+    tool_calls: int = 0
+    """Calls sample 0 made to an engine tool (the calculator), failed ones included."""
+    tool_failures: int = 0
     num_samples: int = 1
     num_correct_strict: int = 0
     num_correct_flexible: int = 0
@@ -84,6 +87,8 @@ class EvalRecord:
             tokens=first.tokens,
             truncated=first.truncated,
             ops=ops,
+            tool_calls=first.tool_calls,
+            tool_failures=first.tool_failures,
             num_samples=len(samples),
             num_correct_strict=sum(s.correct_strict for s in samples),
             num_correct_flexible=sum(s.correct_flexible for s in samples),
@@ -101,6 +106,8 @@ class EvalRecord:
             self.strict_format,
             self.tokens,
             self.truncated,
+            self.tool_calls,
+            self.tool_failures,
         )
         return (first, *self.extra_samples)
 
@@ -233,6 +240,11 @@ def _metric_rows(summary: Mapping[str, float]) -> list[tuple[str, str]]:
         ("mean completion tokens", f"{summary.get('mean_completion_tokens', 0.0):.1f}"),
         ("truncated (no EOS)", f"{summary.get('truncation_rate', 0.0):.1%}"),
     ]
+    if "tool_calls_per_completion" in summary:
+        rows += [
+            ("tool calls per completion", f"{summary['tool_calls_per_completion']:.2f}"),
+            ("failed tool calls per completion", f"{summary['tool_failed_calls_per_completion']:.2f}"),
+        ]
     rows += [
         (f"{key.split('_')[0]} ({key.split('_')[1]})", f"{value:.1%}")
         for key, value in summary.items()
@@ -247,6 +259,8 @@ def format_summary_table(report: EvalReport) -> str:
     samples = int(s.get("samples_per_example", 1))
     source = report.config.get("data_source", report.config.get("data", "?"))
     title = f"model: {report.model}\ndata: {source}, {int(s.get('num_examples', 0))} examples"
+    if tools := report.config.get("tools"):
+        title += f"\ntools: {', '.join(tools)} (accuracy with the tool; compare only with runs that used it)"
     if samples > 1:
         title += f" x {samples} samples (temperature {report.config.get('temperature')})"
     rows = _metric_rows(s)

@@ -69,12 +69,16 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def summarize(samples: Sequence[Sequence[SampleScore]], k: int = 1) -> dict[str, float]:
+def summarize(
+    samples: Sequence[Sequence[SampleScore]], k: int = 1, *, tools: bool = False
+) -> dict[str, float]:
     """Report metrics from the scored samples of each question (outer list: questions).
 
     Accuracies are the mean over questions of the fraction of correct samples, i.e. pass@1
     estimated from all samples; with one greedy sample per question that is the plain accuracy.
-    Format, length and truncation rates are over all samples.
+    Format, length and truncation rates are over all samples. With ``tools`` (the evaluation ran
+    an engine tool) the calls are counted too: ``tool_calls_per_completion``,
+    ``tool_failed_calls_per_completion`` and ``completions_with_tool_calls`` (a fraction).
 
     >>> ok = score_completion("<reasoning>\\nx\\n</reasoning>\\n<answer>\\n1\\n</answer>", "1", tokens=10)
     >>> bad = score_completion("2", "1", tokens=30, truncated=True)
@@ -92,6 +96,10 @@ def summarize(samples: Sequence[Sequence[SampleScore]], k: int = 1) -> dict[str,
         "mean_completion_tokens": _mean([s.tokens for s in flat]),
         "truncation_rate": _mean([s.truncated for s in flat]),
     }
+    if tools:
+        metrics["tool_calls_per_completion"] = _mean([s.tool_calls for s in flat])
+        metrics["tool_failed_calls_per_completion"] = _mean([s.tool_failures for s in flat])
+        metrics["completions_with_tool_calls"] = _mean([s.tool_calls > 0 for s in flat])
     if k > 1:
         for mode in ("strict", "flexible"):
             metrics[f"pass@{k}_{mode}"] = _mean(

@@ -27,19 +27,32 @@ prompts' chat template is rendered here instead of in TRL), so the public hook c
 
 It only covers what it reproduces: temperature-only sampling (TRL's GRPO default) on text prompts.
 Any other setting (top-p, top-k, min-p, repetition penalty, ``generation_kwargs``, vLLM, TRL's
-continuous batching, tools, images) leaves ``rollout_func`` unset, so TRL generates as it ships
-(:func:`shadow_rollout_blockers` says why).
+continuous batching, TRL's own tools, images) leaves ``rollout_func`` unset, so TRL generates as it
+ships (:func:`shadow_rollout_blockers` says why).
+
+A stage with engine ``tools`` (the inline calculator) always rolls out here, on a CPU or a GPU: the
+engine forces the tool's tokens and returns them marked in ``env_mask`` (1 = model token, 0 = tool
+token), which TRL 1.16 turns into its tool mask: tool tokens leave the loss and the completion-length
+counts, while the rewards read the whole text.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from posttrain.generation.engine import encode_prompts, generate_continuous, pad_token_id, stop_token_ids
+from posttrain.core.trainer_options import generation_blockers
+from posttrain.generation.engine import (
+    EngineTool,
+    encode_prompts,
+    generate_continuous,
+    pad_token_id,
+    stop_token_ids,
+)
+from posttrain.generation.tools import engine_tool
 from posttrain.generation.transformers_compat import no_init_weights
 from posttrain.models.building import building_models
 from posttrain.models.peft_compat import effective_state_dict
@@ -83,7 +96,8 @@ class ShadowPolicy:
 def shadow_rollout_blockers(args: Any, columns: Iterable[str] = (), tools: Sequence[Any] = ()) -> list[str]:
     """Why TRL must generate itself under these GRPO ``args``; empty when :class:`ShadowRollout` matches it.
 
-    ``columns`` are the training data's columns (images need TRL's multimodal path).
+    ``columns`` are the training data's columns (images need TRL's multimodal path); ``tools`` are
+    TRL's own tool functions (its tool-calling loop runs only when TRL generates).
 
     >>> from types import SimpleNamespace
     >>> plain = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)
@@ -92,23 +106,12 @@ def shadow_rollout_blockers(args: Any, columns: Iterable[str] = (), tools: Seque
     >>> shadow_rollout_blockers(SimpleNamespace(**{**plain, "top_p": 0.9}), columns=["prompt", "image"])
     ['top_p=0.9', 'image inputs']
     """
-    checks = [
-        (args.temperature <= 0, f"temperature={args.temperature}"),
-        (args.top_p not in (None, 1.0), f"top_p={args.top_p}"),
-        (args.top_k not in (None, 0), f"top_k={args.top_k}"),
-        (args.min_p is not None, f"min_p={args.min_p}"),
-        (args.repetition_penalty not in (None, 1.0), f"repetition_penalty={args.repetition_penalty}"),
-        (getattr(args, "cache_implementation", None) is not None, "cache_implementation"),
-        (bool(getattr(args, "generation_kwargs", None)), "generation_kwargs"),
-        (bool(getattr(args, "use_vllm", False)), "use_vllm"),
-        (
-            bool(getattr(args, "use_transformers_continuous_batching", False)),
-            "use_transformers_continuous_batching",
-        ),
-        (bool(tools), "tools"),
-        (bool({"image", "images"} & set(columns)), "image inputs"),
-    ]
-    return [reason for blocked, reason in checks if blocked]
+    blockers = generation_blockers(args)
+    if tools:
+        blockers.append("tools")
+    if {"image", "images"} & set(columns):
+        blockers.append("image inputs")
+    return blockers
 
 
 class ShadowRollout:
@@ -120,10 +123,25 @@ class ShadowRollout:
     run is reproducible and no two rows share a random stream.
     """
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        tools: Sequence[str] = (),
+        log_metrics: Callable[[Any, dict[str, float]], None] | None = None,
+    ) -> None:
         self.dtype = dtype
+        self.tools = tuple(tools)
+        self.log_metrics = log_metrics
+        """Called as ``log_metrics(trainer, metrics)`` with the tool metrics of each rollout."""
         self.shadow: ShadowPolicy | None = None
         self.synced_step: int | None = None
+        self._tool: EngineTool | None = None
+
+    def tool(self, tokenizer: Any) -> EngineTool | None:
+        """The engine tool of the stage's ``tools:`` (built once, for the trainer's tokenizer)."""
+        if self.tools and self._tool is None:
+            self._tool = engine_tool(self.tools, tokenizer)
+        return self._tool
 
     def refresh(self, policy: Any, step: int) -> ShadowPolicy:
         """The shadow, (re)built or re-synced from ``policy`` if ``step`` differs from the last sync."""
@@ -152,10 +170,16 @@ class ShadowRollout:
             batch_size=len(prompt_ids),
             temperature=args.temperature,
             seeds=seeds,
+            tool=self.tool(tokenizer),
         )
         logger.debug("shadow rollout: %s", stats.as_dict())
-        return {
+        output: dict[str, Any] = {
             "prompt_ids": prompt_ids,
             "completion_ids": [list(c.token_ids) for c in completions],
             "logprobs": None,
         }
+        if self.tools:  # tool tokens: out of the loss and the token counts (TRL's env_mask contract)
+            output["env_mask"] = [list(c.env_mask or ()) for c in completions]
+            if self.log_metrics is not None:
+                self.log_metrics(trainer, stats.tool_metrics())
+        return output

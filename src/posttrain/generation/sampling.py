@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.generation.engine import encode_prompts, generate_continuous, pad_token_id, stop_token_ids
+from posttrain.generation.engine import (
+    GenerationStats,
+    encode_prompts,
+    generate_continuous,
+    pad_token_id,
+    stop_token_ids,
+)
+from posttrain.generation.tools import engine_tool
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +33,15 @@ class Samples:
     """``texts[i][j]``: completion ``j`` of prompt ``i`` (special tokens removed)."""
     token_ids: list[list[list[int]]]
     seconds: float
+    stats: GenerationStats | None = None
 
     @property
     def generated_tokens(self) -> int:
         return sum(len(ids) for group in self.token_ids for ids in group)
+
+    def tool_metrics(self) -> dict[str, float]:
+        """How often the samples called a tool, and how often a call failed (TRL's names)."""
+        return self.stats.tool_metrics() if self.stats is not None else {}
 
 
 def sample_seeds(seed: int, count: int) -> list[int]:
@@ -51,8 +63,10 @@ def sample_completions(
     max_new_tokens: int,
     seed: int = 0,
     batch_size: int = 32,
+    tools: Sequence[str] = (),
 ) -> Samples:
-    """``n`` sampled completions for each chat prompt, in prompt order."""
+    """``n`` sampled completions for each chat prompt, in prompt order; ``tools`` (engine tools, e.g.
+    the calculator) run inside the completions as they do in evaluation and GRPO."""
     prompt_ids = encode_prompts(tokenizer, prompts)
     flat = [ids for ids in prompt_ids for _ in range(n)]
     completions, stats = generate_continuous(
@@ -66,6 +80,7 @@ def sample_completions(
         seeds=sample_seeds(seed, len(flat)),
         progress=True,
         desc="sampling",
+        tool=engine_tool(tools, tokenizer),
     )
     ids = [list(c.token_ids) for c in completions]
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -73,6 +88,7 @@ def sample_completions(
         [texts[i * n : (i + 1) * n] for i in range(len(prompts))],
         [ids[i * n : (i + 1) * n] for i in range(len(prompts))],
         stats.seconds,
+        stats,
     )
     logger.info(
         "sampled %d x %d completions (%d tokens) in %.1f s (%.0f tok/s)",

@@ -25,6 +25,7 @@ from typing import Any
 from posttrain.core.config import DPOStageConfig, ModelConfig
 from posttrain.core.errors import StageError
 from posttrain.core.parsing import answers_match, parse_strict
+from posttrain.core.prompts import format_sft_target
 from posttrain.generation.sampling import Samples, sample_completions
 from posttrain.models.artifacts import StageResult
 from posttrain.models.building import building_models
@@ -102,10 +103,17 @@ def _build_pairs(
         temperature=dpo_cfg.temperature,
         max_new_tokens=dpo_cfg.max_new_tokens,
         seed=seed,
+        tools=dpo_cfg.tools,
     )
     del policy
     scores, correct = score_samples(rows, samples, reward_funcs, weights)
-    references = [r.get("solution") for r in rows]
+    calculator = "calculator" in dpo_cfg.tools
+    references = [
+        format_sft_target(r["solution"], calculator=True)
+        if calculator and r.get("solution")
+        else r.get("solution")
+        for r in rows
+    ]
     pairs, stats = build_dpo_dataset([r["prompt"] for r in rows], samples.texts, scores, correct, references)
     flat_scores = [s for group in scores for s in group]
     flat_correct = [c for group in correct for c in group]
@@ -116,6 +124,7 @@ def _build_pairs(
             "sampling/correct_rate": sum(flat_correct) / len(flat_correct),
             "sampling/seconds": round(samples.seconds, 3),
             "sampling/tokens_per_second": round(samples.generated_tokens / max(samples.seconds, 1e-9), 2),
+            **({f"sampling/{k}": v for k, v in samples.tool_metrics().items()} if dpo_cfg.tools else {}),
         }
     )
     if len(pairs) == 0:

@@ -18,7 +18,8 @@ It is cheap by construction: the slice is small (``eval_limit``, default 64), pr
 once, generation is one continuous batch of the engine (:mod:`posttrain.generation.engine`) with the
 stage's ``max_completion_length``, and on a CPU in bf16 it runs on the bf16 shadow the rollouts
 already use (re-synced at the step's end, which the next rollout then reuses). Greedy decoding draws
-no random numbers, so training is the same with and without it.
+no random numbers, so training is the same with and without it. A stage with ``tools`` evaluates
+with the same tools its rollouts use.
 
 The slice is the held-out records whose ``ops`` lie in the stage's ``data_filter`` range (so reward
 and accuracy measure the same difficulty; the whole held-out set if none do), first ``eval_limit``.
@@ -37,6 +38,7 @@ from posttrain.core.errors import DataError
 from posttrain.core.scoring import score_completion
 from posttrain.generation.engine import encode_prompts, generate_continuous, pad_token_id, stop_token_ids
 from posttrain.generation.rollout import ShadowRollout
+from posttrain.generation.tools import engine_tool
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +86,19 @@ class HeldoutEval(TrainerCallback):
     """Evaluates ``trainer``'s policy on ``records`` (``prompt`` messages + ``answer``) at step 0,
     every ``every`` steps and at the last step; logs :data:`EVAL_METRICS` through ``Trainer.log``."""
 
-    def __init__(self, trainer: Any, records: Sequence[Mapping[str, Any]], every: int, stage: str = "grpo"):
+    def __init__(
+        self,
+        trainer: Any,
+        records: Sequence[Mapping[str, Any]],
+        every: int,
+        stage: str = "grpo",
+        tools: Sequence[str] = (),
+    ):
         if not records:
             raise ValueError("in-training evaluation needs at least one held-out record")
         self.trainer, self.every, self.stage = trainer, every, stage
         tokenizer = trainer.processing_class
+        self.tool = engine_tool(tools, tokenizer)
         self.prompt_ids = encode_prompts(
             tokenizer, [r["prompt"] for r in records], **(trainer.args.chat_template_kwargs or {})
         )
@@ -126,6 +136,7 @@ class HeldoutEval(TrainerCallback):
                 stop_ids=stop_token_ids(model, tokenizer),
                 pad_token_id=pad_token_id(tokenizer),
                 batch_size=min(BATCH_SIZE, len(self.prompt_ids)),
+                tool=self.tool,
             )
         finally:
             model.train(was_training)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import GRPOStageConfig, ModelConfig, VLLMServerConfig
+from posttrain.core.errors import StageError
 from posttrain.core.net import free_port
 from posttrain.generation.vllm_server import ServerAddress, vllm_server
 from posttrain.models.artifacts import StageResult, adapter_root
@@ -174,12 +175,22 @@ def make_grpo_trainer(
     args = GRPOConfig(**grpo_arguments(stage_cfg, ctx, server), reward_weights=weights)
     monitor = HealthCallback(HealthMonitor(stage_cfg.monitor), stage_cfg.monitor.on_alert, stage)
     rollout, generation = None, "TRL"
-    if fast_generation and args.use_cpu:
+    if stage_cfg.tools or (fast_generation and args.use_cpu):
         blockers = shadow_rollout_blockers(args, columns=data.column_names)
+        if blockers and stage_cfg.tools:
+            raise StageError(
+                f"[{stage}] tools: {', '.join(stage_cfg.tools)} runs in posttrain's engine, which this stage "
+                f"cannot generate with: {', '.join(blockers)}"
+            )
         if blockers:
             generation = f"TRL (shadow rollout off: {', '.join(blockers)})"
         else:
-            rollout, generation = ShadowRollout(resolve_dtype(ctx.precision)), f"{ctx.precision}-shadow"
+            rollout = ShadowRollout(
+                resolve_dtype(ctx.precision), stage_cfg.tools, log_metrics=_log_trl_metrics
+            )
+            generation = f"{ctx.precision}-shadow" + (
+                f" with {', '.join(stage_cfg.tools)}" if stage_cfg.tools else ""
+            )
     trainer = new_grpo_trainer(
         rollout_func=rollout,
         zero_signal=stage_cfg.zero_signal,
@@ -198,7 +209,9 @@ def make_grpo_trainer(
             logger.warning("[%s] eval_every is set but no held-out data was given: not evaluating", stage)
         else:
             records = heldout_slice(heldout, stage_cfg.data_filter, stage_cfg.eval_limit)
-            trainer.add_callback(HeldoutEval(trainer, records, stage_cfg.eval_every, stage))
+            trainer.add_callback(
+                HeldoutEval(trainer, records, stage_cfg.eval_every, stage, tools=stage_cfg.tools)
+            )
             evaluation = f"{len(records)} held-out questions every {stage_cfg.eval_every} steps"
     logger.info(
         "[%s] %d examples, rewards %s (weights %s), %s generation, zero_signal %s, evaluation %s",
@@ -211,6 +224,13 @@ def make_grpo_trainer(
         evaluation,
     )
     return trainer, monitor
+
+
+def _log_trl_metrics(trainer: Any, metrics: dict[str, float]) -> None:
+    from posttrain.training.trl_compat import trl_metric
+
+    for name, value in metrics.items():
+        trl_metric(trainer, name, value)
 
 
 def run_grpo_stage(

@@ -34,13 +34,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["make_sft_trainer", "run_sft", "sft_dataset"]
 
 
-def sft_dataset(train_dataset: Any, num_examples: int | None = None):
-    """Prompt/completion conversational rows; prepared data (with ``solution``) is converted first."""
+def sft_dataset(train_dataset: Any, num_examples: int | None = None, *, calculator: bool = False):
+    """Prompt/completion conversational rows; prepared data (with ``solution``) is converted first,
+    with each annotated step written for the inline calculator when ``calculator``."""
     ds = train_dataset
     if num_examples is not None and num_examples < len(ds):
         ds = ds.select(range(num_examples))
     if "completion" not in ds.column_names:
-        ds = build_sft_dataset(ds)
+        ds = build_sft_dataset(ds, calculator=calculator)
     extra = [c for c in ds.column_names if c not in ("prompt", "completion")]
     return ds.remove_columns(extra) if extra else ds
 
@@ -60,10 +61,11 @@ def make_sft_trainer(
     from trl import SFTConfig, SFTTrainer  # heavy: deferred until needed
 
     compact_fused_head_on_cpu()
-    data = sft_dataset(train_dataset, sft_cfg.num_examples)
+    calculator = "calculator" in sft_cfg.tools
+    data = sft_dataset(train_dataset, sft_cfg.num_examples, calculator=calculator)
     model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
     args = SFTConfig(**trainer_arguments(ctx, sft_cfg.trainer_options()))
-    eval_data = sft_dataset(eval_dataset) if eval_dataset is not None else None
+    eval_data = sft_dataset(eval_dataset, calculator=calculator) if eval_dataset is not None else None
     trainer = SFTTrainer(
         model=model,
         args=args,
