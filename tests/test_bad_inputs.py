@@ -560,6 +560,61 @@ CASES = [
         {},
         "{cfg}: grpo.stages.0.trainer.vllm_server_port: 9000 conflicts with vllm_server.port (8000)",
     ),
+    (
+        "chat tools on a template that cannot render tool calls",
+        [
+            "grpo.stages.0.tools=[calculator]",
+            "grpo.stages.0.tool_protocol=chat",
+            "eval.tools=[calculator]",
+            "eval.tool_protocol=chat",
+        ],
+        None,
+        [],
+        {},
+        "{cfg}: model.name: tiny-random: its chat template cannot render tool calls (TRL's supports_tool_calling)",
+    ),
+    (
+        "a chat tool user evaluated without its tools",
+        ["grpo.stages.0.tools=[calculator]", "grpo.stages.0.tool_protocol=chat"],
+        None,
+        [],
+        {},
+        "{cfg}: eval.tools: grpo.stages.0 trains a tool user in TRL's chat protocol, and a trained tool user "
+        "is evaluated with its tools",
+    ),
+    (
+        "custom tool without the opt-in",
+        ["grpo.stages.0.tools=[os:system]", "grpo.stages.0.tool_protocol=chat"],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0.tools.0: custom tool 'os:system' would import and run code named by the config",
+    ),
+    (
+        "custom tool in the inline protocol",
+        ["grpo.stages.0.tools=[os:system]"],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0: tools: unknown inline tool 'os:system'; inline tools are ['calculator']",
+    ),
+    (
+        "inline calculator with generation left to vLLM",
+        ["grpo.stages.0.tools=[calculator]", "grpo.stages.0.trainer.use_vllm=true"],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0: tools: calculator runs in posttrain's generation engine, and these trainer "
+        "options leave generation to TRL or vLLM: use_vllm",
+    ),
+    (
+        "calculator in a vLLM evaluation",
+        ["eval.tools=[calculator]", "eval.backend=vllm"],
+        None,
+        [],
+        {},
+        "{cfg}: eval: tools run in posttrain's engine (backend: hf); backend vllm cannot force tokens",
+    ),
 ]
 
 

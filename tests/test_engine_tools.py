@@ -139,7 +139,9 @@ def test_calculator_tool_on_token_ids(tiny_tokenizer, text, expected):
         assert call is None
     else:
         insert, ok = expected
-        assert call == ToolCall(tuple(_ids(tiny_tokenizer, insert)) if insert else (), ok)
+        assert call == ToolCall(
+            tuple(_ids(tiny_tokenizer, insert)) if insert else (), failures=0 if ok else 1
+        )
 
 
 def test_calculator_triggers_are_the_tokens_ending_in_equals(tiny_tokenizer):
@@ -165,8 +167,8 @@ class ForceAfter:
         self.triggers = frozenset({trigger})
         self.tokens = tokens
 
-    def __call__(self, token_ids):
-        return ToolCall(self.tokens, True)
+    def __call__(self, token_ids, request, prompt_ids):
+        return ToolCall(self.tokens)
 
 
 def test_after_forced_tokens_rows_continue_as_generate_does_on_the_same_prefix(
@@ -276,3 +278,196 @@ def test_grpo_masks_the_calculators_tokens_out_of_the_loss(tiny_tokenizer, tmp_p
     grads = captured["hidden"].grad[0, prompt_len - 1 : prompt_len - 1 + len(mask)].abs().sum(-1)
     for i, keep in enumerate(mask):
         assert (grads[i] > 0) == bool(keep), f"completion token {i} ({'model' if keep else 'tool'})"
+
+
+# --------------------------------------------------------------------------- TRL's chat tool protocol
+
+
+@pytest.fixture(scope="module")
+def tool_template_tokenizer(tiny_model_dir):
+    """The tiny tokenizer with Qwen2.5's chat template (TRL's copy) and its tool-call tokens."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = qwen2_5_chat_template
+    return tokenizer
+
+
+def _tool_turn(tokenizer, expression):
+    text = (
+        f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
+    )
+    return _ids(tokenizer, text) + [tokenizer.eos_token_id]
+
+
+def test_chat_tool_loop_renders_tool_turns_exactly_as_trl_does(tool_template_tokenizer):
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    from posttrain.core.calculator import calculator
+    from posttrain.generation.tools import ChatToolLoop
+
+    t = tool_template_tokenizer
+    prompt = t.apply_chat_template(
+        [{"role": "user", "content": "12 times 7?"}],
+        tools=[calculator],
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    loop = ChatToolLoop(t, [t.eos_token_id], [calculator])
+    trl_self = SimpleNamespace(
+        processing_class=t, _tokenizer=t, chat_template=None, chat_template_kwargs={}, _is_vlm=False
+    )
+    first = _tool_turn(t, "12*7")
+    call = loop(first, 0, prompt)
+    messages = [{"role": "tool", "name": "calculator", "content": "84"}]
+    assert list(call.tokens) == GRPOTrainer._get_tool_suffix_ids(trl_self, messages)
+    assert (call.calls, call.failures) == (1, 0)
+    # the next turn is parsed on its own: a failing call is answered with TRL's error message
+    second = [*first, *call.tokens, *_tool_turn(t, "2**9")]
+    failed = loop(second, 0, prompt)
+    assert (failed.calls, failed.failures) == (1, 1)
+    assert "error" in t.decode(failed.tokens) and "2**9" in t.decode(failed.tokens)
+    assert loop([*second, *failed.tokens, *_ids(t, "It is 84."), t.eos_token_id], 0, prompt) is None
+
+
+def test_chat_tool_loop_refuses_a_template_without_tool_calls(tiny_tokenizer):
+    from posttrain.core.calculator import calculator
+    from posttrain.core.errors import ModelError
+    from posttrain.generation.tools import ChatToolLoop
+
+    with pytest.raises(ModelError, match="cannot render tool calls"):
+        ChatToolLoop(tiny_tokenizer, [tiny_tokenizer.eos_token_id], [calculator])
+
+
+class AnswerOnceAtStop:
+    """A test tool: the first time a row stops, force ``tokens`` after the stop token (a tool turn)."""
+
+    name = "answer-once"
+
+    def __init__(self, stop: int, tokens: tuple[int, ...]):
+        self.triggers = frozenset({stop})
+        self.tokens, self.answered = tokens, set()
+
+    def __call__(self, token_ids, request, prompt_ids):
+        if request in self.answered:
+            return None
+        self.answered.add(request)
+        return ToolCall(self.tokens)
+
+
+def test_a_row_the_tool_answers_at_its_stop_token_goes_on_generating(tiny_model_dir, tiny_tokenizer):
+    """fp32 greedy: after the stop token and the forced turn, the row continues exactly as `generate`
+    does from that prefix, and ends at its next stop token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    t = tiny_tokenizer
+    prompts = encode_prompts(t, [[{"role": "user", "content": q}] for q in ("What is 2+2?", "x", "hi there")])
+    counts: dict[int, int] = {}
+    plain, _ = generate_continuous(
+        model, prompts, max_new_tokens=12, stop_ids={t.eos_token_id}, pad_token_id=t.pad_token_id
+    )
+    for completion in plain:
+        for token in completion.token_ids[1:4]:
+            counts[token] = counts.get(token, 0) + 1
+    stop = max(counts, key=lambda k: (counts[k], -k))  # a token every row writes early: the "stop"
+    tool = AnswerOnceAtStop(stop, tuple(_ids(t, "\nresult 84\n")))
+    out, stats = generate_continuous(
+        model,
+        prompts,
+        max_new_tokens=40,
+        stop_ids={stop},
+        pad_token_id=t.pad_token_id,
+        batch_size=2,
+        tool=tool,
+    )
+    assert stats.tool_calls >= 1
+    for prompt, completion in zip(prompts, out, strict=True):
+        if not completion.tool_calls:
+            continue
+        first_stop = completion.token_ids.index(stop)
+        forced = len(tool.tokens)
+        assert completion.env_mask[first_stop] == 1 and set(
+            completion.env_mask[first_stop + 1 : first_stop + 1 + forced]
+        ) == {0}
+        prefix = list(prompt) + list(completion.token_ids[: first_stop + 1 + forced])
+        with torch.inference_mode():
+            expected = model.generate(
+                torch.tensor([prefix]),
+                max_new_tokens=40 - first_stop - 1 - forced,
+                do_sample=False,
+                eos_token_id=stop,
+                pad_token_id=t.pad_token_id,
+            )[0, len(prefix) :].tolist()
+        assert list(completion.token_ids[first_stop + 1 + forced :]) == expected
+        assert completion.finished == (expected[-1] == stop)
+
+
+def test_chat_tools_reach_trls_trainer(tool_template_tokenizer, tmp_path):
+    from posttrain.core.calculator import calculator
+    from posttrain.core.config import DataConfig, GRPOStageConfig, ModelConfig, SyntheticConfig
+    from posttrain.data.prepare import prepare_data
+    from posttrain.models.tiny import build_tiny_model
+    from posttrain.training.grpo import make_grpo_trainer
+    from posttrain.training.runner import StageContext
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    tool_template_tokenizer.save_pretrained(model_dir)
+    data = prepare_data(
+        DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=8), eval_size=2),
+        tool_template_tokenizer,
+    ).train
+    stage = GRPOStageConfig(
+        name="chat",
+        rewards=[{"name": "xml_count"}],
+        tools=["calculator"],
+        tool_protocol="chat",
+        trainer={
+            "max_steps": 1,
+            "per_device_train_batch_size": 2,
+            "num_generations": 2,
+            "max_completion_length": 8,
+        },
+    )
+    ctx = StageContext(
+        stage="grpo-chat", work_dir=tmp_path / "work", seed=0, report_to="none", precision="fp32"
+    )
+    trainer, _ = make_grpo_trainer(
+        stage, ModelConfig(name=str(model_dir), precision="fp32"), str(model_dir), data, ctx
+    )
+    assert trainer.tools == [calculator] and trainer.rollout_func is None  # TRL generates and runs its loop
+
+
+def test_reports_name_the_tool_count_calls_and_diffs_say_when_tools_differ(tiny_tokenizer):
+    from posttrain.core.config import EvalConfig
+    from posttrain.evaluation.diff import diff_reports
+    from posttrain.evaluation.evaluator import evaluate
+    from posttrain.evaluation.report import format_summary_table
+
+    t = tiny_tokenizer
+    model = bigram_model(t, chain(t, "\n12*7 =9", "4."), default=t.eos_token_id)
+    records = [
+        {"id": f"q{i}", "question": f"What is 12 times 7? ({i})", "answer": "84", "ops": 1} for i in range(3)
+    ]
+    with_tool = evaluate(
+        model, records, EvalConfig(limit=3, max_new_tokens=12, tools=["calculator"]), tokenizer=t
+    )
+    bare = evaluate(model, records, EvalConfig(limit=3, max_new_tokens=12), tokenizer=t)
+    assert with_tool.config["tools"] == ["calculator"] and "tools" not in bare.config
+    assert with_tool.summary["tool_calls_per_completion"] == 1.0
+    assert with_tool.summary["tool_failed_calls_per_completion"] == 0.0
+    assert "tool_calls_per_completion" not in bare.summary
+    assert [r.completion for r in with_tool.records] == ["12*7 = 84."] * 3
+    assert [r.tool_calls for r in with_tool.records] == [1, 1, 1]
+    assert with_tool.summary["accuracy_flexible"] == 1.0 and bare.summary["accuracy_flexible"] == 0.0
+    assert "tools: calculator" in format_summary_table(with_tool)
+    assert "tools: [] -> ['calculator']" in diff_reports(bare, with_tool).settings

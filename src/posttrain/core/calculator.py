@@ -34,6 +34,7 @@ from fractions import Fraction
 
 __all__ = [
     "CalculatorCall",
+    "calculator",
     "MAX_EXPRESSION_CHARS",
     "calculator_call",
     "evaluate_arithmetic",
@@ -234,3 +235,23 @@ def render_calculator_form(solution: str) -> str:
             position = match.end()
     out.append(solution[position:])
     return "".join(out)
+
+
+# The built-in tool for models that call tools through their chat template (TRL's
+# ``GRPOTrainer(tools=...)``; posttrain's evaluation runs the same protocol). transformers builds the
+# tool's JSON schema, which the model reads in its prompt, from this signature and docstring: the
+# docstring is written for the model.
+def calculator(expression: str) -> str:
+    """Computes an arithmetic expression of numbers with + - * / and parentheses.
+
+    Args:
+        expression: The expression to compute, for example "48/2" or "(40 - 5) * 3".
+
+    Returns:
+        The value, rounded to four decimal places.
+    """
+    value = evaluate_arithmetic(expression)
+    written = format_value(value) if value is not None else None
+    if written is None:
+        raise ValueError(f"cannot compute {expression!r}: use numbers, + - * / and parentheses")
+    return written

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -68,25 +68,80 @@ __all__ = [
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    omit_when_empty: ClassVar[tuple[str, ...]] = ()
-    """Keys left out of the JSON form while empty or None: a key added to a section leaves the
-    config hashes (cache keys) of configs that do not use it as they were."""
+    omit_when_default: ClassVar[tuple[str, ...]] = ()
+    """Keys left out of the JSON form while they hold their default: a key added to a section
+    leaves the config hashes (cache keys) of configs that do not use it as they were."""
 
     @model_serializer(mode="wrap", when_used="json")
     def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
         """The JSON form, which everything that leaves the process is built from, without secrets."""
-        return self._without_empty(redact(handler(self)))
+        return self._without_defaults(redact(handler(self)))
 
-    def _without_empty(self, data: Any) -> Any:
+    def _without_defaults(self, data: Any) -> Any:
         if isinstance(data, dict):
-            for key in self.omit_when_empty:
-                if data.get(key) in (None, [], {}):
-                    data.pop(key, None)
+            for key in self.omit_when_default:
+                default = type(self).model_fields[key].get_default(call_default_factory=True)
+                if key in data and data[key] == default:
+                    del data[key]
         return data
 
 
 ToolName = Literal["calculator"]
-"""Tools posttrain's generation engine runs inside a completion (see posttrain.core.calculator)."""
+"""Tools of the ``inline`` protocol, which posttrain's generation engine runs inside a completion
+with any model (see posttrain.core.calculator)."""
+ToolProtocol = Literal["inline", "chat"]
+
+
+def _check_tool_names(tools: list[str], protocol: str, environment_factory: str | None) -> None:
+    """``inline``: engine tools only; ``chat``: built-in tools or ``package.module:function``."""
+    for name in tools:
+        custom = ":" in name
+        if protocol == "inline" and name not in get_args(ToolName):
+            hint = " (custom tools run in TRL's chat protocol: tool_protocol: chat)" if custom else ""
+            raise ValueError(
+                f"tools: unknown inline tool {name!r}; inline tools are {list(get_args(ToolName))}{hint}"
+            )
+        if protocol == "chat" and not custom and name not in get_args(ToolName):
+            raise ValueError(
+                f"tools: unknown tool {name!r}; built-in tools are {list(get_args(ToolName))}, "
+                "or name 'package.module:function'"
+            )
+    if environment_factory is not None:
+        if protocol != "chat":
+            raise ValueError(
+                "environment_factory: environments are TRL's chat protocol; set tool_protocol: chat"
+            )
+        if ":" not in environment_factory:
+            raise ValueError(
+                f"environment_factory: {environment_factory!r} must look like 'package.module:Factory'"
+            )
+
+
+class _ToolFields(StrictModel):
+    """The tool settings a GRPO stage and an evaluation share."""
+
+    omit_when_default: ClassVar[tuple[str, ...]] = ("tools", "tool_protocol", "environment_factory")
+    tools: list[str] = Field(default_factory=list)
+    """Tools the model may use while it generates (off by default). ``inline`` protocol:
+    ``[calculator]``, posttrain's engine computes ``expression =`` and writes the value (any model).
+    ``chat`` protocol: tool functions called through the chat template, TRL's
+    ``GRPOTrainer(tools=...)``: the built-in ``calculator`` or ``package.module:function`` (imported
+    only with ``--allow-custom-code``)."""
+    tool_protocol: ToolProtocol = "inline"
+    """``inline`` (posttrain's text protocol; no tool-calling template needed) or ``chat`` (TRL's tool
+    calling through the model's chat template, checked with TRL's ``supports_tool_calling``)."""
+    environment_factory: str | None = None
+    """``chat`` only: ``package.module:Factory`` passed as TRL's ``environment_factory`` (one
+    environment per example, reset with it; its public methods are tools). Custom code: needs
+    ``--allow-custom-code``."""
+
+    @model_validator(mode="after")
+    def _tool_names(self) -> _ToolFields:
+        _check_tool_names(self.tools, self.tool_protocol, self.environment_factory)
+        return self
+
+    def uses_tools(self) -> bool:
+        return bool(self.tools or self.environment_factory)
 
 
 class TrainingOverride(StrictModel):
@@ -218,7 +273,7 @@ class LoraConfig(StrictModel):
 
 class _StageWithTrainer(StrictModel):
     trl_kind: ClassVar[str]
-    omit_when_empty: ClassVar[tuple[str, ...]] = ("tools",)
+    omit_when_default: ClassVar[tuple[str, ...]] = ("tools",)
     trainer: dict[str, Any] = Field(default_factory=dict, description="TRL options, passed through")
     training: TrainingOverride | None = None
     """How this stage is launched, over the top-level ``training:`` section; only the number of
@@ -231,7 +286,7 @@ class _StageWithTrainer(StrictModel):
     def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
         """The JSON form without secrets, and without ``training`` or ``lora`` when unset: a stage's
         config hash (cache key, ``stage.json``) stays what it was before stages could override them."""
-        data = self._without_empty(redact(handler(self)))
+        data = self._without_defaults(redact(handler(self)))
         if isinstance(data, dict):
             if data.get("training") is None:
                 data.pop("training", None)
@@ -409,8 +464,9 @@ class StageDataFilter(StrictModel):
         return _reject_renamed(value, _OPS_RENAMES, "arithmetic operations per problem")
 
 
-class GRPOStageConfig(_StageWithTrainer):
+class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     trl_kind: ClassVar[str] = "grpo"
+    omit_when_default: ClassVar[tuple[str, ...]] = _ToolFields.omit_when_default
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
     rewards: list[RewardSpec] = Field(min_length=1)
     data_filter: StageDataFilter = StageDataFilter()
@@ -429,11 +485,12 @@ class GRPOStageConfig(_StageWithTrainer):
     ``eval/accuracy_flexible``, ``eval/format`` next to the reward); null: no in-training evaluation."""
     eval_limit: int = Field(64, ge=1)
     """Held-out questions per in-training evaluation (those in the stage's ``data_filter`` ops range)."""
-    tools: list[ToolName] = Field(default_factory=list)
-    """``[calculator]``: rollouts (and the in-training evaluation) run the inline calculator: after
-    an arithmetic expression and ``=`` the engine writes the value's tokens, which are masked out of
-    the loss and the token counts (TRL's ``env_mask``), so GRPO rewards setting a problem up right.
-    Generation then always goes through posttrain's engine (a bf16 or fp32 shadow of the policy)."""
+    tools: list[str] = Field(default_factory=list)
+    """Tools the stage's rollouts (and its in-training evaluation) use. ``inline`` ``[calculator]``:
+    after an arithmetic expression and ``=`` posttrain's engine writes the value's tokens, which are
+    masked out of the loss and the token counts (TRL's ``env_mask``), so GRPO rewards setting a
+    problem up right; generation then always goes through posttrain's engine (a bf16 or fp32 shadow
+    of the policy). ``chat``: passed to ``GRPOTrainer(tools=...)``, and TRL generates."""
 
     @property
     def step_name(self) -> str:
@@ -442,7 +499,8 @@ class GRPOStageConfig(_StageWithTrainer):
 
     @model_validator(mode="after")
     def _tools_need_the_engine(self) -> GRPOStageConfig:
-        blockers = generation_blockers(self.trainer_options()) if self.tools else []
+        inline = self.tools and self.tool_protocol == "inline"
+        blockers = generation_blockers(self.trainer_options()) if inline else []
         if blockers:
             raise ValueError(
                 f"tools: {', '.join(self.tools)} runs in posttrain's generation engine, and these trainer "
@@ -513,16 +571,16 @@ _SET_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 class EvalSetConfig(_EvalSource):
     """One more evaluation set, evaluated by the same step as the primary set (``eval.extra_sets``)."""
 
-    omit_when_empty: ClassVar[tuple[str, ...]] = ("tools",)
+    omit_when_default: ClassVar[tuple[str, ...]] = ("tools",)
 
     name: str
     """Names the set's report folder (`<set>/report.json`) and its metrics (`accuracy_strict/<set>`)."""
     data: Literal["heldout", "hub", "local", "synthetic"]  # required: an extra set names its source
     max_new_tokens: int | None = Field(None, ge=1)
     """Generation limit for this set (default: ``eval.max_new_tokens``)."""
-    tools: list[ToolName] | None = None
-    """Tools for this set (default: ``eval.tools``); ``[]`` evaluates without any, e.g. beside a
-    calculator-assisted primary set, so the two accuracies sit side by side."""
+    tools: list[str] | None = None
+    """Tools for this set, in ``eval.tool_protocol`` (default: ``eval.tools``); ``[]`` evaluates
+    without any, e.g. beside a calculator-assisted primary set, so the two accuracies sit side by side."""
 
     @field_validator("name")
     @classmethod
@@ -535,8 +593,8 @@ class EvalSetConfig(_EvalSource):
         return name
 
 
-class EvalConfig(_EvalSource):
-    omit_when_empty: ClassVar[tuple[str, ...]] = ("tools",)
+class EvalConfig(_EvalSource, _ToolFields):
+    omit_when_default: ClassVar[tuple[str, ...]] = _ToolFields.omit_when_default
     max_new_tokens: int = Field(256, ge=1)
     batch_size: int = Field(64, ge=1)
     """Rows decoded together. 64 is ~28% faster than 32 for SmolLM2 on 2 CPU cores (bf16)."""
@@ -555,16 +613,19 @@ class EvalConfig(_EvalSource):
     extra_sets: list[EvalSetConfig] = Field(default_factory=list)
     """More evaluation sets, each with its own report and metrics (`accuracy_strict/<name>`); the
     fields above (the primary set) keep their metric names."""
-    tools: list[ToolName] = Field(default_factory=list)
-    """``[calculator]``: completions are generated with the inline calculator (posttrain's engine,
-    ``backend: hf``). Reports name the tools and count calls; a calculator-assisted accuracy is
-    never compared silently with a bare one (``eval --diff``)."""
+    tools: list[str] = Field(default_factory=list)
+    """Tools completions are generated with (posttrain's engine, ``backend: hf``), in
+    ``tool_protocol``. Reports name the tools and count calls; a tool-assisted accuracy is never
+    compared silently with a bare one (``eval --diff``)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalConfig:
         if self.pass_k > 1 and self.temperature == 0:
             raise ValueError("pass_k > 1 needs sampling: set temperature > 0")
-        with_tools = [name or "eval" for name, s in self.all_sets() if s.tools]
+        for extra in self.extra_sets:
+            if extra.tools:
+                _check_tool_names(extra.tools, self.tool_protocol, None)
+        with_tools = [name or "eval" for name, s in self.all_sets() if s.uses_tools()]
         if with_tools and self.backend != "hf":
             raise ValueError(
                 f"tools run in posttrain's engine (backend: hf); backend {self.backend} cannot force "

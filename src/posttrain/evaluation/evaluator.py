@@ -33,7 +33,7 @@ from posttrain.generation.engine import (
     pad_token_id,
     stop_token_ids,
 )
-from posttrain.generation.tools import engine_tool
+from posttrain.generation.tools import ChatToolLoop, make_tool
 from posttrain.generation.vllm_server import ServerAddress
 from posttrain.generation.vllm_server_client import generate_via_server
 from posttrain.models.hardware import resolve_dtype
@@ -103,8 +103,13 @@ def _prompt_ids(
     records: Sequence[Mapping[str, Any]],
     system_prompt: str | None,
     few_shot: Sequence[Mapping[str, Any]],
+    tool: Any = None,
+    samples: int = 1,
 ) -> list[list[int]]:
-    """Token ids per record: its own ``prompt`` (messages, or already-templated text) or a built one."""
+    """Token ids per record: its own ``prompt`` (messages, or already-templated text) or a built one.
+
+    With TRL's chat tool protocol each prompt is rendered with the tools its row may call (their
+    JSON schemas, as TRL renders them into training prompts)."""
     ids: list[list[int] | None] = [None] * len(records)
     chats, chat_rows = [], []
     for row, record in enumerate(records):
@@ -114,9 +119,32 @@ def _prompt_ids(
         else:
             chats.append(prompt or build_prompt(record["question"], system_prompt, few_shot))
             chat_rows.append(row)
-    for row, encoded in zip(chat_rows, encode_prompts(tokenizer, chats), strict=True):
-        ids[row] = encoded
+    if isinstance(tool, ChatToolLoop):
+        encoded = [
+            encode_prompts(tokenizer, [c], tools=tool.tools_for(r * samples))[0]
+            for c, r in zip(chats, chat_rows, strict=True)
+        ]
+    else:
+        encoded = encode_prompts(tokenizer, chats)
+    for row, prompt_ids in zip(chat_rows, encoded, strict=True):
+        ids[row] = prompt_ids
     return ids  # type: ignore[return-value]
+
+
+def _completion_texts(tokenizer: Any, groups: Sequence[Sequence[Completion]], tool: Any) -> list[list[str]]:
+    """Decoded completions per question. In TRL's chat tool protocol only the model's own tokens are
+    scored (tool messages are the tool's text, as TRL's rewards skip them); inline tool tokens are
+    part of the model's sentence (``48/2 = 24``) and stay."""
+    model_only = isinstance(tool, ChatToolLoop)
+    ids = [
+        [t for t, m in zip(c.token_ids, c.env_mask, strict=True) if m]
+        if model_only and c.env_mask
+        else c.token_ids
+        for g in groups
+        for c in g
+    ]
+    decoded = iter(tokenizer.batch_decode(ids, skip_special_tokens=True))
+    return [[next(decoded) for _ in group] for group in groups]
 
 
 def sample_seed(seed: int, example_id: str, index: int) -> int:
@@ -138,6 +166,7 @@ def _generate_hf(
     samples: int,
     refill_at: float,
     progress: bool,
+    tool: Any,
 ) -> tuple[list[list[Completion]], GenerationStats]:
     requests = [p for p in prompts for _ in range(samples)]
     seeds = [sample_seed(cfg.seed, r["id"], j) for r in records for j in range(samples)]
@@ -156,7 +185,7 @@ def _generate_hf(
             refill_at=refill_at,
             progress=progress,
             desc="eval",
-            tool=engine_tool(cfg.tools, tokenizer),
+            tool=tool,
         )
     finally:
         model.train(was_training)
@@ -230,7 +259,19 @@ def evaluate(
     start = time.perf_counter()
     model, tokenizer, name, vllm_path = _load(model, tokenizer, precision, cfg.backend)
     load_seconds = time.perf_counter() - start
-    prompts = _prompt_ids(tokenizer, records, system_prompt, few_shot)
+    tool = (
+        make_tool(
+            cfg.tools,
+            cfg.tool_protocol,
+            tokenizer,
+            stop_ids=sorted(stop_token_ids(model, tokenizer)),
+            environment_factory=cfg.environment_factory,
+            rows=[r for r in records for _ in range(samples)],
+        )
+        if cfg.backend == "hf"
+        else None
+    )
+    prompts = _prompt_ids(tokenizer, records, system_prompt, few_shot, tool, samples)
     if cfg.backend == "vllm_server":
         assert server is not None
         groups, stats = generate_via_server(
@@ -257,10 +298,11 @@ def evaluate(
             precision=precision or "auto",
         )
     else:
-        groups, stats = _generate_hf(model, tokenizer, records, prompts, cfg, samples, refill_at, progress)
+        groups, stats = _generate_hf(
+            model, tokenizer, records, prompts, cfg, samples, refill_at, progress, tool
+        )
     scoring_start = time.perf_counter()
-    decoded = iter(tokenizer.batch_decode([c.token_ids for g in groups for c in g], skip_special_tokens=True))
-    texts = [[next(decoded) for _ in group] for group in groups]
+    texts = _completion_texts(tokenizer, groups, tool)
     scored = [
         [
             score_completion(
@@ -281,7 +323,7 @@ def evaluate(
         )
         for r, s in zip(records, scored, strict=True)
     )
-    summary = summarize(scored, cfg.pass_k, tools=bool(cfg.tools))
+    summary = summarize(scored, cfg.pass_k, tools=cfg.uses_tools())
     summary |= lm_eval_accuracy(texts, [str(r["answer"]) for r in records])  # what lm-eval would report
     timings = {
         **stats.as_dict(),
@@ -309,7 +351,7 @@ def evaluate(
         len(records),
         stats.tokens_per_second,
         f", with {', '.join(cfg.tools)}: {summary['tool_calls_per_completion']:.2f} calls per completion"
-        if cfg.tools
+        if cfg.uses_tools()
         else "",
     )
     if report.by_ops:

@@ -68,10 +68,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ToolCall:
-    """What a tool made of one call: the tokens to force (empty for a failed call) and whether it worked."""
+    """What a tool made of the call(s) a completion ended with: the tokens to force (none when a call
+    failed and the model continues on its own), how many calls, how many of them failed."""
 
     tokens: tuple[int, ...]
-    ok: bool
+    failures: int = 0
+    calls: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.failures == 0
 
 
 class EngineTool(Protocol):
@@ -81,8 +87,11 @@ class EngineTool(Protocol):
     triggers: frozenset[int]
     """Token ids after which the tool is asked; any other token never calls it."""
 
-    def __call__(self, token_ids: Sequence[int]) -> ToolCall | None:
-        """The call the completion ``token_ids`` ends with (None: no call)."""
+    def __call__(self, token_ids: Sequence[int], request: int, prompt_ids: Sequence[int]) -> ToolCall | None:
+        """The call the completion ``token_ids`` of prompt ``request`` (``prompt_ids``) ends with (None: no call).
+
+        A stop token in ``triggers`` whose call returns tokens does not end the row: the tool's
+        tokens follow it and the model continues (a chat template's tool turn)."""
 
 
 @dataclass(frozen=True)
@@ -408,9 +417,10 @@ def generate_continuous(
         for row, (request, token) in enumerate(zip(current.requests, chosen, strict=True)):
             outputs[request].append(token)
             if calls.tool is not None:
-                calls.after(request, token, outputs[request])
-            if token in stop or len(outputs[request]) >= max_new_tokens:
-                done[request] = token in stop
+                calls.after(request, token, outputs[request], prompts[request])
+            stopped = token in stop and request not in calls.queued
+            if stopped or len(outputs[request]) >= max_new_tokens:
+                done[request] = stopped
                 calls.queued.pop(request, None)
                 bar.update(1)
             else:
@@ -478,7 +488,7 @@ class _ToolCalls:
                 self.masks[request].append(0)
         return forced
 
-    def after(self, request: int, token: int, completion: list[int]) -> None:
+    def after(self, request: int, token: int, completion: list[int], prompt: Sequence[int]) -> None:
         """Record the token just appended; after a model-chosen trigger, ask the tool."""
         mask = self.masks[request]
         if len(mask) == len(completion):  # force() already marked it
@@ -487,13 +497,12 @@ class _ToolCalls:
         assert self.tool is not None
         if token not in self.tool.triggers:
             return
-        call = self.tool(completion)
+        call = self.tool(completion, request, prompt)
         if call is None:
             return
-        self.calls[request] += 1
-        if not call.ok:
-            self.failures[request] += 1
-        elif call.tokens:
+        self.calls[request] += call.calls
+        self.failures[request] += call.failures
+        if call.tokens:
             self.queued[request] = deque(call.tokens)
 
     def completions(self, outputs: list[list[int]], done: list[bool]) -> list[Completion]:

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import PipelineConfig, parse_config, read_config_mapping
+from posttrain.core.custom_code import import_named
 from posttrain.core.errors import ConfigError
+from posttrain.generation.tools import check_tool_template, tool_functions
 from posttrain.pipeline.launcher import accelerate_setup
 from posttrain.rewards.registry import check_reward
 
@@ -21,6 +23,7 @@ __all__ = [
     "check_paths",
     "check_rewards",
     "check_shared_store",
+    "check_tools",
     "check_vllm_server",
     "load_config",
     "managed_vllm_stages",
@@ -133,10 +136,80 @@ def check_vllm_server(cfg: PipelineConfig, source: str = "<config>") -> None:
                 )
 
 
+def _tool_sections(cfg: PipelineConfig) -> list[tuple[str, Any]]:
+    return [*((f"grpo.stages.{i}", s) for i, s in enumerate(cfg.grpo.stages)), ("eval", cfg.eval)]
+
+
+def check_tools(cfg: PipelineConfig, source: str = "<config>") -> None:
+    """Tools resolve, and a model trained with TRL's chat tools is evaluated with them.
+
+    A custom tool or environment factory is imported only with the custom-code opt-in, and only
+    read (a tool's JSON schema is built from its signature and docstring, as TRL builds it). With
+    ``tool_protocol: chat`` anywhere, the model's chat template must render tool calls (TRL's own
+    ``supports_tool_calling``): its tokenizer is loaded for that check.
+    """
+    from transformers.utils import get_json_schema
+
+    for where, section in _tool_sections(cfg):
+        if section.tool_protocol != "chat":
+            continue
+        for j, name in enumerate(section.tools):
+            try:
+                get_json_schema(tool_functions([name])[0])
+            except (ValueError, TypeError, ImportError) as exc:  # transformers' schema errors are plain ones
+                raise ConfigError(f"{source}: {where}.tools.{j}: {exc}") from None
+        if section.environment_factory is not None:
+            try:
+                factory = import_named(section.environment_factory, "environment factory")
+            except ValueError as exc:
+                raise ConfigError(f"{source}: {where}.environment_factory: {exc}") from None
+            if not callable(factory):
+                raise ConfigError(
+                    f"{source}: {where}.environment_factory: {section.environment_factory!r} is not callable"
+                )
+    for i, stage in enumerate(cfg.grpo.stages):
+        if stage.tool_protocol != "chat" or not stage.uses_tools():
+            continue
+        evaluation = cfg.eval
+        same = (
+            evaluation.tool_protocol == "chat"
+            and set(stage.tools) <= set(evaluation.tools)
+            and stage.environment_factory == evaluation.environment_factory
+        )
+        if not same:
+            wanted = f"eval.tools: {stage.tools}, eval.tool_protocol: chat"
+            if stage.environment_factory:
+                wanted += f", eval.environment_factory: {stage.environment_factory}"
+            raise ConfigError(
+                f"{source}: eval.tools: grpo.stages.{i} trains a tool user in TRL's chat protocol, and a trained "
+                f"tool user is evaluated with its tools: set {wanted}"
+            )
+    if any(s.tool_protocol == "chat" and s.uses_tools() for _, s in _tool_sections(cfg)):
+        _check_tool_template(cfg, source)
+
+
+def _check_tool_template(cfg: PipelineConfig, source: str) -> None:
+    from posttrain.core.errors import ModelError
+    from posttrain.models.loading import load_tokenizer
+    from posttrain.models.resolve import resolve_model_path
+
+    name = cfg.model.name
+    try:
+        tokenizer = load_tokenizer(resolve_model_path(name, cfg.model.cache_dir), revision=cfg.model.revision)
+        check_tool_template(tokenizer)
+    except ModelError as exc:
+        raise ConfigError(f"{source}: model.name: {name}: {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{source}: model.name: {name}: cannot load its tokenizer to check tool calling: {exc}"
+        ) from None
+
+
 def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
     """A config mapping checked against the schema, the reward registry and the file system."""
     cfg = parse_config(raw, source)
     check_rewards(cfg, source)
+    check_tools(cfg, source)
     check_paths(cfg, source)
     check_launchers(cfg, source)
     check_shared_store(cfg, source)

@@ -39,11 +39,17 @@ import difflib
 import importlib
 import inspect
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from posttrain.core.errors import ConfigError
+from posttrain.core.custom_code import (
+    CUSTOM_CODE_ENV,
+    CustomCodeRefused,
+    allow_custom_code,
+    custom_code_allowed,
+    import_named,
+    is_custom,
+)
 from posttrain.rewards.accuracy import arithmetic_reward, correctness_reward, int_answer_reward
 from posttrain.rewards.format import soft_format_reward, strict_format_reward, xml_count_reward
 from posttrain.rewards.scaling import make_adaptive_scaler, reward_name
@@ -82,7 +88,6 @@ FACTORIES: dict[str, Callable[..., Callable[..., list[float | None]]]] = {
     "repetition": make_repetition_penalty,
 }
 ADAPTIVE_PARAM = "adaptive"
-CUSTOM_CODE_ENV = "POSTTRAIN_ALLOW_CUSTOM_CODE"
 # Keywords TRL passes every reward besides the dataset columns (FACTS.md, TRL 1.16), and the columns
 # of posttrain's prepared data: a reward's required parameters must be among them.
 _REWARD_KEYWORDS = {
@@ -98,29 +103,6 @@ _REWARD_KEYWORDS = {
     "answer",
     "ops",
 }
-
-
-class CustomCodeRefused(ConfigError):
-    """A config names code (``module:function``) and the opt-in is absent."""
-
-
-def custom_code_allowed() -> bool:
-    """Whether custom ``module:function`` rewards may be imported: ``$POSTTRAIN_ALLOW_CUSTOM_CODE``.
-
-    The opt-in lives outside the config on purpose: a config (or a deployment's parameters) must
-    never be able to grant itself the right to run code.
-    """
-    return os.environ.get(CUSTOM_CODE_ENV, "").strip().lower() in {"1", "true", "yes"}
-
-
-def allow_custom_code() -> None:
-    """Opt in for this process and the processes it starts (what ``--allow-custom-code`` does)."""
-    os.environ[CUSTOM_CODE_ENV] = "1"
-
-
-def is_custom(name: str) -> bool:
-    """Whether ``name`` is a custom ``package.module:function`` reward (code named by the config)."""
-    return isinstance(name, str) and ":" in name
 
 
 TRL_REWARDS_MODULE = "trl.rewards"
@@ -229,23 +211,7 @@ def _scaler_settings(name: str, adaptive: Any) -> dict[str, Any] | None:
 
 
 def _import_custom(name: str) -> Any:
-    module_name, _, attr_path = name.partition(":")
-    if not module_name or not attr_path:
-        raise ValueError(f"custom reward {name!r} must look like 'package.module:function'")
-    if not custom_code_allowed():
-        raise CustomCodeRefused(
-            f"custom reward {name!r} would import and run code named by the config; "
-            f"allow it with --allow-custom-code (or {CUSTOM_CODE_ENV}=1) if you trust this config"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"custom reward {name!r}: cannot import module {module_name!r} ({exc})") from exc
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"custom reward {name!r}: module {module_name!r} has no attribute {attr_path!r}")
-        obj = getattr(obj, part)
-    return obj
+    return import_named(name, "custom reward")
 
 
 def _build_custom(name: str, params: dict[str, Any]) -> Callable[..., Any]:

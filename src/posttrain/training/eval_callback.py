@@ -38,7 +38,7 @@ from posttrain.core.errors import DataError
 from posttrain.core.scoring import score_completion
 from posttrain.generation.engine import encode_prompts, generate_continuous, pad_token_id, stop_token_ids
 from posttrain.generation.rollout import ShadowRollout
-from posttrain.generation.tools import engine_tool
+from posttrain.generation.tools import ChatToolLoop, make_tool
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +92,33 @@ class HeldoutEval(TrainerCallback):
         records: Sequence[Mapping[str, Any]],
         every: int,
         stage: str = "grpo",
-        tools: Sequence[str] = (),
+        tools: Any = None,
     ):
+        """``tools`` is the stage's config (its ``tools``, ``tool_protocol``, ``environment_factory``):
+        the evaluation uses the tools the rollouts use."""
         if not records:
             raise ValueError("in-training evaluation needs at least one held-out record")
         self.trainer, self.every, self.stage = trainer, every, stage
         tokenizer = trainer.processing_class
-        self.tool = engine_tool(tools, tokenizer)
-        self.prompt_ids = encode_prompts(
-            tokenizer, [r["prompt"] for r in records], **(trainer.args.chat_template_kwargs or {})
-        )
+        template_kwargs = trainer.args.chat_template_kwargs or {}
+        self.tool = None
+        if tools is not None:
+            self.tool = make_tool(
+                tools.tools,
+                tools.tool_protocol,
+                tokenizer,
+                stop_ids=sorted(stop_token_ids(trainer.model, tokenizer)),
+                environment_factory=tools.environment_factory,
+                rows=records,
+                template_kwargs=template_kwargs,
+            )
+        if isinstance(self.tool, ChatToolLoop):
+            self.prompt_ids = [
+                encode_prompts(tokenizer, [r["prompt"]], tools=self.tool.tools_for(i), **template_kwargs)[0]
+                for i, r in enumerate(records)
+            ]
+        else:
+            self.prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in records], **template_kwargs)
         self.golds = [r["answer"] for r in records]
         self.history: list[dict[str, float]] = []
 
@@ -140,7 +157,14 @@ class HeldoutEval(TrainerCallback):
             )
         finally:
             model.train(was_training)
-        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        chat = isinstance(self.tool, ChatToolLoop)
+        texts = tokenizer.batch_decode(
+            [
+                [t for t, m in zip(c.token_ids, c.env_mask, strict=True) if m] if chat else c.token_ids
+                for c in completions
+            ],
+            skip_special_tokens=True,
+        )
         metrics = score_answers(texts, self.golds, [c.finished for c in completions])
         self.history.append({"step": step, **metrics})
         logger.info(

@@ -163,7 +163,9 @@ def make_grpo_trainer(
     """
     from trl import GRPOConfig
 
+    from posttrain.core.custom_code import import_named
     from posttrain.generation.rollout import ShadowRollout, shadow_rollout_blockers
+    from posttrain.generation.tools import tool_functions
     from posttrain.models.hardware import resolve_dtype
     from posttrain.training.trl_compat import compact_fused_head_on_cpu, new_grpo_trainer
 
@@ -174,10 +176,21 @@ def make_grpo_trainer(
     model, tokenizer, peft_config = load_policy(model_cfg, model_path)
     args = GRPOConfig(**grpo_arguments(stage_cfg, ctx, server), reward_weights=weights)
     monitor = HealthCallback(HealthMonitor(stage_cfg.monitor), stage_cfg.monitor.on_alert, stage)
+    chat_tools = stage_cfg.tool_protocol == "chat" and stage_cfg.uses_tools()
+    inline_tools = stage_cfg.tools if stage_cfg.tool_protocol == "inline" else []
+    trl_tools: dict[str, Any] = {}
+    if chat_tools:  # TRL's own tool loop: TRL generates (shadow_rollout_blockers says "tools")
+        trl_tools["tools"] = tool_functions(stage_cfg.tools) or None
+        if stage_cfg.environment_factory:
+            trl_tools["environment_factory"] = import_named(
+                stage_cfg.environment_factory, "environment factory"
+            )
     rollout, generation = None, "TRL"
-    if stage_cfg.tools or (fast_generation and args.use_cpu):
-        blockers = shadow_rollout_blockers(args, columns=data.column_names)
-        if blockers and stage_cfg.tools:
+    if inline_tools or (fast_generation and args.use_cpu):
+        blockers = shadow_rollout_blockers(
+            args, columns=data.column_names, tools=("chat",) if chat_tools else ()
+        )
+        if blockers and inline_tools:
             raise StageError(
                 f"[{stage}] tools: {', '.join(stage_cfg.tools)} runs in posttrain's engine, which this stage "
                 f"cannot generate with: {', '.join(blockers)}"
@@ -185,12 +198,14 @@ def make_grpo_trainer(
         if blockers:
             generation = f"TRL (shadow rollout off: {', '.join(blockers)})"
         else:
-            rollout = ShadowRollout(
-                resolve_dtype(ctx.precision), stage_cfg.tools, log_metrics=_log_trl_metrics
-            )
+            rollout = ShadowRollout(resolve_dtype(ctx.precision), inline_tools, log_metrics=_log_trl_metrics)
             generation = f"{ctx.precision}-shadow" + (
-                f" with {', '.join(stage_cfg.tools)}" if stage_cfg.tools else ""
+                f" with {', '.join(inline_tools)}" if inline_tools else ""
             )
+    if chat_tools:
+        generation += (
+            f", TRL's tool calling with {', '.join(stage_cfg.tools) or stage_cfg.environment_factory}"
+        )
     trainer = new_grpo_trainer(
         rollout_func=rollout,
         zero_signal=stage_cfg.zero_signal,
@@ -202,6 +217,7 @@ def make_grpo_trainer(
         processing_class=tokenizer,
         peft_config=peft_config,
         callbacks=[monitor, *callbacks],
+        **trl_tools,
     )
     evaluation = "off"
     if stage_cfg.eval_every is not None:
@@ -209,9 +225,7 @@ def make_grpo_trainer(
             logger.warning("[%s] eval_every is set but no held-out data was given: not evaluating", stage)
         else:
             records = heldout_slice(heldout, stage_cfg.data_filter, stage_cfg.eval_limit)
-            trainer.add_callback(
-                HeldoutEval(trainer, records, stage_cfg.eval_every, stage, tools=stage_cfg.tools)
-            )
+            trainer.add_callback(HeldoutEval(trainer, records, stage_cfg.eval_every, stage, tools=stage_cfg))
             evaluation = f"{len(records)} held-out questions every {stage_cfg.eval_every} steps"
     logger.info(
         "[%s] %d examples, rewards %s (weights %s), %s generation, zero_signal %s, evaluation %s",
