@@ -14,7 +14,6 @@ from typing import Any
 from posttrain.core.config import PipelineConfig, parse_config, read_config_mapping
 from posttrain.core.custom_code import import_named
 from posttrain.core.errors import ConfigError
-from posttrain.generation.tools import check_tool_template, tool_functions
 from posttrain.pipeline.launcher import accelerate_setup
 from posttrain.rewards.registry import check_reward
 
@@ -148,11 +147,12 @@ def check_tools(cfg: PipelineConfig, source: str = "<config>") -> None:
     ``tool_protocol: chat`` anywhere, the model's chat template must render tool calls (TRL's own
     ``supports_tool_calling``): its tokenizer is loaded for that check.
     """
-    from transformers.utils import get_json_schema
-
     for where, section in _tool_sections(cfg):
         if section.tool_protocol != "chat":
             continue
+        from transformers.utils import get_json_schema  # heavy: only configs with chat tools need it
+
+        from posttrain.generation.tools import tool_functions
         for j, name in enumerate(section.tools):
             try:
                 get_json_schema(tool_functions([name])[0])
@@ -190,6 +190,7 @@ def check_tools(cfg: PipelineConfig, source: str = "<config>") -> None:
 
 def _check_tool_template(cfg: PipelineConfig, source: str) -> None:
     from posttrain.core.errors import ModelError
+    from posttrain.generation.tools import check_tool_template  # imports transformers
     from posttrain.models.loading import load_tokenizer
     from posttrain.models.resolve import resolve_model_path
 

@@ -291,7 +291,7 @@ def check_reward(name: str, params: Mapping[str, Any] | None = None) -> None:
     >>> check_reward("os:system", {"command": "touch /tmp/x"})
     Traceback (most recent call last):
     ...
-    posttrain.rewards.registry.CustomCodeRefused: custom reward 'os:system' would import and run code named by the config; allow it with --allow-custom-code (or POSTTRAIN_ALLOW_CUSTOM_CODE=1) if you trust this config
+    posttrain.core.custom_code.CustomCodeRefused: custom reward 'os:system' would import and run code named by the config; allow it with --allow-custom-code (or POSTTRAIN_ALLOW_CUSTOM_CODE=1) if you trust this config
     """
     name, params, scaler = _split_params(name, params)
     if is_custom(name):
