@@ -21,9 +21,10 @@ from pydantic import ValidationError
 
 from posttrain.core.config import DataConfig, EvalConfig, TrackingConfig
 from posttrain.core.errors import HardwareError, PosttrainError
-from posttrain.core.metric_names import slices_of
+from posttrain.core.metric_names import interval_names, slices_of
 from posttrain.core.prompts import format_sft_target
 from posttrain.core.redact import redact_text
+from posttrain.core.stats import format_percent
 from posttrain.core.sweep import sweep_points
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
 from posttrain.generation.vllm_server import check_vllm_server
@@ -71,17 +72,21 @@ def format_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str
 
 
 def eval_table(outcomes: Sequence[dict], primary: str, width: int) -> str:
-    """Strict accuracy after each evaluated stage: the primary set (named ``primary``), each extra
-    set, and per number of operations as far as ``width`` allows (extra sets' columns per number of
-    operations are left out first, the last set's first, then the primary's). "" without evaluations."""
+    """Strict accuracy after each evaluated stage, with its 95 % interval: the primary set (named
+    ``primary``), each extra set, and per number of operations as far as ``width`` allows (extra sets'
+    columns per number of operations are left out first, the last set's first, then the primary's).
+    "" without evaluations."""
+    low_name, high_name = interval_names("accuracy_strict")
     evals = [
-        (o["step"].removeprefix("eval-"), slices_of(o["metrics"])) for o in outcomes if o["kind"] == "eval"
+        (o["step"].removeprefix("eval-"), slices_of(o["metrics"]), _bounds(o["metrics"], low_name, high_name))
+        for o in outcomes
+        if o["kind"] == "eval"
     ]
     if not evals:
         return ""
-    seen = dict.fromkeys(s for _, slices in evals for s in slices)
+    seen = dict.fromkeys(s for _, slices, _ in evals for s in slices)
     sets = sorted(seen, key=lambda s: s is not None)  # the primary (None) first, then extra sets in order
-    ops = {s: sorted({n for _, sl in evals for n in sl.get(s, {}) if n is not None}) for s in sets}
+    ops = {s: sorted({n for _, sl, _ in evals for n in sl.get(s, {}) if n is not None}) for s in sets}
 
     def label(eval_set: str | None, n: int | None) -> str:
         if n is None:
@@ -90,7 +95,10 @@ def eval_table(outcomes: Sequence[dict], primary: str, width: int) -> str:
 
     def table(per_ops: set[str | None]) -> str:
         columns = [(s, n) for s in sets for n in [None, *(ops[s] if s in per_ops else [])]]
-        rows = [[stage, *(_percent(slices.get(s, {}).get(n)) for s, n in columns)] for stage, slices in evals]
+        rows = [
+            [stage, *(_percent(slices.get(s, {}).get(n), bounds.get((s, n))) for s, n in columns)]
+            for stage, slices, bounds in evals
+        ]
         return format_table(rows, ["stage", *(label(s, n) for s, n in columns)])
 
     shown = set(sets)
@@ -100,11 +108,25 @@ def eval_table(outcomes: Sequence[dict], primary: str, width: int) -> str:
             break
         shown.discard(drop)
         text = table(shown)
-    return "strict accuracy by evaluation set and number of operations:\n" + text
+    title = "strict accuracy by evaluation set and number of operations"
+    if any(bounds for _, _, bounds in evals):
+        title += " [95% Wilson intervals]"
+    return f"{title}:\n" + text
 
 
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
+def _bounds(metrics: dict, low_name: str, high_name: str) -> dict[tuple[str | None, int | None], tuple]:
+    """(set, ops) -> (low, high) of the intervals ``metrics`` holds."""
+    lows, highs = slices_of(metrics, low_name), slices_of(metrics, high_name)
+    return {
+        (s, n): (low, highs[s][n])
+        for s, values in lows.items()
+        for n, low in values.items()
+        if n in highs.get(s, {})
+    }
+
+
+def _percent(value: float | None, bounds: tuple[float, float] | None = None) -> str:
+    return "-" if value is None else format_percent(value, *(bounds or (None, None)))
 
 
 def _fmt(value: object) -> str:
@@ -278,17 +300,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             if server is not None:
                 server.wait()
             summary = posttrain_pipeline(cfg, force=args.force)
-    rows = [
-        (o["step"], o["status"], f"{o['metrics'].get('accuracy_strict', '')}", o["output"])
-        for o in summary["outcomes"]
-    ]
-    print(format_table(rows, ("step", "status", "accuracy (strict)", "output")))
+    rows = [(o["step"], o["status"], _accuracy_cell(o), o["output"]) for o in summary["outcomes"]]
+    print(format_table(rows, ("step", "status", "accuracy (strict) [95% CI]", "output")))
     width = shutil.get_terminal_size(fallback=(120, 24)).columns
     if table := eval_table(summary["outcomes"], cfg.eval.data, width):
         print("\n" + table)
     if summary["run_id"]:
         print(f"MLflow run {summary['run_id']} in experiment '{cfg.tracking.experiment or cfg.name}'")
     return 0
+
+
+def _accuracy_cell(outcome: dict) -> str:
+    """A step's strict accuracy with its interval ("" for steps that do not evaluate)."""
+    metrics = outcome["metrics"]
+    if outcome["kind"] != "eval" or "accuracy_strict" not in metrics:
+        return ""
+    low, high = interval_names("accuracy_strict")
+    return format_percent(metrics["accuracy_strict"], metrics.get(low), metrics.get(high))
 
 
 def _run_cached(cfg, force: Sequence[str]) -> dict | None:

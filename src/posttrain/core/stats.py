@@ -35,6 +35,7 @@ __all__ = [
     "CONFIDENCE",
     "Interval",
     "PairedDifference",
+    "format_percent",
     "fraction_interval",
     "mcnemar_exact_p",
     "paired_difference",
@@ -65,6 +66,33 @@ class Interval:
         (True, False)
         """
         return value < self.low or value > self.high
+
+    def percent(self) -> str:
+        """A proportion and its interval in percent: ``23.0% [17.7, 29.3]``.
+
+        >>> Interval(0.23, 0.177, 0.2934, "x").percent()
+        '23.0% [17.7, 29.3]'
+        """
+        return format_percent(self.estimate, self.low, self.high)
+
+    def points(self) -> str:
+        """A difference of proportions and its interval in percentage points: ``+5.0 [-0.3, +10.2]``.
+
+        >>> Interval(0.05, -0.003, 0.102, "x").points(), Interval(0.0, -math.inf, math.inf, "x").points()
+        ('+5.0 [-0.3, +10.2]', '+0.0 [-inf, +inf]')
+        """
+        return f"{100 * self.estimate:+.1f} [{100 * self.low:+.1f}, {100 * self.high:+.1f}]"
+
+
+def format_percent(value: float, low: float | None = None, high: float | None = None) -> str:
+    """``23.0%``, or ``23.0% [17.7, 29.3]`` with its bounds.
+
+    >>> format_percent(0.5), format_percent(0.5, 0.25, 0.75)
+    ('50.0%', '50.0% [25.0, 75.0]')
+    """
+    if low is None or high is None:
+        return f"{value:.1%}"
+    return f"{value:.1%} [{100 * low:.1f}, {100 * high:.1f}]"
 
 
 def z_value(confidence: float = CONFIDENCE) -> float:
@@ -111,9 +139,9 @@ def fraction_interval(mean: float, n: int, confidence: float = CONFIDENCE) -> tu
     >>> fraction_interval(0.25, 8) == wilson_interval(2, 8)
     True
     """
-    if not 0 <= mean <= 1:
+    if not -1e-9 <= mean <= 1 + 1e-9:
         raise ValueError(f"a mean of fractions lies in [0, 1], got {mean}")
-    return wilson_interval(mean * n, n, confidence)
+    return wilson_interval(min(max(mean, 0.0), 1.0) * n, n, confidence)
 
 
 @dataclass(frozen=True)
