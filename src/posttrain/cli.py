@@ -25,7 +25,7 @@ from posttrain.core.metric_names import interval_names, slices_of
 from posttrain.core.prompts import format_sft_target
 from posttrain.core.redact import redact_text
 from posttrain.core.stats import format_percent
-from posttrain.core.sweep import sweep_points
+from posttrain.core.sweep import parse_seeds, sweep_points
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
 from posttrain.generation.vllm_server import check_vllm_server
 from posttrain.models.loading import load_tokenizer
@@ -335,9 +335,16 @@ def _run_cached(cfg, force: Sequence[str]) -> dict | None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run the pipeline once per point of the ``--set`` grid (one MLflow parent run each, cached
     stages shared through the store), then print the comparison of those runs."""
-    points = sweep_points(args.set)
+    overrides = list(args.set)
+    if args.seeds is not None:
+        if any(o.partition("=")[0].strip() == "seed" for o in overrides):
+            raise CLIError("sweep: give --seeds or --set seed=..., not both")
+        overrides.append("seed=" + ",".join(str(seed) for seed in parse_seeds(args.seeds)))
+    points = sweep_points(overrides)
     if len(points) < 2:
-        raise CLIError("sweep: give at least one --set KEY=V1,V2 with two or more values")
+        raise CLIError(
+            "sweep: give at least one --set KEY=V1,V2 with two or more values, or --seeds with two or more"
+        )
     configs = [load_config(args.config, point) for point in points]  # every point valid before any runs
     if len({c.orchestration.store for c in configs}) > 1:
         raise CLIError("sweep: orchestration.store cannot vary between points (one store, one lock)")
@@ -359,7 +366,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         open_tracking_store(configs[0])
         if server is not None:
             server.wait()
-        labels = [" ".join(p for p in point if p not in args.set) for point in points]
+        labels = [" ".join(p for p in point if p not in overrides) for point in points]
         run_ids = run_sweep(configs, labels, parallel=args.parallel)
     if None in run_ids:
         print(f"{len(points)} points ran (tracking disabled: nothing to compare)")
@@ -419,7 +426,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     if not comparison.runs:
         raise CLIError("no pipeline runs found (check --experiment and MLFLOW_TRACKING_URI)")
-    print(format_comparison(comparison))
+    print(format_comparison(comparison, show_all=args.all))
     png = plot_comparison(comparison, args.plot)
     print(f"plot: {png}")
     if args.promote:
@@ -556,6 +563,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run up to N points at a time (steps they share are made once; "
         "orchestration.gpu_slots bounds their steps on the device)",
     )
+    p.add_argument(
+        "--seeds",
+        metavar="S1,S2,...",
+        help="run the config once per seed (the same as --set seed=S1,S2,...); steps that do not depend "
+        "on the seed (data, the baseline evaluation) are made once, and the comparison adds each "
+        "stage's mean and 95%% t interval over the seeds",
+    )
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("eval", help="evaluate a model on GSM8K-format data, or diff two reports")
@@ -584,6 +598,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default="compare.png", help="where to write the comparison PNG")
     p.add_argument(
         "--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db"
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="every metric of every stage (decode steps, timings, tool calls, per difficulty...), not "
+        "only the headline accuracies and their intervals",
     )
     p.add_argument(
         "--promote",
