@@ -21,6 +21,7 @@ from posttrain.core.config import PipelineConfig
 from posttrain.core.hashing import remembered_digests
 from posttrain.core.metric_names import slices_of
 from posttrain.core.redact import redact, redact_override
+from posttrain.evaluation.report import rate_text
 from posttrain.flows.prefect_compat import (
     forget_absent_limits,
     redact_stored_parameters,
@@ -162,7 +163,7 @@ def summary_markdown(summary: PipelineSummary) -> str:
         "",
         f"MLflow run: `{summary.run_id}`",
         "",
-        "| step | status | accuracy (strict) | accuracy (flexible) | strict format | strict by ops |"
+        "| step | status | accuracy (strict) [95% CI] | accuracy (flexible) | strict format | strict by ops |"
         + "".join(f" {name} (strict) |" for name in extra),
         "|---|---|---|---|---|---|" + "---|" * len(extra),
     ]
@@ -170,7 +171,7 @@ def summary_markdown(summary: PipelineSummary) -> str:
         m, slices = o.metrics, slices_of(o.metrics)
         by_ops = ", ".join(f"{n}: {v:.0%}" for n, v in slices.get(None, {}).items() if n is not None)
         lines.append(
-            f"| {o.step.removeprefix('eval-')} | {o.status} | {m.get('accuracy_strict', 0):.1%} | "
+            f"| {o.step.removeprefix('eval-')} | {o.status} | {rate_text(m, 'accuracy_strict')} | "
             f"{m.get('accuracy_flexible', 0):.1%} | {m.get('strict_format_rate', 0):.1%} | {by_ops or '-'} |"
             + "".join(f" {slices.get(name, {}).get(None, 0):.1%} |" for name in extra)
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,7 @@ from posttrain.core.atomic import discard_checkpoints
 from posttrain.core.config import PipelineConfig
 from posttrain.core.hashing import remembered_digests
 from posttrain.core.metric_names import qualify_metrics
+from posttrain.evaluation.diff import stage_delta_metrics
 from posttrain.evaluation.report import EvalReport
 from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_log_history, read_stage_json
 from posttrain.pipeline.plan import EvalStep, Plan, Planner, Step, StepInputs, TrainStep, build_plan, preview
@@ -42,6 +44,7 @@ __all__ = [
     "run_cached",
     "run_plan",
     "side_by_side",
+    "stage_deltas",
     "warn_unfinished",
 ]
 
@@ -347,8 +350,27 @@ def run_plan(plan: Plan, force: Sequence[str] = (), runner: type[PlanRunner] = P
             visit.finish()
         if alone:  # every stage of this plan finished
             warn_unfinished(store)
+        if tracker.enabled:
+            tracker.log_metrics(stage_deltas(visit.summary))
         tracker.plot_accuracy_by_stage()
     return visit.summary
+
+
+def stage_deltas(summary: PipelineSummary) -> dict[str, float]:
+    """Each evaluation's paired change from the evaluation before it in the plan, on the same
+    questions, as parent-run metrics: ``eval-sft/delta_accuracy_strict`` with its interval, the
+    questions fixed and broken, McNemar's p (:func:`posttrain.evaluation.diff.stage_delta_metrics`).
+    ``posttrain compare`` reads them back; a pair whose reports cannot be read is skipped, named."""
+    evals = [o for o in summary.outcomes if o.kind == "eval"]
+    out: dict[str, float] = {}
+    for before, after in itertools.pairwise(evals):
+        try:
+            deltas = stage_delta_metrics(before.output, after.output)
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning("no paired change from %s to %s: %s", before.step, after.step, exc)
+            continue
+        out.update({f"{after.step}/{name}": value for name, value in deltas.items()})
+    return out
 
 
 def warn_unfinished(store: Store) -> None:

@@ -615,6 +615,47 @@ CASES = [
         {},
         "{cfg}: eval: tools run in posttrain's engine (backend: hf); backend vllm cannot force tokens",
     ),
+    (
+        "keep best without a selection slice (would choose on nothing, or on the reported set)",
+        ["grpo.stages.0.keep=best", "grpo.stages.0.eval_every=1"],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0.keep: best needs data.selection_size",
+    ),
+    (
+        "keep best without eval_every",
+        ["data.selection_size=4", "sft.keep=best"],
+        None,
+        [],
+        {},
+        "{cfg}: sft: keep: best needs eval_every",
+    ),
+    (
+        "patience without keep best",
+        ["dpo.eval_every=1", "dpo.patience=2"],
+        None,
+        [],
+        {},
+        "{cfg}: dpo: patience stops a stage that keeps its best checkpoint: set keep: best",
+    ),
+    (
+        "keep best with its own save_steps",
+        ["data.selection_size=4", "grpo.stages.0.keep=best", "grpo.stages.0.eval_every=1"]
+        + ["grpo.stages.0.trainer.save_steps=5"],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0: trainer.save_steps: keep: best sets it",
+    ),
+    (
+        "unknown select_metric",
+        ["data.selection_size=4", "sft.select_metric=loss"],
+        None,
+        [],
+        {},
+        "{cfg}: sft.select_metric: Input should be 'accuracy', 'accuracy_flexible' or 'format'",
+    ),
 ]
 
 

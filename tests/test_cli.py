@@ -150,3 +150,23 @@ def test_eval_writes_a_report_and_diffs_two(tiny_model_dir, tmp_path, capsys):
     assert main(["eval", "--diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert "4 questions in both reports" in capsys.readouterr().out
     assert main(["eval", "--model", str(tiny_model_dir)]) == 2  # no --data
+
+
+def test_run_summary_shows_each_accuracy_with_its_interval():
+    outcomes = [
+        {
+            "step": "eval-baseline",
+            "kind": "eval",
+            "metrics": {
+                "accuracy_strict": 0.25,
+                "accuracy_strict_ci_low": 0.071,
+                "accuracy_strict_ci_high": 0.591,
+                "accuracy_strict/ops_1": 0.5,
+                "accuracy_strict_ci_low/ops_1": 0.15,
+                "accuracy_strict_ci_high/ops_1": 0.85,
+            },
+        }
+    ]
+    lines = eval_table(outcomes, "heldout", 200).splitlines()
+    assert lines[0] == "strict accuracy by evaluation set and number of operations [95% Wilson intervals]:"
+    assert lines[3].split("  ")[:3] == ["baseline", "25.0% [7.1, 59.1]", "50.0% [15.0, 85.0]"]

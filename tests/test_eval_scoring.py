@@ -135,7 +135,7 @@ def test_report_rejects_duplicate_ids():
 def test_summary_table_shows_headline_numbers():
     table = format_summary_table(_report("model-a", {"q1": True, "q2": False}))
     assert "model-a" in table and "2 examples" in table
-    assert "accuracy (strict, <answer>)" in table and "50.0%" in table
+    assert "accuracy (strict, <answer>)" in table and "50.0% [9.5, 90.5]" in table  # Wilson, 1 of 2
     assert "100 tok/s" in table
 
 
@@ -238,6 +238,13 @@ BY_OPS_CASES = [
 ]
 
 
+def _values(metrics: dict) -> dict:
+    """``metrics`` without their interval bounds (checked on their own)."""
+    from posttrain.core.metric_names import is_interval_metric
+
+    return {k: v for k, v in metrics.items() if not is_interval_metric(k)}
+
+
 def _by_ops_report() -> EvalReport:
     records = tuple(
         EvalRecord.from_samples(i, f"q {i}?", "42", [score_completion(text, "42")], ops=ops)
@@ -247,26 +254,36 @@ def _by_ops_report() -> EvalReport:
 
 
 def test_report_breaks_accuracy_down_by_number_of_operations(tmp_path):
+    from posttrain.core.stats import wilson_interval
+
     report = _by_ops_report()
-    assert report.by_ops == {
+    assert {ops: _values(m) for ops, m in report.by_ops.items()} == {
         "1": {"n": 2, "accuracy_strict": 1.0, "accuracy_flexible": 0.5, "strict_format_rate": 0.5},
         "2": {"n": 3, "accuracy_strict": 0.0, "accuracy_flexible": 1 / 3, "strict_format_rate": 1 / 3},
         "4": {"n": 1, "accuracy_strict": 1.0, "accuracy_flexible": 1.0, "strict_format_rate": 1.0},
     }
+    # each difficulty's interval is over its own questions (1 of 3 flexible at ops 2)
+    by_ops_2 = report.by_ops["2"]
+    assert (by_ops_2["accuracy_flexible_ci_low"], by_ops_2["accuracy_flexible_ci_high"]) == pytest.approx(
+        wilson_interval(1, 3)
+    )
     report.save(tmp_path)
     assert json.loads((tmp_path / "report.json").read_text())["by_ops"] == report.by_ops
     first = json.loads((tmp_path / "examples.jsonl").read_text().splitlines()[0])
     assert list(first)[:4] == ["id", "question", "gold", "ops"] and first["ops"] == 1
     assert EvalReport.load(tmp_path) == report
-    assert report_metrics(report) == {
-        **report.summary,
+    assert _values(report_metrics(report)) == {
+        **_values(report.summary),
         "accuracy_strict/ops_1": 1.0,
         "accuracy_strict/ops_2": 0.0,
         "accuracy_strict/ops_4": 1.0,
     }
+    metrics = report_metrics(report)
+    assert metrics["accuracy_strict_ci_high/ops_2"] == pytest.approx(wilson_interval(0, 3)[1])
+    assert metrics["accuracy_strict_ci_low/ops_4"] == pytest.approx(wilson_interval(1, 1)[0])
     table = format_summary_table(report)
     assert "by number of operations:" in table
-    assert "   2      3     0.0%     33.3%    33.3%" in table
+    assert "   2      3      0.0% [0.0, 56.1]     33.3%    33.3%" in table
 
 
 def test_a_sampled_report_gives_pass_at_k_per_difficulty(tmp_path):
@@ -284,7 +301,7 @@ def test_a_sampled_report_gives_pass_at_k_per_difficulty(tmp_path):
     report = EvalReport(
         model="m", summary=summarize([r.samples for r in records], 2), records=records, config={"pass_k": 2}
     )
-    assert report.by_ops == {
+    assert {ops: _values(m) for ops, m in report.by_ops.items()} == {
         "1": {
             "n": 2,
             "accuracy_strict": 0.25,
@@ -307,12 +324,12 @@ def test_a_sampled_report_gives_pass_at_k_per_difficulty(tmp_path):
     assert "accuracy_flexible/ops_1" not in metrics  # only pass@k joins accuracy_strict per difficulty
     report.save(tmp_path)
     assert EvalReport.load(tmp_path).by_ops == report.by_ops
+    assert metrics["pass@2_strict_ci_low/ops_1"] < 0.5 < metrics["pass@2_strict_ci_high/ops_1"]
     table = format_summary_table(report)
-    assert (
-        "    pass@2 strict" in table and "   1      2    25.0%     25.0%   100.0%             50.0%" in table
-    )
-    # Greedy reports (pass_k 1, or no pass_k recorded) keep the four fields.
-    assert list(_by_ops_report().by_ops["1"]) == [
+    assert "           pass@2 strict" in table
+    assert "   1      2     25.0% [2.7, 80.2]     25.0%   100.0%         50.0% [9.5, 90.5]" in table
+    # Greedy reports (pass_k 1, or no pass_k recorded) keep the four fields (and their intervals).
+    assert list(_values(_by_ops_report().by_ops["1"])) == [
         "n",
         "accuracy_strict",
         "accuracy_flexible",
@@ -347,16 +364,29 @@ def test_diff_shows_a_per_difficulty_table():
         "B", {**{i: text for i, _, text in BY_OPS_CASES}, "b": WRONG_FORMATTED, "d": GOOD, "e": GOOD}
     )
     diff = diff_reports(before, after)
-    assert diff.by_ops() == {
+    rows = {
+        ops: {k: v for k, v in row.items() if not k.startswith("delta_ci")}
+        for ops, row in diff.by_ops().items()
+    }
+    assert rows == {
         1: {"n": 2, "accuracy_a": 1.0, "accuracy_b": 0.5, "fixed": 0, "broken": 1},
         2: {"n": 3, "accuracy_a": 0.0, "accuracy_b": 2 / 3, "fixed": 2, "broken": 0},
         4: {"n": 1, "accuracy_a": 1.0, "accuracy_b": 1.0, "fixed": 0, "broken": 0},
     }
+    row = diff.by_ops()[2]  # each difficulty's change has its own paired interval around it
+    assert row["delta_ci_low"] < 2 / 3 < row["delta_ci_high"]
     text = format_diff(diff)
     assert "by number of operations (strict):" in text
-    assert "     2      3    0.0%   66.7%      2       0" in text
+    line = next(line for line in text.splitlines() if line.startswith("     2      3"))
+    assert line.startswith("     2      3    0.0%   66.7%      2       0") and "+66.7 [" in line
     flexible = diff_reports(before, after, mode="flexible").by_ops()
-    assert flexible[1] == {"n": 2, "accuracy_a": 0.5, "accuracy_b": 0.5, "fixed": 0, "broken": 0}
+    assert {k: v for k, v in flexible[1].items() if not k.startswith("delta_ci")} == {
+        "n": 2,
+        "accuracy_a": 0.5,
+        "accuracy_b": 0.5,
+        "fixed": 0,
+        "broken": 0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -377,14 +407,24 @@ def test_answers_agree_only_where_some_side_answered(a, b, agree):
 
 
 def test_summarize_reports_every_metric_exactly():
+    from posttrain.core.stats import wilson_interval
+
     ok = score_completion(GOOD, "42", tokens=10)
     wrong = score_completion("41", "42", tokens=20, truncated=True)
+    # two questions, a quarter of their samples right: the interval is over the 2 questions
+    low, high = wilson_interval(0.5, 2)
     assert summarize([[ok, wrong], [wrong, wrong]], k=1) == {
         "num_examples": 2,
         "samples_per_example": 2,
         "accuracy_strict": 0.25,
+        "accuracy_strict_ci_low": low,
+        "accuracy_strict_ci_high": high,
         "accuracy_flexible": 0.25,
+        "accuracy_flexible_ci_low": low,
+        "accuracy_flexible_ci_high": high,
         "strict_format_rate": 0.25,
+        "strict_format_rate_ci_low": low,
+        "strict_format_rate_ci_high": high,
         "mean_completion_tokens": 17.5,
         "truncation_rate": 0.75,
     }  # k=1: no pass@1 beside the accuracies
@@ -392,11 +432,17 @@ def test_summarize_reports_every_metric_exactly():
         "num_examples": 0,
         "samples_per_example": 0,
         "accuracy_strict": 0.0,
+        "accuracy_strict_ci_low": 0.0,
+        "accuracy_strict_ci_high": 1.0,
         "accuracy_flexible": 0.0,
+        "accuracy_flexible_ci_low": 0.0,
+        "accuracy_flexible_ci_high": 1.0,
         "strict_format_rate": 0.0,
+        "strict_format_rate_ci_low": 0.0,
+        "strict_format_rate_ci_high": 1.0,
         "mean_completion_tokens": 0.0,
         "truncation_rate": 0.0,
-    }
+    }  # nothing measured: the interval is everything
 
 
 def test_score_and_gold_helpers():
@@ -433,7 +479,7 @@ def test_by_ops_groups_questions_by_difficulty_easiest_first_and_skips_unknown()
     bad = score_completion("<reasoning>\nx\n</reasoning>\n<answer>\n2\n</answer>", "1")
     by_ops = summarize_by_ops([[ok], [bad], [ok], [bad], [ok]], [10, 2, 2, None, 10])
     assert list(by_ops) == ["2", "10"]  # by number, not by text
-    assert by_ops["2"] == {
+    assert _values(by_ops["2"]) == {
         "n": 2,
         "accuracy_strict": 0.5,
         "accuracy_flexible": 0.5,

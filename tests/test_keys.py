@@ -163,3 +163,26 @@ def test_eval_identity_depends_on_eval_section_precision_and_inputs():
     assert eval_key(smoke("model.precision=bf16"), "eval-sft", "model-fp", "eval-fp") != key
     for unchanged in (smoke("sft.trainer.learning_rate=0.5"), smoke("model.lora.r=4")):  # weights say it
         assert eval_key(unchanged, "eval-sft", "model-fp", "eval-fp") == key
+
+
+def test_a_stage_that_keeps_its_best_checkpoint_has_the_choice_in_its_key():
+    """keep, select_metric, patience and eval_every choose the output; the selection slice's content
+    (and SFT's and DPO's evaluation length) too, but only for keep: best."""
+    base = ["data.selection_size=4"]
+    best = [*base, "grpo.stages.0.keep=best", "grpo.stages.0.eval_every=2"]
+
+    def key(*overrides: str, selection: str = "sel-a", stage: str = "grpo-format") -> str:
+        return train_identity(smoke(*overrides), stage, "m", "d", selection).key
+
+    plain = key(*base)
+    assert plain == key(*base, selection="sel-b")  # keep: last never reads the slice
+    assert plain == train_identity(smoke(), "grpo-format", "m", "d").key  # nor does the data setting
+    assert key(*best) != plain  # the choice itself
+    assert key(*best) != key(*best, selection="sel-b")  # which records it chose on
+    assert key(*best) != key(*best, "grpo.stages.0.select_metric=format")
+    assert key(*best) != key(*best, "grpo.stages.0.patience=2")
+    assert key(*best) != key(*best[:-1], "grpo.stages.0.eval_every=3")
+    assert key(*best) == key(*best, "eval.max_new_tokens=9")  # GRPO evaluates at its completion length
+    sft_best = [*base, "sft.keep=best", "sft.eval_every=2"]
+    assert key(*sft_best, stage="sft") != key(*sft_best, "eval.max_new_tokens=9", stage="sft")
+    assert key(*base, "sft.eval_every=2", stage="sft") != key(*base, stage="sft")  # a new setting

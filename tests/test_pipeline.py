@@ -603,9 +603,13 @@ def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, workdi
 
     args = ["compare", extra_run["run_id"], "--tracking-uri", uri, "--plot", str(workdir / "sets.png")]
     assert main(args) == 0
+    headline = capsys.readouterr().out
+    assert "eval-sft [gsm8k] strict" in headline and "eval-sft [synth] strict" in headline
+    assert "eval-sft/accuracy_strict/synth/ops_1" not in headline  # per difficulty: behind --all
+    assert main([*args, "--all"]) == 0
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("eval-")]
     sft_rows = [r for r in rows if r.startswith("eval-sft/")]
-    assert "eval-sft/accuracy_strict/gsm8k" in sft_rows and "eval-sft/accuracy_strict/synth/ops_1" in sft_rows
+    assert "eval-sft/accuracy_strict/synth/ops_1" in sft_rows
     # stage order, not alphabetical: every row of eval-sft comes before any row of eval-dpo
     assert rows.index(sft_rows[-1]) < min(i for i, r in enumerate(rows) if r.startswith("eval-dpo/"))
 

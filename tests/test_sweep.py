@@ -44,11 +44,70 @@ def test_sweep_runs_each_point_reusing_shared_steps_and_compares_them(tmp_path, 
     assert "sft.trainer.learning_rate" in out  # the comparison shows what differs between points
 
 
-@pytest.mark.parametrize("sets", [["seed=1"], ["seed=1,"]])
-def test_sweep_without_two_values_is_refused_in_one_line(sets, capsys):
-    assert main(["sweep", SMOKE, *(a for s in sets for a in ("--set", s))]) == 2
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "seed=1"], "two or more"),  # one point is not a sweep
+        (["--set", "seed=1,"], "empty sweep value"),
+        (["--seeds", "0"], "two or more"),  # one seed either
+        (["--seeds", "0,x"], "--seeds 0,x: give integers"),
+        (["--seeds", "0,1,0"], "repeated"),
+        (["--seeds", "0,1", "--set", "seed=2,3"], "--seeds or --set seed"),  # two ways to say one thing
+    ],
+)
+def test_sweep_without_two_points_is_refused_in_one_line(args, message, capsys):
+    assert main(["sweep", SMOKE, *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "sweep" in err[0], err
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_seeds_share_data_and_baseline_and_compare_aggregates_three_seeds(tmp_path, step_calls, capsys):
+    """`sweep --seeds 0,1,2` on the smoke config (cut to SFT): one run per seed in one seed group,
+    the seed-independent steps made once, and the comparison's numbers across the three seeds."""
+    import mlflow
+
+    from posttrain.core.stats import t_interval
+
+    db = tmp_path / "mlflow.db"
+    assert main(["sweep", SMOKE, *sets(tmp_path, "tracking.system_metrics=false"), "--seeds", "0,1,2"]) == 0
+    out = capsys.readouterr().out
+    # data and the baseline evaluation do not depend on the seed: made once for the three seeds
+    assert sorted(step_calls) == ["eval_step"] * 4 + ["prepare_step"] + ["sft_step"] * 3
+
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    parents = sorted(
+        (r for r in runs if r.data.tags.get("posttrain.role") == "pipeline"),
+        key=lambda r: r.data.params["seed"],
+    )
+    assert [r.data.params["seed"] for r in parents] == ["0", "1", "2"]
+    assert len({r.data.tags["posttrain.seed_group"] for r in parents}) == 1  # grouped in the UI too
+    for parent in parents:  # every run logged its stage's paired change and the interval around it
+        metrics = parent.data.metrics
+        low, high = (
+            metrics["eval-sft/delta_accuracy_strict_ci_low"],
+            metrics["eval-sft/delta_accuracy_strict_ci_high"],
+        )
+        assert low <= metrics["eval-sft/delta_accuracy_strict"] <= high
+
+    group = parents[0].data.tags["posttrain.seed_group"]
+    assert f"across seeds: group {group} (seeds 0, 1, 2)" in out  # the sweep's own comparison
+    assert (
+        main(
+            ["compare", "--tracking-uri", f"sqlite:///{db}", "--last", "3", "--plot", str(tmp_path / "c.png")]
+        )
+        == 0
+    )
+    across = capsys.readouterr().out.split("across seeds")[1].splitlines()
+    for metric, label in (("accuracy_strict", "strict"), ("strict_format_rate", "format")):
+        values = [r.data.metrics[f"eval-sft/{metric}"] for r in parents]
+        expected = t_interval(values)
+        row = next(x for x in across if x.startswith("eval-sft ") and x.split()[1] == label)
+        assert row.split()[2] == f"{100 * expected.estimate:.1f}%"
+        assert f"[{100 * expected.low:.1f}, {100 * expected.high:.1f}]" in row
+        changes = [r.data.metrics[f"eval-sft/delta_{metric}"] for r in parents]
+        change_row = next(x for x in across if x.startswith("  change from baseline") and label in x.split())
+        assert f"{100 * t_interval(changes).estimate:+.1f}" in change_row.split()
 
 
 def test_parallel_points_run_side_by_side_and_make_a_shared_step_once(tmp_path, monkeypatch, capsys):

@@ -366,7 +366,10 @@ def test_compare_runs_shows_only_the_differing_param_and_stage_metrics(uri, tmp_
     assert [r.run_id for r in compare_runs(last=1).runs] == ids[1:]
 
     text = format_comparison(comparison)
-    assert "sft.trainer.learning_rate" in text and "3e-05" in text and "0.4" in text
+    assert "sft.trainer.learning_rate" in text and "3e-05" in text
+    row = next(line for line in text.splitlines() if line.startswith("eval-grpo-format strict"))
+    assert row.split()[-2:] == ["20.0%", "40.0%"]
+    assert "eval-baseline [gsm8k] strict" in text  # an extra set is a headline row of its own
     assert "model.name" not in text  # equal params are not shown
     png = plot_comparison(comparison, tmp_path / "cmp.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
@@ -587,3 +590,52 @@ def test_a_lost_race_to_create_a_dataset_row_is_retried_once_and_nothing_else_is
     with pytest.raises(MlflowException, match="not found"):
         _retry_dataset_race(other_error)
     assert calls.count(2) == 1
+
+
+def test_compare_shows_the_headline_by_default_and_aggregates_seeds(uri):
+    """Three runs of one config with seeds 0, 1, 2: each run's accuracies with their intervals and
+    paired changes, counters behind --all, and the mean and t interval over the seeds."""
+    from posttrain.core.stats import t_interval, wilson_interval
+
+    sft = {0: 0.20, 1: 0.25, 2: 0.32}
+    for seed, accuracy in sft.items():
+        with start_pipeline_run(make_cfg(uri, name="seeds", seed=seed)) as tracker:
+            for stage, value in (("eval-baseline", 0.10), ("eval-sft", accuracy)):
+                low, high = wilson_interval(100 * value, 100)
+                with tracker.stage(stage) as s:
+                    s.log_eval(
+                        {
+                            "accuracy_strict": value,
+                            "accuracy_strict_ci_low": low,
+                            "accuracy_strict_ci_high": high,
+                            "decode_steps": 12.0,
+                        }
+                    )
+            tracker.log_metrics(  # what a run logs for a stage's change on the same questions
+                {
+                    "eval-sft/delta_accuracy_strict": accuracy - 0.10,
+                    "eval-sft/delta_accuracy_strict_ci_low": accuracy - 0.10 - 0.08,
+                    "eval-sft/delta_accuracy_strict_ci_high": accuracy - 0.10 + 0.08,
+                }
+            )
+    comparison = compare_runs(experiment="seeds", last=5, tracking_uri=uri)
+    assert [r.seed for r in comparison.runs] == [0, 1, 2]
+    assert len({r.seed_group for r in comparison.runs}) == 1 and comparison.runs[0].seed_group
+
+    text = format_comparison(comparison)
+    lines = text.splitlines()
+    assert "eval-sft strict         20.0% [13.3, 28.9]" in text
+    change = lines[lines.index(next(x for x in lines if x.startswith("eval-sft strict"))) + 1]
+    assert change.startswith("  change from baseline") and "+10.0 [+2.0, +18.0] *" in change
+    assert "decode_steps" not in text and "more metrics per run" in text  # a counter: behind --all
+    assert "eval-sft/decode_steps" in format_comparison(comparison, show_all=True)
+
+    across = text[text.index("across seeds") :].splitlines()
+    assert "seeds 0, 1, 2" in across[0]
+    mean = t_interval(list(sft.values()))
+    row = next(x for x in across if x.startswith("eval-sft "))
+    assert f"{100 * mean.estimate:.1f}%" in row and f"[{100 * mean.low:.1f}, {100 * mean.high:.1f}]" in row
+    gains = t_interval([v - 0.10 for v in sft.values()])
+    row = next(x for x in across if x.startswith("  change from baseline"))
+    assert f"[{100 * gains.low:+.1f}, {100 * gains.high:+.1f}]" in row
+    assert row.endswith("*") == gains.excludes(0)

@@ -21,10 +21,11 @@ from pydantic import ValidationError
 
 from posttrain.core.config import DataConfig, EvalConfig, TrackingConfig
 from posttrain.core.errors import HardwareError, PosttrainError
-from posttrain.core.metric_names import slices_of
+from posttrain.core.metric_names import interval_names, slices_of
 from posttrain.core.prompts import format_sft_target
 from posttrain.core.redact import redact_text
-from posttrain.core.sweep import sweep_points
+from posttrain.core.stats import format_percent
+from posttrain.core.sweep import parse_seeds, sweep_points
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
 from posttrain.generation.vllm_server import check_vllm_server
 from posttrain.models.loading import load_tokenizer
@@ -71,17 +72,21 @@ def format_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str
 
 
 def eval_table(outcomes: Sequence[dict], primary: str, width: int) -> str:
-    """Strict accuracy after each evaluated stage: the primary set (named ``primary``), each extra
-    set, and per number of operations as far as ``width`` allows (extra sets' columns per number of
-    operations are left out first, the last set's first, then the primary's). "" without evaluations."""
+    """Strict accuracy after each evaluated stage, with its 95 % interval: the primary set (named
+    ``primary``), each extra set, and per number of operations as far as ``width`` allows (extra sets'
+    columns per number of operations are left out first, the last set's first, then the primary's).
+    "" without evaluations."""
+    low_name, high_name = interval_names("accuracy_strict")
     evals = [
-        (o["step"].removeprefix("eval-"), slices_of(o["metrics"])) for o in outcomes if o["kind"] == "eval"
+        (o["step"].removeprefix("eval-"), slices_of(o["metrics"]), _bounds(o["metrics"], low_name, high_name))
+        for o in outcomes
+        if o["kind"] == "eval"
     ]
     if not evals:
         return ""
-    seen = dict.fromkeys(s for _, slices in evals for s in slices)
+    seen = dict.fromkeys(s for _, slices, _ in evals for s in slices)
     sets = sorted(seen, key=lambda s: s is not None)  # the primary (None) first, then extra sets in order
-    ops = {s: sorted({n for _, sl in evals for n in sl.get(s, {}) if n is not None}) for s in sets}
+    ops = {s: sorted({n for _, sl, _ in evals for n in sl.get(s, {}) if n is not None}) for s in sets}
 
     def label(eval_set: str | None, n: int | None) -> str:
         if n is None:
@@ -90,7 +95,10 @@ def eval_table(outcomes: Sequence[dict], primary: str, width: int) -> str:
 
     def table(per_ops: set[str | None]) -> str:
         columns = [(s, n) for s in sets for n in [None, *(ops[s] if s in per_ops else [])]]
-        rows = [[stage, *(_percent(slices.get(s, {}).get(n)) for s, n in columns)] for stage, slices in evals]
+        rows = [
+            [stage, *(_percent(slices.get(s, {}).get(n), bounds.get((s, n))) for s, n in columns)]
+            for stage, slices, bounds in evals
+        ]
         return format_table(rows, ["stage", *(label(s, n) for s, n in columns)])
 
     shown = set(sets)
@@ -100,11 +108,25 @@ def eval_table(outcomes: Sequence[dict], primary: str, width: int) -> str:
             break
         shown.discard(drop)
         text = table(shown)
-    return "strict accuracy by evaluation set and number of operations:\n" + text
+    title = "strict accuracy by evaluation set and number of operations"
+    if any(bounds for _, _, bounds in evals):
+        title += " [95% Wilson intervals]"
+    return f"{title}:\n" + text
 
 
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
+def _bounds(metrics: dict, low_name: str, high_name: str) -> dict[tuple[str | None, int | None], tuple]:
+    """(set, ops) -> (low, high) of the intervals ``metrics`` holds."""
+    lows, highs = slices_of(metrics, low_name), slices_of(metrics, high_name)
+    return {
+        (s, n): (low, highs[s][n])
+        for s, values in lows.items()
+        for n, low in values.items()
+        if n in highs.get(s, {})
+    }
+
+
+def _percent(value: float | None, bounds: tuple[float, float] | None = None) -> str:
+    return "-" if value is None else format_percent(value, *(bounds or (None, None)))
 
 
 def _fmt(value: object) -> str:
@@ -278,17 +300,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             if server is not None:
                 server.wait()
             summary = posttrain_pipeline(cfg, force=args.force)
-    rows = [
-        (o["step"], o["status"], f"{o['metrics'].get('accuracy_strict', '')}", o["output"])
-        for o in summary["outcomes"]
-    ]
-    print(format_table(rows, ("step", "status", "accuracy (strict)", "output")))
+    rows = [(o["step"], o["status"], _accuracy_cell(o), o["output"]) for o in summary["outcomes"]]
+    print(format_table(rows, ("step", "status", "accuracy (strict) [95% CI]", "output")))
     width = shutil.get_terminal_size(fallback=(120, 24)).columns
     if table := eval_table(summary["outcomes"], cfg.eval.data, width):
         print("\n" + table)
     if summary["run_id"]:
         print(f"MLflow run {summary['run_id']} in experiment '{cfg.tracking.experiment or cfg.name}'")
     return 0
+
+
+def _accuracy_cell(outcome: dict) -> str:
+    """A step's strict accuracy with its interval ("" for steps that do not evaluate)."""
+    metrics = outcome["metrics"]
+    if outcome["kind"] != "eval" or "accuracy_strict" not in metrics:
+        return ""
+    low, high = interval_names("accuracy_strict")
+    return format_percent(metrics["accuracy_strict"], metrics.get(low), metrics.get(high))
 
 
 def _run_cached(cfg, force: Sequence[str]) -> dict | None:
@@ -307,9 +335,16 @@ def _run_cached(cfg, force: Sequence[str]) -> dict | None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run the pipeline once per point of the ``--set`` grid (one MLflow parent run each, cached
     stages shared through the store), then print the comparison of those runs."""
-    points = sweep_points(args.set)
+    overrides = list(args.set)
+    if args.seeds is not None:
+        if any(o.partition("=")[0].strip() == "seed" for o in overrides):
+            raise CLIError("sweep: give --seeds or --set seed=..., not both")
+        overrides.append("seed=" + ",".join(str(seed) for seed in parse_seeds(args.seeds)))
+    points = sweep_points(overrides)
     if len(points) < 2:
-        raise CLIError("sweep: give at least one --set KEY=V1,V2 with two or more values")
+        raise CLIError(
+            "sweep: give at least one --set KEY=V1,V2 with two or more values, or --seeds with two or more"
+        )
     configs = [load_config(args.config, point) for point in points]  # every point valid before any runs
     if len({c.orchestration.store for c in configs}) > 1:
         raise CLIError("sweep: orchestration.store cannot vary between points (one store, one lock)")
@@ -331,7 +366,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         open_tracking_store(configs[0])
         if server is not None:
             server.wait()
-        labels = [" ".join(p for p in point if p not in args.set) for point in points]
+        labels = [" ".join(p for p in point if p not in overrides) for point in points]
         run_ids = run_sweep(configs, labels, parallel=args.parallel)
     if None in run_ids:
         print(f"{len(points)} points ran (tracking disabled: nothing to compare)")
@@ -391,7 +426,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     if not comparison.runs:
         raise CLIError("no pipeline runs found (check --experiment and MLFLOW_TRACKING_URI)")
-    print(format_comparison(comparison))
+    print(format_comparison(comparison, show_all=args.all))
     png = plot_comparison(comparison, args.plot)
     print(f"plot: {png}")
     if args.promote:
@@ -528,6 +563,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run up to N points at a time (steps they share are made once; "
         "orchestration.gpu_slots bounds their steps on the device)",
     )
+    p.add_argument(
+        "--seeds",
+        metavar="S1,S2,...",
+        help="run the config once per seed (the same as --set seed=S1,S2,...); steps that do not depend "
+        "on the seed (data, the baseline evaluation) are made once, and the comparison adds each "
+        "stage's mean and 95%% t interval over the seeds",
+    )
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("eval", help="evaluate a model on GSM8K-format data, or diff two reports")
@@ -556,6 +598,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default="compare.png", help="where to write the comparison PNG")
     p.add_argument(
         "--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db"
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="every metric of every stage (decode steps, timings, tool calls, per difficulty...), not "
+        "only the headline accuracies and their intervals",
     )
     p.add_argument(
         "--promote",

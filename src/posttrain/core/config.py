@@ -42,6 +42,7 @@ from posttrain.core.peft_options import (
 )
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, FEW_SHOT_EXAMPLES
 from posttrain.core.redact import redact
+from posttrain.core.selection import SelectMetric, check_selection
 from posttrain.core.trainer_options import TRAINER_DEFAULTS, generation_blockers, validate_trainer_options
 
 __all__ = [
@@ -271,9 +272,13 @@ class LoraConfig(StrictModel):
         return {**ours, **(self.model_extra or {})}
 
 
+_SELECTION_KEYS = ("keep", "select_metric", "patience")
+"""Every stage's checkpoint selection (posttrain.core.selection): left out of its hash while unset."""
+
+
 class _StageWithTrainer(StrictModel):
     trl_kind: ClassVar[str]
-    omit_when_default: ClassVar[tuple[str, ...]] = ("tools",)
+    omit_when_default: ClassVar[tuple[str, ...]] = ("tools", *_SELECTION_KEYS)
     trainer: dict[str, Any] = Field(default_factory=dict, description="TRL options, passed through")
     training: TrainingOverride | None = None
     """How this stage is launched, over the top-level ``training:`` section; only the number of
@@ -281,6 +286,19 @@ class _StageWithTrainer(StrictModel):
     lora: LoraConfig | None = None
     """This stage's own ``model.lora``: a mapping trains a LoRA adapter, ``null`` the full model;
     absent, the stage follows ``model.lora`` (see :meth:`PipelineConfig.model_for`)."""
+    keep: Literal["last", "best"] = "last"
+    """The stage's output: its last step's policy, or (``best``) the checkpoint that scored highest on
+    ``select_metric`` in the in-training evaluations (``eval_every``) of the selection slice
+    (``data.selection_size``). See posttrain.core.selection."""
+    select_metric: SelectMetric = "accuracy"
+    """What ``keep: best`` maximises: strict ``accuracy``, ``accuracy_flexible`` or ``format``."""
+    patience: int | None = Field(None, ge=1)
+    """With ``keep: best``: stop after this many evaluations without a new best (null: never)."""
+
+    @model_validator(mode="after")
+    def _selection_works(self) -> _StageWithTrainer:
+        check_selection(self.keep, getattr(self, "eval_every", None), self.patience, self.trainer)
+        return self
 
     @model_serializer(mode="wrap", when_used="json")
     def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -363,6 +381,7 @@ class SyntheticConfig(StrictModel):
 
 
 class DataConfig(StrictModel):
+    omit_when_default: ClassVar[tuple[str, ...]] = ("selection_size",)
     source: Literal["hub", "local", "synthetic"] = "synthetic"
     path: str | None = None
     """local: a .jsonl file or a folder of *.jsonl in the official GSM8K format."""
@@ -373,6 +392,10 @@ class DataConfig(StrictModel):
     limit: int | None = Field(None, ge=1)
     eval_size: int = Field(100, ge=1)
     """Held-out validation slice taken from the training records."""
+    selection_size: int = Field(0, ge=0)
+    """Training records set aside, after the held-out slice, to choose checkpoints on (``keep: best``)
+    and for in-training evaluations: never trained on, never evaluated on at the end, decontaminated
+    against every evaluation set. 0: none."""
     seed: int = 0
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     few_shot: int = Field(0, ge=0, le=len(FEW_SHOT_EXAMPLES))
@@ -401,11 +424,21 @@ class RewardSpec(StrictModel):
     or leave it unscored like a None (skip). See posttrain.rewards.guard."""
 
 
+_EVAL_KEYS = ("eval_every", "eval_limit")
+"""In-training evaluation keys SFT and DPO gained after GRPO: left out of their hashes while unset."""
+
+
 class SFTStageConfig(_StageWithTrainer):
     trl_kind: ClassVar[str] = "sft"
     step_name: ClassVar[str] = "sft"
+    omit_when_default: ClassVar[tuple[str, ...]] = (*_StageWithTrainer.omit_when_default, *_EVAL_KEYS)
     enabled: bool = True
     num_examples: int | None = Field(None, ge=1)
+    eval_every: int | None = Field(None, ge=1)
+    """Evaluate greedily on the selection slice (else the held-out slice) at the start and every N
+    steps (``eval/accuracy``, ...; what ``keep: best`` chooses by); null: no in-training evaluation."""
+    eval_limit: int = Field(64, ge=1)
+    """Questions per in-training evaluation."""
     tools: list[ToolName] = Field(default_factory=list)
     """``[calculator]``: targets are written the way the inline calculator completes them (each
     annotated step as ``expression = value``), so the model learns to write the expression and let
@@ -415,7 +448,12 @@ class SFTStageConfig(_StageWithTrainer):
 class DPOStageConfig(_StageWithTrainer):
     trl_kind: ClassVar[str] = "dpo"
     step_name: ClassVar[str] = "dpo"
+    omit_when_default: ClassVar[tuple[str, ...]] = (*_StageWithTrainer.omit_when_default, *_EVAL_KEYS)
     enabled: bool = True
+    eval_every: int | None = Field(None, ge=1)
+    """As ``sft.eval_every``."""
+    eval_limit: int = Field(64, ge=1)
+    """Questions per in-training evaluation."""
     num_prompts: int = Field(64, ge=1)
     samples_per_prompt: int = Field(4, ge=2)
     temperature: float = Field(1.0, gt=0)
@@ -466,7 +504,7 @@ class StageDataFilter(StrictModel):
 
 class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     trl_kind: ClassVar[str] = "grpo"
-    omit_when_default: ClassVar[tuple[str, ...]] = _ToolFields.omit_when_default
+    omit_when_default: ClassVar[tuple[str, ...]] = (*_ToolFields.omit_when_default, *_SELECTION_KEYS)
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
     rewards: list[RewardSpec] = Field(min_length=1)
     data_filter: StageDataFilter = StageDataFilter()
@@ -481,8 +519,9 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     zero_signal_max_rounds: int = Field(4, ge=1)
     """resample: extra generation rounds per generation batch at most (each at most the batch's size)."""
     eval_every: int | None = Field(None, ge=1)
-    """Evaluate greedily on the held-out slice at the start and every N steps (``eval/accuracy``,
-    ``eval/accuracy_flexible``, ``eval/format`` next to the reward); null: no in-training evaluation."""
+    """Evaluate greedily on the selection slice (``data.selection_size``; else the held-out slice) at
+    the start and every N steps (``eval/accuracy``, ``eval/accuracy_flexible``, ``eval/format`` next
+    to the reward; what ``keep: best`` chooses by); null: no in-training evaluation."""
     eval_limit: int = Field(64, ge=1)
     """Held-out questions per in-training evaluation (those in the stage's ``data_filter`` ops range)."""
     tools: list[str] = Field(default_factory=list)
@@ -713,6 +752,16 @@ class PipelineConfig(StrictModel):
             full = "lora" in section.model_fields_set and section.lora is None
             if full and self.model.quantization == "4bit":
                 raise ValueError(f"{key}.lora: null (full fine-tuning) cannot train a 4bit model (QLoRA)")
+        return self
+
+    @model_validator(mode="after")
+    def _best_needs_a_selection_slice(self) -> PipelineConfig:
+        for key, section in self.stage_sections():
+            if section.keep == "best" and self.data.selection_size == 0:
+                raise ValueError(
+                    f"{key}.keep: best needs data.selection_size (training records set aside to choose the "
+                    "checkpoint on; choosing on the evaluation set would overstate the gain)"
+                )
         return self
 
     def stage_sections(self) -> list[tuple[str, _StageWithTrainer]]:

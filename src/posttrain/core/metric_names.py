@@ -16,7 +16,21 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["is_ops_slice", "metric_name", "parse_metric_name", "qualify_metrics", "slices_of"]
+__all__ = [
+    "INTERVAL_SUFFIXES",
+    "interval_names",
+    "is_interval_metric",
+    "is_ops_slice",
+    "metric_name",
+    "parse_metric_name",
+    "qualify_metrics",
+    "slices_of",
+]
+
+INTERVAL_SUFFIXES = ("_ci_low", "_ci_high")
+"""A metric's 95 % interval is two more metrics, named after it: ``accuracy_strict_ci_low`` and
+``accuracy_strict_ci_high`` (sliced like it: ``accuracy_strict_ci_low/gsm8k/ops_2``), so MLflow
+shows, sorts and compares them beside the value."""
 
 _OPS_PART = re.compile(r"^ops_(\d+)$")
 
@@ -24,6 +38,25 @@ _OPS_PART = re.compile(r"^ops_(\d+)$")
 def is_ops_slice(part: str) -> bool:
     """Whether one part of a metric name is a difficulty slice (``ops_3``), which no set may be named."""
     return _OPS_PART.match(part) is not None
+
+
+def interval_names(metric: str) -> tuple[str, str]:
+    """The names of ``metric``'s interval bounds (before any slice is added).
+
+    >>> interval_names("accuracy_strict")
+    ('accuracy_strict_ci_low', 'accuracy_strict_ci_high')
+    """
+    low, high = INTERVAL_SUFFIXES
+    return f"{metric}{low}", f"{metric}{high}"
+
+
+def is_interval_metric(name: str) -> bool:
+    """Whether a (sliced) metric name is an interval bound.
+
+    >>> is_interval_metric("accuracy_strict_ci_low/gsm8k"), is_interval_metric("accuracy_strict/ops_1")
+    (True, False)
+    """
+    return parse_metric_name(name)[0].endswith(INTERVAL_SUFFIXES)
 
 
 def metric_name(metric: str, eval_set: str | None = None, ops: int | str | None = None) -> str:

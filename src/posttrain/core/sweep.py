@@ -1,17 +1,23 @@
-"""Sweep points: the cartesian product of ``--set KEY=V1,V2`` overrides.
+"""Sweep points: the cartesian product of ``--set KEY=V1,V2`` overrides, and seeds as an axis.
 
 A comma at the top level of a value separates sweep values; commas inside ``[...]`` or ``{...}``
-(YAML flow lists and mappings) do not, so ``--set x=[1,2]`` stays one value.
+(YAML flow lists and mappings) do not, so ``--set x=[1,2]`` stays one value. ``--seeds 0,1,2`` is
+``--set seed=0,1,2``; the runs of one config that differ only in ``seed`` share a
+:func:`seed_group`, which tracking stamps on each run so they are compared as one measurement.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel
 
 from posttrain.core.errors import ConfigError
+from posttrain.core.hashing import stable_hash
 
-__all__ = ["split_values", "sweep_points"]
+__all__ = ["parse_seeds", "seed_group", "split_values", "sweep_points"]
 
 
 def split_values(value: str) -> list[str]:
@@ -52,3 +58,31 @@ def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
             raise ConfigError(f"--set {override}: an empty sweep value")
         choices.append([f"{key}={v}" for v in values] if sep else [override])
     return [list(point) for point in itertools.product(*choices)]
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 0,1,2`` as distinct integers, in order.
+
+    >>> parse_seeds("0, 1,2")
+    [0, 1, 2]
+    """
+    try:
+        seeds = [int(part) for part in split_values(text)]
+    except ValueError:
+        raise ConfigError(f"--seeds {text}: give integers separated by commas, e.g. 0,1,2") from None
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds {text}: a seed is repeated")
+    return seeds
+
+
+def seed_group(config: BaseModel | Mapping[str, Any]) -> str:
+    """The same for configs that differ only in their top-level ``seed`` (12 hex characters).
+
+    >>> seed_group({"name": "x", "seed": 0}) == seed_group({"name": "x", "seed": 3})
+    True
+    >>> seed_group({"name": "x", "seed": 0}) == seed_group({"name": "y", "seed": 0})
+    False
+    """
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
+    data.pop("seed", None)
+    return stable_hash(data)[:12]

@@ -5,6 +5,13 @@ over-long prompts) so every stage sees the same examples, and every removal is c
 ``stats``: a run that silently trained on 40% of its data, or on questions overlapping its
 evaluation set, is the failure this module exists to make visible.
 
+With ``selection_size``, a *selection slice* is cut from the training records after the held-out
+split: records a stage evaluates itself on while it trains, to keep its best checkpoint
+(``keep: best``, :mod:`posttrain.core.selection`). It is never trained on, decontaminated against
+every evaluation question like the training records, and checked disjoint from the held-out and
+training records by id (:func:`check_disjoint`): choosing a checkpoint on the questions the final
+evaluation asks would overstate the gain.
+
 The datasets' ``_fingerprint`` values are content hashes (in-memory datasets are fingerprinted from
 their Arrow data), so equal preparation gives equal fingerprints on any machine; they are recorded
 in ``stats`` as the lineage of everything trained on them.
@@ -37,12 +44,14 @@ __all__ = [
     "FEATURES",
     "MESSAGES_FEATURE",
     "PreparedData",
+    "check_disjoint",
     "decontaminate",
     "filter_by_ops",
     "prepare_data",
     "prompt_token_lengths",
     "question_ngrams",
     "split_records",
+    "split_selection",
 ]
 
 MESSAGES_FEATURE = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
@@ -62,18 +71,23 @@ _PUNCTUATION_RE = re.compile(r"[^\w\s]")
 
 @dataclass(frozen=True)
 class PreparedData:
-    """Training and held-out datasets (columns of :data:`FEATURES`) plus the counts of each step."""
+    """Training, held-out and (optional) selection datasets (columns of :data:`FEATURES`) plus the
+    counts of each step."""
 
     train: datasets.Dataset
     eval: datasets.Dataset
     stats: dict[str, Any]
+    selection: datasets.Dataset | None = None
+    """Records set aside to choose checkpoints on (``data.selection_size``); None without."""
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``train/``, ``eval/`` (``save_to_disk``) and ``stats.json`` under ``directory``."""
+        """Write ``train/``, ``eval/``, ``selection/`` (``save_to_disk``) and ``stats.json`` under ``directory``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.train.save_to_disk(str(directory / "train"))
         self.eval.save_to_disk(str(directory / "eval"))
+        if self.selection is not None:
+            self.selection.save_to_disk(str(directory / "selection"))
         (directory / "stats.json").write_text(json.dumps(self.stats, indent=2, sort_keys=True) + "\n")
         return directory
 
@@ -90,13 +104,15 @@ class PreparedData:
             raise DataError(f"{directory}: not a prepared-data folder (no stats.json)")
         stats = json.loads(stats_file.read_text())
         parts = {}
-        for name in ("train", "eval"):
+        for name in ("train", "eval", "selection"):
+            if name == "selection" and not (directory / name).is_dir():
+                continue
             ds = datasets.load_from_disk(str(directory / name))
             recorded = stats.get(f"{name}_fingerprint")
             if recorded:
                 ds._fingerprint = recorded
             parts[name] = ds
-        return cls(train=parts["train"], eval=parts["eval"], stats=stats)
+        return cls(train=parts["train"], eval=parts["eval"], stats=stats, selection=parts.get("selection"))
 
 
 def split_records(
@@ -112,20 +128,62 @@ def split_records(
     >>> len(train), len(held), {r["id"] for r in train} & {r["id"] for r in held}
     (7, 3, set())
     """
-    if eval_size < 0:
-        raise DataError(f"data.eval_size must be >= 0, got {eval_size}")
-    if eval_size >= len(records):
+    return _hash_split(records, eval_size, f"{seed}:", "data.eval_size", "held-out slice")
+
+
+def split_selection(
+    records: Sequence[dict[str, Any]], selection_size: int, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, selection): :func:`split_records` with its own salt, so the selection slice is a
+    random draw of the training records, independent of which records were held out.
+
+    >>> recs = [{"id": str(i)} for i in range(10)]
+    >>> train, selection = split_selection(recs, 2, seed=0)
+    >>> len(train), len(selection), split_selection(recs, 0, seed=0) == (recs, [])
+    (8, 2, True)
+    """
+    if selection_size == 0:
+        return list(records), []
+    return _hash_split(
+        records, selection_size, f"{seed}:selection:", "data.selection_size", "selection slice"
+    )
+
+
+def _hash_split(
+    records: Sequence[dict[str, Any]], size: int, salt: str, key: str, what: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    if size < 0:
+        raise DataError(f"{key} must be >= 0, got {size}")
+    if size >= len(records):
         raise DataError(
-            f"data.eval_size={eval_size} but only {len(records)} records were loaded; the held-out slice "
-            "must leave at least one training record (lower eval_size or load more data)"
+            f"{key}={size} but only {len(records)} records are left for it; the {what} must leave at least "
+            f"one training record (lower {key.split('.')[-1]} or load more data)"
         )
 
     def rank(index: int) -> tuple[str, int]:
-        return hashlib.sha256(f"{seed}:{records[index]['id']}".encode()).hexdigest(), index
+        return hashlib.sha256(f"{salt}{records[index]['id']}".encode()).hexdigest(), index
 
-    held = set(sorted(range(len(records)), key=rank)[:eval_size])
+    held = set(sorted(range(len(records)), key=rank)[:size])
     train = [r for i, r in enumerate(records) if i not in held]
     return train, [r for i, r in enumerate(records) if i in held]
+
+
+def check_disjoint(selection: Sequence[dict[str, Any]], **others: Sequence[dict[str, Any]]) -> None:
+    """Raise :class:`DataError` if a selection record's id is among ``others``' (named) records.
+
+    >>> check_disjoint([{"id": "a"}], heldout=[{"id": "b"}], train=[{"id": "c"}])
+    >>> check_disjoint([{"id": "a"}], heldout=[{"id": "a"}])
+    Traceback (most recent call last):
+    ...
+    posttrain.core.errors.DataError: the selection slice shares 1 id(s) with the heldout records (first: a)
+    """
+    ids = {r["id"] for r in selection}
+    for name, records in others.items():
+        shared = sorted(ids & {r["id"] for r in records})
+        if shared:
+            raise DataError(
+                f"the selection slice shares {len(shared)} id(s) with the {name} records (first: {shared[0]})"
+            )
 
 
 def question_ngrams(text: str, n: int | None) -> set[tuple[str, ...]]:
@@ -244,9 +302,11 @@ def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequenc
     if not loaded.records:
         raise DataError(f"no usable records in {source} ({len(loaded.skipped)} skipped as bad)")
     train, held = split_records(loaded.records, cfg.eval_size, cfg.seed)
+    train, selection = split_selection(train, cfg.selection_size, cfg.seed)
     after_split = len(train)
 
     removed: list[dict[str, Any]] = []
+    selection_removed: list[dict[str, Any]] = []
     mode = "off"
     if cfg.decontamination_ngram is not None:
         # Generated problems share template sentences by design (an 8-gram check would drop most of
@@ -254,7 +314,9 @@ def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequenc
         n = None if cfg.source == "synthetic" else cfg.decontamination_ngram
         mode = "exact" if n is None else f"{n}-gram"
         eval_qs = [r["question"] for r in held] + list(eval_questions)
-        train, removed = decontaminate(train, eval_qs, n)
+        # The selection slice must not overlap what is reported, nor what is trained on.
+        selection, selection_removed = decontaminate(selection, eval_qs, n)
+        train, removed = decontaminate(train, eval_qs + [r["question"] for r in selection], n)
         if removed:
             logger.info(
                 "decontamination (%s) removed %d training question(s) overlapping %d eval question(s); first: %s",
@@ -264,8 +326,13 @@ def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequenc
                 removed[0]["id"],
             )
 
+    if cfg.selection_size and not selection:
+        raise DataError(
+            f"data.selection_size={cfg.selection_size}: decontamination ({mode}) removed every selection record"
+        )
+    check_disjoint(selection, heldout=held, train=train)
     few_shot = select_few_shot(cfg.few_shot)
-    for record in (*train, *held):
+    for record in (*train, *held, *selection):
         record["prompt"] = build_prompt(record["question"], cfg.system_prompt, few_shot)
 
     too_long, eval_too_long, longest = 0, 0, None
@@ -301,6 +368,16 @@ def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequenc
         )
 
     train_ds, eval_ds = _to_dataset(train), _to_dataset(held)
+    selection_ds = _to_dataset(selection) if selection else None
+    selection_stats = (
+        {
+            "selection": len(selection),
+            "selection_decontaminated": len(selection_removed),
+            "selection_fingerprint": selection_ds._fingerprint,
+        }
+        if selection_ds is not None
+        else {}
+    )
     stats: dict[str, Any] = {
         "loaded": len(loaded.records),
         "skipped_bad": len(loaded.skipped),
@@ -313,9 +390,10 @@ def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequenc
         "train_ops": {str(k): v for k, v in sorted(Counter(r["ops"] for r in train).items())},
         "train_fingerprint": train_ds._fingerprint,
         "eval_fingerprint": eval_ds._fingerprint,
+        **selection_stats,
     }
     logger.info("prepared %s: %s", source, {k: v for k, v in stats.items() if k != "train_ops"})
-    return PreparedData(train=train_ds, eval=eval_ds, stats=stats)
+    return PreparedData(train=train_ds, eval=eval_ds, stats=stats, selection=selection_ds)
 
 
 def _ops_in_range(ops: list[int], lo: int | None, hi: int | None) -> list[bool]:

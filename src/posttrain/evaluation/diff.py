@@ -4,20 +4,65 @@ An accuracy that moves from 30% to 32% can hide 20 questions fixed and 18 broken
 is what tells a regression from noise. Reports are matched by example id, so both must come from the
 same data with the same ids (``limit N`` always takes the same first N); ids present in only one
 report are listed, never silently dropped.
+
+The change B - A comes with its 95 % interval on the same questions (a paired comparison, much
+narrower than two separate intervals, since most questions are answered alike by both): with one
+sample per question, Newcombe's paired score interval and McNemar's exact test on the questions
+that flipped (:func:`posttrain.core.stats.paired_difference`); with several samples per question, a
+t interval over the questions' differences. :func:`stage_delta_metrics` gives the same numbers as
+metrics for the pipeline's stage-to-stage comparison.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from posttrain.evaluation.report import EvalRecord, EvalReport
+from posttrain.core.metric_names import interval_names, qualify_metrics
+from posttrain.core.stats import PairedDifference, paired_difference, paired_mean_difference
+from posttrain.evaluation.report import REPORT_FILE, EvalRecord, EvalReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReportDiff", "diff_reports", "format_diff", "setting_differences"]
+__all__ = [
+    "DELTA_METRICS",
+    "ReportDiff",
+    "diff_reports",
+    "format_diff",
+    "delta_metrics",
+    "paired_scores",
+    "setting_differences",
+    "stage_delta_metrics",
+]
 
 Pair = tuple[EvalRecord, EvalRecord]
+
+
+def record_score(record: EvalRecord, metric: str) -> float:
+    """One question's score for ``metric`` (``accuracy_strict``, ``accuracy_flexible`` or
+    ``strict_format_rate``): 0/1 for one sample, the fraction of its samples otherwise."""
+    if metric == "strict_format_rate":
+        samples = record.samples
+        return sum(s.strict_format for s in samples) / len(samples)
+    mode = metric.removeprefix("accuracy_")
+    if record.num_samples <= 1:
+        return float(record.correct(mode))
+    return getattr(record, f"num_correct_{mode}") / record.num_samples
+
+
+def paired_scores(pairs: list[Pair], score: Callable[[EvalRecord], float]) -> PairedDifference:
+    """B - A over matched questions: Newcombe's paired interval and McNemar's exact p when every
+    score is 0 or 1, else a t interval over the questions' differences (module docstring)."""
+    a = [score(rec_a) for rec_a, _ in pairs]
+    b = [score(rec_b) for _, rec_b in pairs]
+    if any(x not in (0.0, 1.0) for x in (*a, *b)):
+        return paired_mean_difference(a, b)
+    both = sum(1 for x, y in zip(a, b, strict=True) if x and y)
+    fixed = sum(1 for x, y in zip(a, b, strict=True) if not x and y)
+    broken = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
+    return paired_difference(both, fixed, broken, len(pairs) - both - fixed - broken)
 
 
 @dataclass(frozen=True)
@@ -36,6 +81,8 @@ class ReportDiff:
     only_in_b: tuple[str, ...] = ()
     settings: tuple[str, ...] = ()
     """Generation settings that differ between the reports (see :func:`setting_differences`)."""
+    difference: PairedDifference | None = None
+    """Accuracy of B minus A on the matched questions, with its interval (module docstring)."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -59,7 +106,9 @@ class ReportDiff:
 
     def by_ops(self) -> dict[int, dict[str, float]]:
         """Per number of operations (A's record's ``ops``), easiest first: ``n`` matched questions,
-        ``accuracy_a``, ``accuracy_b`` and the ``fixed`` / ``broken`` counts. Empty without ``ops``."""
+        ``accuracy_a``, ``accuracy_b``, the ``fixed`` / ``broken`` counts and the interval of B - A
+        (``delta_ci_low``, ``delta_ci_high``: Newcombe's paired interval on sample 0's flags).
+        Empty without ``ops``."""
         rows: dict[int, dict[str, float]] = {}
         for group, (right_a, right_b) in (
             ("fixed", (0, 1)),
@@ -77,16 +126,22 @@ class ReportDiff:
                 row["right_b"] += right_b
                 if group in ("fixed", "broken"):
                     row[group] += 1
-        return {
-            ops: {
+        out = {}
+        for ops, row in sorted(rows.items()):
+            both = row["right_a"] - row["broken"]
+            change = paired_difference(
+                both, row["fixed"], row["broken"], row["n"] - both - row["fixed"] - row["broken"]
+            ).interval
+            out[ops] = {
                 "n": row["n"],
                 "accuracy_a": row["right_a"] / row["n"],
                 "accuracy_b": row["right_b"] / row["n"],
                 "fixed": row["fixed"],
                 "broken": row["broken"],
+                "delta_ci_low": change.low,
+                "delta_ci_high": change.high,
             }
-            for ops, row in sorted(rows.items())
-        }
+        return out
 
 
 GENERATION_SETTINGS = (
@@ -145,6 +200,7 @@ def diff_reports(a: EvalReport, b: EvalReport, mode: str = "strict") -> ReportDi
     settings = setting_differences(a, b)
     if settings:
         logger.warning("reports were generated with different settings: %s", "; ".join(settings))
+    matched = [pair for group in groups.values() for pair in group]
     return ReportDiff(
         model_a=a.model,
         model_b=b.model,
@@ -156,7 +212,42 @@ def diff_reports(a: EvalReport, b: EvalReport, mode: str = "strict") -> ReportDi
         only_in_a=only_a,
         only_in_b=only_b,
         settings=settings,
+        difference=paired_scores(matched, lambda r: record_score(r, f"accuracy_{mode}")),
     )
+
+
+DELTA_METRICS = ("accuracy_strict", "accuracy_flexible", "strict_format_rate")
+"""The metrics whose stage-to-stage change :func:`stage_delta_metrics` measures."""
+
+
+def delta_metrics(a: EvalReport, b: EvalReport) -> dict[str, float]:
+    """B - A on the questions both reports share, per :data:`DELTA_METRICS`: ``delta_<m>`` with its
+    interval (``delta_<m>_ci_low`` / ``_ci_high``), ``fixed_<m>`` and ``broken_<m>`` (questions
+    that scored higher / lower in B) and, for 0/1 scores, McNemar's ``mcnemar_p_<m>``."""
+    by_id = {r.id: r for r in b.records}
+    pairs = [(rec, by_id[rec.id]) for rec in a.records if rec.id in by_id]
+    out: dict[str, float] = {}
+    for metric in DELTA_METRICS:
+        change = paired_scores(pairs, lambda r, m=metric: record_score(r, m))
+        low, high = interval_names(f"delta_{metric}")
+        out[f"delta_{metric}"] = change.interval.estimate
+        out[low], out[high] = change.interval.low, change.interval.high
+        out[f"fixed_{metric}"], out[f"broken_{metric}"] = change.fixed, change.broken
+        if change.p_value is not None:
+            out[f"mcnemar_p_{metric}"] = change.p_value
+    return out
+
+
+def stage_delta_metrics(before: str | Path, after: str | Path) -> dict[str, float]:
+    """:func:`delta_metrics` of two pipeline evaluations (report folders): the primary set's under
+    plain names, each extra set both hold under its own (``delta_accuracy_strict/gsm8k``)."""
+    before, after = Path(before), Path(after)
+    out = delta_metrics(EvalReport.load(before), EvalReport.load(after))
+    for folder in sorted(p for p in before.iterdir() if (p / REPORT_FILE).is_file()):
+        if (after / folder.name / REPORT_FILE).is_file():
+            deltas = delta_metrics(EvalReport.load(folder), EvalReport.load(after / folder.name))
+            out.update(qualify_metrics(deltas, folder.name))
+    return out
 
 
 def _shorten(text: str, width: int) -> str:
@@ -183,6 +274,12 @@ def format_diff(diff: ReportDiff, n_examples: int = 3) -> str:
         f"B: {diff.model_b}",
         f"{diff.matched} questions in both reports ({diff.mode} scoring); net change {diff.net:+d}",
     ]
+    if diff.difference is not None and diff.matched:
+        change = diff.difference
+        test = "" if change.p_value is None else f"; McNemar's exact test p = {change.p_value:.3g}"
+        lines.append(
+            f"  B - A: {change.interval.points()} percentage points (95% {change.interval.method}{test})"
+        )
     for name in ("fixed", "broken", "stayed_right", "stayed_wrong"):
         count = len(getattr(diff, name))
         lines.append(f"  {name.replace('_', ' '):<13} {count:>6}  ({count / total:.1%})")
@@ -193,11 +290,16 @@ def format_diff(diff: ReportDiff, n_examples: int = 3) -> str:
         lines += [f"    {setting}" for setting in diff.settings]
     if by_ops := diff.by_ops():
         lines.append(f"\nby number of operations ({diff.mode}):")
-        lines.append(f"  {'ops':>4}  {'n':>5}  {'A':>6}  {'B':>6}  {'fixed':>5}  {'broken':>6}")
+        lines.append(
+            f"  {'ops':>4}  {'n':>5}  {'A':>6}  {'B':>6}  {'fixed':>5}  {'broken':>6}  {'B - A [95% CI]':>22}"
+        )
         for ops, row in by_ops.items():
+            change = f"{100 * (row['accuracy_b'] - row['accuracy_a']):+.1f} " + (
+                f"[{100 * row['delta_ci_low']:+.1f}, {100 * row['delta_ci_high']:+.1f}]"
+            )
             lines.append(
                 f"  {ops:>4}  {row['n']:>5}  {row['accuracy_a']:>6.1%}  {row['accuracy_b']:>6.1%}  "
-                f"{row['fixed']:>5}  {row['broken']:>6}"
+                f"{row['fixed']:>5}  {row['broken']:>6}  {change:>22}"
             )
     for name, label in (
         ("fixed", "fixed (wrong in A, right in B)"),

@@ -8,6 +8,10 @@ matches by id to show which questions a training stage fixed or broke).
 Accuracy is also broken down by difficulty, the number of arithmetic operations of each question
 (``ops``: the synthetic generator's count, GSM8K's calculator annotations), in ``report.json``'s
 ``by_ops``, and as metrics named by :mod:`posttrain.core.metric_names` (``accuracy_strict/ops_2``).
+
+Every accuracy carries its 95 % interval (``accuracy_strict_ci_low`` / ``_ci_high``, overall and per
+number of operations; :mod:`posttrain.evaluation.scoring` says which interval), in ``report.json``,
+in the metrics and in the printed tables.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.metric_names import metric_name
+from posttrain.core.metric_names import interval_names, is_interval_metric, metric_name
+from posttrain.core.stats import format_percent
 from posttrain.evaluation.scoring import SampleScore, summarize_by_ops
 
 logger = logging.getLogger(__name__)
@@ -32,6 +37,7 @@ __all__ = [
     "EvalReport",
     "format_by_ops",
     "format_summary_table",
+    "rate_text",
     "report_metrics",
 ]
 
@@ -201,13 +207,14 @@ class EvalReport:
         )
 
 
-BY_OPS_METRICS = ("accuracy_strict",)
-"""The per-difficulty numbers that also become metrics (``accuracy_strict/ops_<n>``), with pass@k
-when the evaluation sampled it (``pass@8_strict/ops_2``); report.json has all."""
+BY_OPS_METRICS = ("accuracy_strict", *interval_names("accuracy_strict"))
+"""The per-difficulty numbers that also become metrics (``accuracy_strict/ops_<n>`` and its interval),
+with pass@k when the evaluation sampled it (``pass@8_strict/ops_2``); report.json has all."""
 
 
 def report_metrics(report: EvalReport) -> dict[str, float]:
-    """The report's summary plus :data:`BY_OPS_METRICS` and pass@k per difficulty (``accuracy_strict/ops_2``)."""
+    """The report's summary plus :data:`BY_OPS_METRICS` and pass@k per difficulty (``accuracy_strict/ops_2``),
+    each with its interval."""
     by_ops = {
         metric_name(metric, ops=ops): value
         for ops, values in report.by_ops.items()
@@ -217,26 +224,42 @@ def report_metrics(report: EvalReport) -> dict[str, float]:
     return {**report.summary, **by_ops}
 
 
+def rate_text(metrics: Mapping[str, float], metric: str) -> str:
+    """A rate of ``metrics`` in percent, with its interval when ``metrics`` holds it (reports written
+    before there were intervals do not).
+
+    >>> rate_text({"accuracy_strict": 0.5, "accuracy_strict_ci_low": 0.25, "accuracy_strict_ci_high": 0.75},
+    ...           "accuracy_strict"), rate_text({"accuracy_strict": 0.5}, "accuracy_strict")
+    ('50.0% [25.0, 75.0]', '50.0%')
+    """
+    low, high = interval_names(metric)
+    return format_percent(metrics.get(metric, 0.0), metrics.get(low), metrics.get(high))
+
+
 def format_by_ops(by_ops: Mapping[str, Mapping[str, float]]) -> str:
-    """A plain-text table of accuracy and format per number of operations ("" when there is none)."""
+    """A plain-text table of accuracy and format per number of operations ("" when there is none);
+    strict accuracy (and pass@k) with its 95 % interval."""
     if not by_ops:
         return ""
-    passes = [key for key in next(iter(by_ops.values())) if key.startswith("pass@")]
-    header = "".join(f"  {key.replace('_', ' '):>16}" for key in passes)
-    lines = [f"{'ops':>4}  {'n':>5}  {'strict':>7}  {'flexible':>8}  {'format':>7}{header}"]
+    passes = [
+        key for key in next(iter(by_ops.values())) if key.startswith("pass@") and not is_interval_metric(key)
+    ]
+    header = "".join(f"  {key.replace('_', ' '):>24}" for key in passes)
+    lines = [f"{'ops':>4}  {'n':>5}  {'strict [95% CI]':>20}  {'flexible':>8}  {'format':>7}{header}"]
     for ops, m in by_ops.items():
         lines.append(
-            f"{ops:>4}  {int(m['n']):>5}  {m['accuracy_strict']:>7.1%}  {m['accuracy_flexible']:>8.1%}  "
-            f"{m['strict_format_rate']:>7.1%}" + "".join(f"  {m[key]:>16.1%}" for key in passes)
+            f"{ops:>4}  {int(m['n']):>5}  {rate_text(m, 'accuracy_strict'):>20}  "
+            f"{m['accuracy_flexible']:>8.1%}  {m['strict_format_rate']:>7.1%}"
+            + "".join(f"  {rate_text(m, key):>24}" for key in passes)
         )
     return "\n".join(lines)
 
 
 def _metric_rows(summary: Mapping[str, float]) -> list[tuple[str, str]]:
     rows = [
-        ("accuracy (strict, <answer>)", f"{summary.get('accuracy_strict', 0.0):.1%}"),
-        ("accuracy (flexible, last number)", f"{summary.get('accuracy_flexible', 0.0):.1%}"),
-        ("strict format", f"{summary.get('strict_format_rate', 0.0):.1%}"),
+        ("accuracy (strict, <answer>)", rate_text(summary, "accuracy_strict")),
+        ("accuracy (flexible, last number)", rate_text(summary, "accuracy_flexible")),
+        ("strict format", rate_text(summary, "strict_format_rate")),
         ("mean completion tokens", f"{summary.get('mean_completion_tokens', 0.0):.1f}"),
         ("truncated (no EOS)", f"{summary.get('truncation_rate', 0.0):.1%}"),
     ]
@@ -246,9 +269,9 @@ def _metric_rows(summary: Mapping[str, float]) -> list[tuple[str, str]]:
             ("failed tool calls per completion", f"{summary['tool_failed_calls_per_completion']:.2f}"),
         ]
     rows += [
-        (f"{key.split('_')[0]} ({key.split('_')[1]})", f"{value:.1%}")
-        for key, value in summary.items()
-        if key.startswith("pass@")
+        (f"{key.split('_')[0]} ({key.split('_')[1]})", rate_text(summary, key))
+        for key in summary
+        if key.startswith("pass@") and not is_interval_metric(key)
     ]
     return rows
 
@@ -273,7 +296,9 @@ def format_summary_table(report: EvalReport) -> str:
             )
         )
     width = max(len(name) for name, _ in rows)
-    lines = [title, "-" * (width + 14)] + [f"{name:<{width}}  {value:>10}" for name, value in rows]
+    if interval_names("accuracy_strict")[0] in s:
+        title += "\n[brackets]: 95% Wilson score intervals over the questions"
+    lines = [title, "-" * (width + 22)] + [f"{name:<{width}}  {value:>20}" for name, value in rows]
     if by_ops := format_by_ops(report.by_ops):
         lines += ["", "by number of operations:", by_ops]
     return "\n".join(lines)

@@ -9,6 +9,13 @@ lost purely to formatting).
 pass@k uses the unbiased estimator of Chen et al. (2021, "Evaluating Large Language Models Trained
 on Code"): with ``n`` samples of which ``c`` are correct, ``1 - C(n-c, k) / C(n, k)``. Taking the
 fraction of ``k`` samples that contain a correct one would be biased upward for small ``n``.
+
+Every accuracy, format rate and pass@k comes with its 95 % interval (``accuracy_strict_ci_low`` /
+``_ci_high``, see :mod:`posttrain.core.metric_names`): the Wilson score interval over the questions
+(:func:`posttrain.core.stats.fraction_interval`). With one greedy sample per question that is the
+Wilson interval of a proportion; with several samples (or pass@k) each question's score is a
+fraction, and the same interval with the questions as ``n`` is conservative, since samples of one
+question are not independent of each other.
 """
 
 from __future__ import annotations
@@ -18,10 +25,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from posttrain.core.metric_names import interval_names
 from posttrain.core.scoring import SampleScore, canonical_gold, score_completion
+from posttrain.core.stats import fraction_interval
 
 __all__ = [
     "BY_OPS_FIELDS",
+    "INTERVAL_METRICS",
     "SampleScore",
     "answers_agree",
     "canonical_gold",
@@ -29,6 +39,7 @@ __all__ = [
     "score_completion",
     "summarize",
     "summarize_by_ops",
+    "with_intervals",
 ]
 
 
@@ -69,6 +80,26 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+INTERVAL_METRICS = ("accuracy_strict", "accuracy_flexible", "strict_format_rate")
+"""The rates that get a 95 % interval (besides every ``pass@k_*``)."""
+
+
+def with_intervals(metrics: dict[str, float], n: int) -> dict[str, float]:
+    """``metrics`` with ``<m>_ci_low`` and ``<m>_ci_high`` right after each of :data:`INTERVAL_METRICS`
+    and every ``pass@k_*``, over ``n`` questions.
+
+    >>> with_intervals({"accuracy_strict": 0.5, "mean_completion_tokens": 9.0}, 4)  # doctest: +ELLIPSIS
+    {'accuracy_strict': 0.5, 'accuracy_strict_ci_low': 0.15..., 'accuracy_strict_ci_high': 0.84..., 'mean_completion_tokens': 9.0}
+    """
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        out[key] = value
+        if key in INTERVAL_METRICS or key.startswith("pass@"):
+            low_name, high_name = interval_names(key)
+            out[low_name], out[high_name] = fraction_interval(value, n)
+    return out
+
+
 def summarize(
     samples: Sequence[Sequence[SampleScore]], k: int = 1, *, tools: bool = False
 ) -> dict[str, float]:
@@ -76,7 +107,8 @@ def summarize(
 
     Accuracies are the mean over questions of the fraction of correct samples, i.e. pass@1
     estimated from all samples; with one greedy sample per question that is the plain accuracy.
-    Format, length and truncation rates are over all samples. With ``tools`` (the evaluation ran
+    Format, length and truncation rates are over all samples. Accuracies, the format rate and
+    pass@k come with their 95 % intervals (:func:`with_intervals`). With ``tools`` (the evaluation ran
     an engine tool) the calls are counted too: ``tool_calls_per_completion``,
     ``tool_failed_calls_per_completion`` and ``completions_with_tool_calls`` (a fraction).
 
@@ -105,7 +137,7 @@ def summarize(
             metrics[f"pass@{k}_{mode}"] = _mean(
                 [pass_at_k(len(g), sum(getattr(s, f"correct_{mode}") for s in g), k) for g in samples]
             )
-    return metrics
+    return with_intervals(metrics, len(samples))
 
 
 BY_OPS_FIELDS = ("accuracy_strict", "accuracy_flexible", "strict_format_rate")
@@ -115,7 +147,8 @@ BY_OPS_FIELDS = ("accuracy_strict", "accuracy_flexible", "strict_format_rate")
 def summarize_by_ops(
     samples: Sequence[Sequence[SampleScore]], ops: Sequence[int | None], k: int = 1
 ) -> dict[str, dict[str, float]]:
-    """Accuracy and format per difficulty: ``{"<ops>": {"n", "accuracy_strict", ...}}``, easiest first.
+    """Accuracy and format per difficulty, with their intervals: ``{"<ops>": {"n", "accuracy_strict",
+    "accuracy_strict_ci_low", ...}}``, easiest first.
 
     ``ops`` is each question's number of arithmetic operations (synthetic problems' own count,
     GSM8K's calculator annotations); questions without one (None) are left out. With ``k > 1``
@@ -125,8 +158,10 @@ def summarize_by_ops(
     >>> ok = score_completion("<reasoning>\\nx\\n</reasoning>\\n<answer>\\n1\\n</answer>", "1")
     >>> bad = score_completion("1", "1")
     >>> by_ops = summarize_by_ops([[ok], [bad], [ok]], [2, 1, 2])
-    >>> by_ops["1"]
+    >>> {k: by_ops["1"][k] for k in ("n", "accuracy_strict", "accuracy_flexible", "strict_format_rate")}
     {'n': 1, 'accuracy_strict': 0.0, 'accuracy_flexible': 1.0, 'strict_format_rate': 0.0}
+    >>> round(by_ops["1"]["accuracy_flexible_ci_low"], 4), by_ops["1"]["accuracy_flexible_ci_high"]
+    (0.2065, 1.0)
     >>> list(by_ops), by_ops["2"]["n"], by_ops["2"]["accuracy_strict"]
     (['1', '2'], 2, 1.0)
     """
@@ -140,5 +175,6 @@ def summarize_by_ops(
     out = {}
     for n, group in sorted(groups.items()):
         metrics = summarize(group, k)
-        out[str(n)] = {"n": len(group), **{field: metrics[field] for field in fields}}
+        out[str(n)] = with_intervals({field: metrics[field] for field in fields}, len(group))
+        out[str(n)] = {"n": len(group), **out[str(n)]}
     return out

@@ -137,8 +137,16 @@ def stage_section(cfg: PipelineConfig, stage: str) -> SFTStageConfig | DPOStageC
 
 
 def train_identity(
-    cfg: PipelineConfig, stage: str, model_fingerprint: str, data_fingerprint: str
+    cfg: PipelineConfig,
+    stage: str,
+    model_fingerprint: str,
+    data_fingerprint: str,
+    selection_fingerprint: str = "",
 ) -> StepIdentity:
+    """A training stage's identity. With ``keep: best`` its output is the checkpoint the selection
+    slice preferred, so the slice's content (``selection_fingerprint``) is an input, and for SFT and
+    DPO, whose in-training evaluation generates up to ``eval.max_new_tokens``, that limit too; the
+    choice itself (``keep``, ``select_metric``, ``patience``, ``eval_every``) is in the section."""
     section = stage_section(cfg, stage)
     trainer = {k: v for k, v in section.trainer.items() if k not in CHECKPOINT_OPTIONS}
     # How the stage is launched is not what it trains on, but the number of processes is: each
@@ -155,15 +163,23 @@ def train_identity(
             "model": stable_hash(cfg.model_for(section)),  # the stage's own `lora:` included
             "seed": cfg.seed,
             **({"processes": processes} if processes > 1 else {}),
+            **_selection_settings(cfg, section),
         }
     )
     rewards = [spec.name for spec in getattr(section, "rewards", ())]
-    return StepIdentity(
-        stage,
-        config_hash,
-        {"model": model_fingerprint, "data": data_fingerprint},
-        code_fingerprint(section.trl_kind, rewards),
-    )
+    inputs = {"model": model_fingerprint, "data": data_fingerprint}
+    if section.keep == "best":
+        inputs["selection"] = selection_fingerprint or "-"
+    return StepIdentity(stage, config_hash, inputs, code_fingerprint(section.trl_kind, rewards))
+
+
+def _selection_settings(
+    cfg: PipelineConfig, section: SFTStageConfig | DPOStageConfig | GRPOStageConfig
+) -> dict[str, object]:
+    """What else ``keep: best`` chooses by, outside the section: SFT's and DPO's evaluation length."""
+    if section.keep != "best" or section.trl_kind == "grpo":
+        return {}
+    return {"selection_max_new_tokens": cfg.eval.max_new_tokens}
 
 
 def _without_lora(section: SFTStageConfig | DPOStageConfig | GRPOStageConfig) -> dict[str, object]:
@@ -174,8 +190,14 @@ def _without_lora(section: SFTStageConfig | DPOStageConfig | GRPOStageConfig) ->
     return data
 
 
-def train_key(cfg: PipelineConfig, stage: str, model_fingerprint: str, data_fingerprint: str) -> str:
-    return train_identity(cfg, stage, model_fingerprint, data_fingerprint).key
+def train_key(
+    cfg: PipelineConfig,
+    stage: str,
+    model_fingerprint: str,
+    data_fingerprint: str,
+    selection_fingerprint: str = "",
+) -> str:
+    return train_identity(cfg, stage, model_fingerprint, data_fingerprint, selection_fingerprint).key
 
 
 def eval_identity(

@@ -151,7 +151,11 @@ class TrainStep(Step):
 
     def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
         assert inputs.data is not None, "a training step runs after the data step"
-        return keys.train_identity(cfg, self.name, inputs.model.fingerprint, inputs.data.train_fingerprint)
+        data = inputs.data
+        selection = str(data.stats.get("selection_fingerprint", ""))
+        return keys.train_identity(
+            cfg, self.name, inputs.model.fingerprint, data.train_fingerprint, selection
+        )
 
     def output_dir(self, store: Store, key: str) -> Path:
         return store.stage_dir(self.name, key)

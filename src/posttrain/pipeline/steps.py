@@ -260,9 +260,16 @@ def sft_step(
     """Supervised fine-tuning on the prepared train split, from ``model`` into ``output_dir``."""
     from posttrain.training.sft import run_sft  # heavy: torch, transformers, TRL
 
-    train = load_data(data).train
+    prepared = load_data(data)
     return run_sft(
-        cfg.sft, cfg.model_for(cfg.sft), model.path, train, output_dir, seed=cfg.seed, report_to=report_to
+        cfg.sft,
+        cfg.model_for(cfg.sft),
+        model.path,
+        prepared.train,
+        output_dir,
+        seed=cfg.seed,
+        report_to=report_to,
+        **_evaluation_inputs(cfg, cfg.sft, prepared),
     )
 
 
@@ -272,10 +279,34 @@ def dpo_step(
     """DPO on pairs sampled from ``model`` itself (on-policy), into ``output_dir``."""
     from posttrain.training.dpo import run_dpo  # heavy: torch, transformers, TRL
 
-    train = load_data(data).train
+    prepared = load_data(data)
     return run_dpo(
-        cfg.dpo, cfg.model_for(cfg.dpo), model.path, train, output_dir, seed=cfg.seed, report_to=report_to
+        cfg.dpo,
+        cfg.model_for(cfg.dpo),
+        model.path,
+        prepared.train,
+        output_dir,
+        seed=cfg.seed,
+        report_to=report_to,
+        **_evaluation_inputs(cfg, cfg.dpo, prepared),
     )
+
+
+def in_training_records(prepared: PreparedData, section: Any) -> Any:
+    """What a stage with ``eval_every`` evaluates as it trains: the selection slice when the data has
+    one (never the set the final evaluation reports), else the held-out split; None without
+    ``eval_every``."""
+    if getattr(section, "eval_every", None) is None:
+        return None
+    return prepared.selection if prepared.selection is not None else prepared.eval
+
+
+def _evaluation_inputs(cfg: PipelineConfig, section: Any, prepared: PreparedData) -> dict[str, Any]:
+    """SFT's and DPO's in-training evaluation: its records and generation limit (the final evaluation's)."""
+    return {
+        "selection": in_training_records(prepared, section),
+        "eval_max_new_tokens": cfg.eval.max_new_tokens,
+    }
 
 
 def grpo_step(
@@ -288,8 +319,9 @@ def grpo_step(
 ) -> StageResult:
     """One GRPO stage, from ``model`` (the previous stage's output) into ``output_dir``.
 
-    With ``eval_every`` the stage also reads the held-out split (logged metrics only; it is cut from
-    the same records as the train split, whose fingerprint is in the stage's key).
+    With ``eval_every`` the stage also reads the selection slice, else the held-out split (cut from
+    the same records as the train split, whose fingerprint is in the stage's key; ``keep: best``
+    adds the selection slice's own, see posttrain.pipeline.keys).
     """
     from posttrain.training.grpo import run_grpo_stage  # heavy: torch, transformers, TRL
 
@@ -302,6 +334,6 @@ def grpo_step(
         output_dir,
         seed=cfg.seed,
         report_to=report_to,
-        heldout=prepared.eval if stage_cfg.eval_every is not None else None,
+        heldout=in_training_records(prepared, stage_cfg),
         vllm_server_cfg=cfg.vllm_server,
     )

@@ -19,8 +19,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.core.config import TrackingConfig
+from posttrain.tracking.headline import (
+    SeedRun,
+    counter_names,
+    format_headline,
+    format_seed_groups,
+    seed_groups,
+)
 from posttrain.tracking.mlflow_io import (
     ROLE_TAG,
+    SEED_GROUP_TAG,
     STEP_KIND_TAG,
     STEPS_TAG,
     global_tracking_uri,
@@ -65,6 +73,10 @@ class RunSummary:
     """``<stage>/<metric>`` from each stage run's ``eval/*`` metrics, e.g. ``eval-sft/accuracy_strict``."""
     reward_curves: Mapping[str, list[tuple[int, float]]]
     """GRPO stage run name → its ``reward`` history as (step, value)."""
+    seed: int | None = None
+    """The config's ``seed`` (None for a run without the param)."""
+    seed_group: str | None = None
+    """Runs of one config that differ only in ``seed`` share it (the ``posttrain.seed_group`` tag)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,16 @@ class Comparison:
     """Only params whose values differ across the runs: key → value per run (None = absent)."""
     metric_names: list[str]
     """Every ``<stage>/<metric>`` seen, in stage order."""
+
+    def seed_groups(self) -> dict[str, list[SeedRun]]:
+        """The compared runs by seed group, one per seed, for groups of two or more seeds."""
+        return seed_groups(
+            [
+                (r.seed_group, SeedRun(r.run_id, r.seed, r.stage_metrics))
+                for r in self.runs
+                if r.seed is not None
+            ]
+        )
 
     def table(self) -> list[dict[str, Any]]:
         """Side-by-side rows, one per run: id, name, start, duration, differing params, stage metrics."""
@@ -205,7 +227,16 @@ def _summarize(row: Mapping[str, Any], curves: Mapping[str, list[tuple[int, floa
             k[8:]: float(v) for k, v in row.items() if k.startswith("metrics.") and "/" in k and _present(v)
         },
         reward_curves={k: v for k, v in curves.items() if v},
+        seed=_seed(row.get("params.seed")),
+        seed_group=row.get(f"tags.{SEED_GROUP_TAG}") if _present(row.get(f"tags.{SEED_GROUP_TAG}")) else None,
     )
+
+
+def _seed(value: Any) -> int | None:
+    try:
+        return int(value) if _present(value) else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _ordered_metrics(summaries: Sequence[RunSummary], rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -413,8 +444,11 @@ def _cell(value: Any, width: int = 32) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def format_comparison(comparison: Comparison) -> str:
-    """A side-by-side text table: one column per run; rows for attributes, config diffs and metrics."""
+def format_comparison(comparison: Comparison, *, show_all: bool = False) -> str:
+    """A side-by-side text table, one column per run: attributes, config differences, the headline
+    (accuracies and format with their 95 % intervals, and each stage's paired change; see
+    :mod:`posttrain.tracking.headline`), the other metrics with ``show_all``, then, for runs that
+    differ only in their seed, the numbers across seeds."""
     runs = comparison.runs
     if not runs:
         return "no runs to compare"
@@ -425,13 +459,18 @@ def format_comparison(comparison: Comparison) -> str:
         ("start", [r.start_time for r in runs]),
         ("duration (s)", [None if r.duration_s is None else round(r.duration_s, 1) for r in runs]),
     ]
-    sections = [
+    counters = counter_names(comparison.metric_names)
+    headline = format_headline([r.stage_metrics for r in runs], comparison.metric_names)
+    sections: list[tuple[str, list[tuple[str, list[Any]]]]] = [
         ("config differences", list(comparison.param_diffs.items())),
         (
-            "evaluation by stage",
-            [(m, [r.stage_metrics.get(m) for r in runs]) for m in comparison.metric_names],
+            "evaluation by stage [95% intervals; changes in points, paired on the same questions; "
+            "* excludes 0]",
+            [(label, list(cells)) for label, cells in headline],
         ),
     ]
+    if show_all:
+        sections.append(("other metrics", [(m, [r.stage_metrics.get(m) for r in runs]) for m in counters]))
     label_width = max([len(k) for k, _ in rows] + [len(k) for _, items in sections for k, _ in items])
     label_width = min(label_width, 60)
     cells = [[_cell(v) for v in values] for _, values in rows] + [
@@ -448,4 +487,7 @@ def format_comparison(comparison: Comparison) -> str:
         out.append("")
         out.append(f"{title}:" if items else f"{title}: none")
         out += [line(key, values) for key, values in items]
+    if counters and not show_all:
+        out += ["", f"{len(counters)} more metrics per run (decode steps, timings, per difficulty...): --all"]
+    out += format_seed_groups(comparison.seed_groups(), comparison.metric_names)
     return "\n".join(out)

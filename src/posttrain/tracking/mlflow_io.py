@@ -32,6 +32,9 @@ STORE_TAG = "posttrain.store"
 """The store a pipeline run writes: its runs left RUNNING by a kill are closed by the next run there."""
 STEP_KIND_TAG = "posttrain.step_kind"
 """Its kind (``Step.kind``: data, sft, dpo, grpo, eval): what comparisons and plots select runs by."""
+SEED_GROUP_TAG = "posttrain.seed_group"
+"""On the pipeline run: the same for runs of one config that differ only in ``seed``
+(:func:`posttrain.core.sweep.seed_group`), so MLflow's UI groups them and ``compare`` aggregates them."""
 STEPS_TAG = "posttrain.steps"
 """On the pipeline run: the plan's step names in order, comma-separated (orders compare's columns)."""
 # mlflow 3.17 limits (mlflow.utils.validation): longer values are rejected, not truncated.

@@ -14,13 +14,15 @@ from typing import Any
 from posttrain.core.config import PipelineConfig, dump_config
 from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import package_versions, stable_hash
-from posttrain.core.metric_names import parse_metric_name
+from posttrain.core.metric_names import is_interval_metric, parse_metric_name
 from posttrain.core.redact import redact_text
+from posttrain.core.sweep import seed_group
 from posttrain.models.building import building_models
 from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
 from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
     ROLE_TAG,
+    SEED_GROUP_TAG,
     STEP_KIND_TAG,
     STEP_TAG,
     STEPS_TAG,
@@ -333,7 +335,11 @@ class Tracker:
             return False
         client = mlflow_client(self.tracking_uri)
         per_stage = {
-            s: {k: v for k, v in m.items() if metric_filter in k and parse_metric_name(k)[2] is None}
+            s: {
+                k: v
+                for k, v in m.items()
+                if metric_filter in k and parse_metric_name(k)[2] is None and not is_interval_metric(k)
+            }
             for s, m in eval_metrics_by_stage(client, self.experiment_id, self.run_id).items()
         }
         per_stage = {s: m for s, m in per_stage.items() if m}
@@ -404,6 +410,7 @@ def start_pipeline_run(
     tags = {
         **({STORE_TAG: store} if store is not None else {}),
         ROLE_TAG: "pipeline",
+        SEED_GROUP_TAG: seed_group(cfg),
         "posttrain.config_name": cfg.name,
         "posttrain.config_hash": stable_hash(cfg),
         **{

@@ -13,6 +13,10 @@ with full fine-tuning a frozen copy of it is passed explicitly.
 A stage resumed after a kill trains on the pairs the interrupted run sampled (kept in its working
 folder with their statistics), not on a new sample: the trainer's checkpoint counts positions in
 that dataset, and sampling need not repeat exactly on another device.
+
+With ``eval_every`` the stage answers a slice of the selection (else held-out) records greedily as
+it trains, and with ``keep: best`` its output is the checkpoint that answered best
+(:mod:`posttrain.training.selection`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from posttrain.core.config import DPOStageConfig, ModelConfig
 from posttrain.core.errors import StageError
 from posttrain.core.parsing import answers_match, parse_strict
 from posttrain.core.prompts import format_sft_target
+from posttrain.core.selection import selection_trainer_options
 from posttrain.generation.sampling import Samples, sample_completions
 from posttrain.models.artifacts import StageResult
 from posttrain.models.building import building_models
@@ -40,6 +45,7 @@ from posttrain.training.runner import (
     load_policy,
     trainer_arguments,
 )
+from posttrain.training.selection import attach_evaluation, evaluation_records, selection_record
 
 logger = logging.getLogger(__name__)
 
@@ -167,14 +173,27 @@ def run_dpo(
     *,
     seed: int = 0,
     report_to: str | list[str] = "none",
+    selection: Any = None,
+    eval_max_new_tokens: int | None = None,
 ) -> StageResult:
     """Sample on-policy pairs from ``model_path`` on prepared data, then train DPO on them.
 
     ``train_dataset`` needs ``prompt`` (messages) and ``answer``; ``solution`` (a GSM8K worked
     solution) is used as the chosen answer for prompts the model got wrong. The pairs are kept in
     ``dpo_pairs.jsonl`` and their statistics (``pairs/*``, ``sampling/*``) in the result metrics.
+    ``selection`` is what ``eval_every`` evaluates (and ``keep: best`` chooses by), generating up to
+    ``eval_max_new_tokens``.
     """
     options = dpo_cfg.trainer_options()
+    records = None
+    if dpo_cfg.eval_every is not None:
+        if selection is None and dpo_cfg.keep == "best":
+            raise StageError("dpo: keep: best needs the selection slice (data.selection_size)")
+        if selection is None:
+            logger.warning("[dpo] eval_every is set but no evaluation records were given: not evaluating")
+        else:
+            records = evaluation_records(selection, dpo_cfg.eval_limit)
+    best = selection_trainer_options("dpo", dpo_cfg.keep, dpo_cfg.eval_every, dpo_cfg.select_metric, options)
 
     def train(ctx: StageContext) -> TrainOutcome:
         from trl import DPOConfig, DPOTrainer
@@ -199,8 +218,11 @@ def run_dpo(
             distributed.barrier()
         with building_models():
             model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
-            args = DPOConfig(**trainer_arguments(ctx, options))
+            args = DPOConfig(**trainer_arguments(ctx, {**options, **best}))
             ref = {"ref_model": frozen_reference(model)} if peft_config is None else {}
+            # keep: best evaluates on the trainer's schedule, which needs an eval_dataset; the
+            # selection evaluation never reads it, and DPO rows are pairs: one of its own pairs.
+            placeholder = {"eval_dataset": pairs.select(range(1))} if best else {}
             trainer = DPOTrainer(
                 model=model,
                 args=args,
@@ -208,10 +230,15 @@ def run_dpo(
                 processing_class=tokenizer,
                 peft_config=peft_config,
                 **ref,
+                **placeholder,
             )
+        if records is not None:
+            attach_evaluation(trainer, dpo_cfg, records, stage="dpo", max_new_tokens=eval_max_new_tokens)
         carry_token_count(trainer, ctx.resume_from)
         output = trainer.train(resume_from_checkpoint=ctx.resume_from)
-        return TrainOutcome.from_trainer(trainer, output, tokenizer, metrics=pair_metrics)
+        return TrainOutcome.from_trainer(
+            trainer, output, tokenizer, metrics=pair_metrics, selection=selection_record(dpo_cfg, trainer)
+        )
 
     return execute_stage(
         stage="dpo",

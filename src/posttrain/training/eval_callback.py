@@ -22,7 +22,14 @@ no random numbers, so training is the same with and without it. A stage with ``t
 with the same tools its rollouts use.
 
 The slice is the held-out records whose ``ops`` lie in the stage's ``data_filter`` range (so reward
-and accuracy measure the same difficulty; the whole held-out set if none do), first ``eval_limit``.
+and accuracy measure the same difficulty; the whole held-out set if none do), first ``eval_limit``;
+with a selection slice (``data.selection_size``) it is cut from that instead, so that what a stage
+watches, and chooses its checkpoint by (``keep: best``), is never what the final evaluation reports.
+
+SFT and DPO stages evaluate the same way (their ``eval_every``), generating up to the final
+evaluation's ``max_new_tokens``. With ``keep: best`` the trainer decides when to evaluate
+(``eval_strategy``): :meth:`HeldoutEval.evaluate` stands in for ``Trainer.evaluate`` and returns
+``eval_accuracy``, ... for ``metric_for_best_model`` (see :mod:`posttrain.training.selection`).
 """
 
 from __future__ import annotations
@@ -93,14 +100,20 @@ class HeldoutEval(TrainerCallback):
         every: int,
         stage: str = "grpo",
         tools: Any = None,
+        *,
+        max_new_tokens: int | None = None,
+        scheduled: bool = True,
     ):
         """``tools`` is the stage's config (its ``tools``, ``tool_protocol``, ``environment_factory``):
-        the evaluation uses the tools the rollouts use."""
+        the evaluation uses the tools the rollouts use. ``max_new_tokens`` defaults to the trainer's
+        ``max_completion_length`` (GRPO's). Without ``scheduled`` only the start is evaluated here;
+        the trainer calls :meth:`evaluate` on its own schedule (``eval_strategy``)."""
         if not records:
             raise ValueError("in-training evaluation needs at least one held-out record")
-        self.trainer, self.every, self.stage = trainer, every, stage
+        self.trainer, self.every, self.stage, self.scheduled = trainer, every, stage, scheduled
+        self.max_new_tokens = max_new_tokens or trainer.args.max_completion_length
         tokenizer = trainer.processing_class
-        template_kwargs = trainer.args.chat_template_kwargs or {}
+        template_kwargs = getattr(trainer.args, "chat_template_kwargs", None) or {}
         self.tool = None
         if tools is not None:
             self.tool = make_tool(
@@ -128,9 +141,22 @@ class HeldoutEval(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
-        if step % self.every == 0 or step == state.max_steps:
+        if self.scheduled and (step % self.every == 0 or step == state.max_steps):
             self._evaluate(step, control)
         return control
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """``Trainer.evaluate``'s stand-in: evaluate now, tell the callbacks (``on_evaluate``, which
+        early stopping listens to) and return ``eval_accuracy``, ``eval_accuracy_flexible``, ..."""
+        trainer = self.trainer
+        metrics = self._evaluate(trainer.state.global_step, trainer.control)
+        named = {f"{metric_key_prefix}_{key.removeprefix('eval/')}": value for key, value in metrics.items()}
+        trainer.control = trainer.callback_handler.on_evaluate(
+            trainer.args, trainer.state, trainer.control, named
+        )
+        return named
 
     def _generation_model(self, step: int) -> Any:
         trainer = self.trainer
@@ -140,7 +166,7 @@ class HeldoutEval(TrainerCallback):
             return rollout.refresh(policy, step).model  # the next rollout reuses this sync
         return policy
 
-    def _evaluate(self, step: int, control: Any) -> None:
+    def _evaluate(self, step: int, control: Any) -> dict[str, float]:
         start = time.perf_counter()
         model, tokenizer = self._generation_model(step), self.trainer.processing_class
         was_training = model.training
@@ -149,7 +175,7 @@ class HeldoutEval(TrainerCallback):
             completions, stats = generate_continuous(
                 model,
                 self.prompt_ids,
-                max_new_tokens=self.trainer.args.max_completion_length,
+                max_new_tokens=self.max_new_tokens,
                 stop_ids=stop_token_ids(model, tokenizer),
                 pad_token_id=pad_token_id(tokenizer),
                 batch_size=min(BATCH_SIZE, len(self.prompt_ids)),
@@ -168,7 +194,7 @@ class HeldoutEval(TrainerCallback):
         metrics = score_answers(texts, self.golds, [c.finished for c in completions])
         self.history.append({"step": step, **metrics})
         logger.info(
-            "[%s] step %d eval: strict %.1f%%, flexible %.1f%%, format %.1f%% on %d held-out questions "
+            "[%s] step %d eval: strict %.1f%%, flexible %.1f%%, format %.1f%% on %d questions "
             "(%.1f s, %.0f tok/s)",
             self.stage,
             step,
@@ -186,3 +212,4 @@ class HeldoutEval(TrainerCallback):
         Trainer.log(self.trainer, dict(metrics))
         if control is not None:
             control.should_log = should_log
+        return metrics

@@ -31,12 +31,13 @@ from typing import Any
 from posttrain.core.config import GRPOStageConfig, ModelConfig, VLLMServerConfig
 from posttrain.core.errors import StageError
 from posttrain.core.net import free_port
+from posttrain.core.selection import selection_trainer_options
 from posttrain.generation.vllm_server import ServerAddress, vllm_server
 from posttrain.models.artifacts import StageResult, adapter_root
 from posttrain.models.building import building_models
 from posttrain.models.resolve import resolve_model_path
 from posttrain.training import distributed
-from posttrain.training.eval_callback import HeldoutEval, heldout_slice
+from posttrain.training.eval_callback import heldout_slice
 from posttrain.training.health import HealthCallback, HealthMonitor
 from posttrain.training.runner import (
     StageContext,
@@ -45,6 +46,12 @@ from posttrain.training.runner import (
     execute_stage,
     load_policy,
     trainer_arguments,
+)
+from posttrain.training.selection import (
+    attach_evaluation,
+    eval_dataset_kwargs,
+    records_dataset,
+    selection_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,7 +91,11 @@ def grpo_arguments(
     collides when two runs share a machine. The server needs no flag for it: in TRL 1.16 the
     client sends it as ``master_port`` in ``init_communicator``'s request.
     """
-    options = trainer_arguments(ctx, grpo_options(stage_cfg))
+    options = grpo_options(stage_cfg)
+    best = selection_trainer_options(
+        "grpo", stage_cfg.keep, stage_cfg.eval_every, stage_cfg.select_metric, options
+    )
+    options = trainer_arguments(ctx, {**options, **best})
     if server is None:
         return options
     group_port = {} if "vllm_group_port" in options else {"vllm_group_port": free_port()}
@@ -158,7 +169,8 @@ def make_grpo_trainer(
     leave the batch, which saves most on short, uneven completions (measured by
     benchmarks/grpo_step.py: 0.62x TRL's CPU time per step in fp32 on a CPU without AMX). Settings
     the engine does not reproduce leave TRL's own generation in place (see posttrain.generation.rollout).
-    ``heldout`` (the prepared data's held-out records) feeds the stage's ``eval_every`` evaluation.
+    ``heldout`` (the prepared data's selection slice, else its held-out records) feeds the stage's
+    ``eval_every`` evaluation, which ``keep: best`` chooses the output checkpoint by.
     ``server`` is a running vLLM server for TRL's server mode (see :func:`stage_vllm_server`).
     """
     from trl import GRPOConfig
@@ -185,6 +197,14 @@ def make_grpo_trainer(
             trl_tools["environment_factory"] = import_named(
                 stage_cfg.environment_factory, "environment factory"
             )
+    records = None
+    if stage_cfg.eval_every is not None:
+        if heldout is None and stage_cfg.keep == "best":
+            raise StageError(f"[{stage}] keep: best needs the selection slice (data.selection_size)")
+        if heldout is None:
+            logger.warning("[%s] eval_every is set but no held-out data was given: not evaluating", stage)
+        else:
+            records = heldout_slice(heldout, stage_cfg.data_filter, stage_cfg.eval_limit)
     rollout, generation = None, "TRL"
     if inline_tools or (fast_generation and args.use_cpu):
         blockers = shadow_rollout_blockers(
@@ -218,15 +238,14 @@ def make_grpo_trainer(
         peft_config=peft_config,
         callbacks=[monitor, *callbacks],
         **trl_tools,
+        **(eval_dataset_kwargs(stage_cfg, records_dataset(records)) if records else {}),
     )
     evaluation = "off"
-    if stage_cfg.eval_every is not None:
-        if heldout is None:
-            logger.warning("[%s] eval_every is set but no held-out data was given: not evaluating", stage)
-        else:
-            records = heldout_slice(heldout, stage_cfg.data_filter, stage_cfg.eval_limit)
-            trainer.add_callback(HeldoutEval(trainer, records, stage_cfg.eval_every, stage, tools=stage_cfg))
-            evaluation = f"{len(records)} held-out questions every {stage_cfg.eval_every} steps"
+    if records:
+        attach_evaluation(trainer, stage_cfg, records, stage=stage)
+        evaluation = f"{len(records)} questions every {stage_cfg.eval_every} steps" + (
+            f", keeping the best checkpoint by {stage_cfg.select_metric}" if stage_cfg.keep == "best" else ""
+        )
     logger.info(
         "[%s] %d examples, rewards %s (weights %s), %s generation, zero_signal %s, evaluation %s",
         stage,
@@ -263,8 +282,8 @@ def run_grpo_stage(
 ) -> StageResult:
     """Train one GRPO stage from ``model_path`` on prepared data (``prompt`` messages + ``answer``).
 
-    ``heldout`` is the prepared data's held-out split, evaluated during training when the stage sets
-    ``eval_every``.
+    ``heldout`` is what the stage evaluates during training when it sets ``eval_every``: the prepared
+    data's selection slice (``data.selection_size``), else its held-out split.
 
     ``fast_generation`` samples rollouts from a copy of the policy through posttrain's engine when
     training on a CPU (see posttrain.generation.rollout); it is a no-op elsewhere. Health alerts end up in the result and in
@@ -303,6 +322,7 @@ def run_grpo_stage(
             metrics={"train_examples": len(trainer.train_dataset), "alerts": len(monitor.alerts)},
             alerts=monitor.alerts,
             samples=prune_samples(ctx.work_dir, stage_cfg.sample_every),
+            selection=selection_record(stage_cfg, trainer),
         )
 
     return execute_stage(

@@ -72,6 +72,8 @@ class TrainOutcome:
     metrics: dict[str, Any] = field(default_factory=dict)
     alerts: list[dict[str, Any]] = field(default_factory=list)
     samples: list[str] = field(default_factory=list)
+    selection: dict[str, Any] | None = None
+    """With ``keep: best``: which step the output is and why (:func:`posttrain.training.selection.selection_record`)."""
 
     @classmethod
     def from_trainer(
@@ -83,20 +85,31 @@ class TrainOutcome:
         metrics: Mapping[str, Any] | None = None,
         alerts: Sequence[dict[str, Any]] = (),
         samples: Sequence[str] = (),
+        selection: Mapping[str, Any] | None = None,
     ) -> TrainOutcome:
         """The outcome of a finished TRL trainer: its model, log history and ``train()`` metrics,
         plus the stage's own ``metrics``.
 
         Every rank must call this: a model the ranks trained sharded (FSDP, ZeRO-3) is gathered
         here, and the model is then whole on the main process only (None on the others;
-        :mod:`posttrain.training.sharded`)."""
+        :mod:`posttrain.training.sharded`). With a ``selection`` (``keep: best``), the step it chose
+        and its score join the metrics as ``selected_step`` and ``selected_score``."""
+        chosen = {}
+        if selection is not None and selection.get("best_step") is not None:
+            chosen = {"selected_step": selection["best_step"], "selected_score": selection["best_score"]}
         return cls(
             model=policy_to_save(trainer.model, trainer.accelerator, trainer.model_wrapped),
             tokenizer=tokenizer if tokenizer is not None else trainer.processing_class,
             log_history=trainer.state.log_history,
-            metrics={**output.metrics, **(metrics or {}), "global_step": trainer.state.global_step},
+            metrics={
+                **output.metrics,
+                **(metrics or {}),
+                "global_step": trainer.state.global_step,
+                **chosen,
+            },
             alerts=list(alerts),
             samples=list(samples),
+            selection=dict(selection) if selection is not None else None,
         )
 
 
@@ -244,12 +257,28 @@ def last_checkpoint(folder: Path) -> tuple[Path, int] | None:
     return path, step
 
 
+def best_checkpoint(checkpoint: Path) -> Path | None:
+    """The best checkpoint ``checkpoint``'s trainer state names (``keep: best``), when it is a
+    checkpoint folder beside it; None otherwise."""
+    try:
+        state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
+    if not isinstance(best, str) or not _CHECKPOINT.match(Path(best).name):
+        return None
+    path = checkpoint.parent / Path(best).name
+    return path if path.is_dir() else None
+
+
 def prepare_work_dir(folder: Path) -> tuple[str | None, int]:
     """Ready a stage's working folder: ``(checkpoint to resume from or None, its step)``.
 
     With a complete checkpoint, the newest one is kept with what the interrupted run wrote beside
-    it (sample files of the steps before it, DPO pairs) and any other checkpoint is deleted;
-    without one the folder is emptied, so a fresh start never mixes in a killed run's files.
+    it (sample files of the steps before it, DPO pairs), and so is the best checkpoint its trainer
+    state names (``keep: best`` chooses among every evaluation, before and after the kill); any
+    other checkpoint is deleted. Without one the folder is emptied, so a fresh start never mixes in
+    a killed run's files.
     """
     found = last_checkpoint(folder)
     if found is None:
@@ -257,8 +286,9 @@ def prepare_work_dir(folder: Path) -> tuple[str | None, int]:
         folder.mkdir(parents=True)
         return None, 0
     keep, step = found
+    best = best_checkpoint(keep)
     for path in folder.iterdir():
-        if _CHECKPOINT.match(path.name) and path != keep:
+        if _CHECKPOINT.match(path.name) and path not in (keep, best):
             shutil.rmtree(path, ignore_errors=True)
     return str(keep), step
 
@@ -378,7 +408,11 @@ def execute_stage(
             artifact=artifact,
             adapter=adapter,
             duration_s=duration,
-            extra={"trainer_options": dict(options), "trainer_options_hash": options_hash},
+            extra={
+                "trainer_options": dict(options),
+                "trainer_options_hash": options_hash,
+                **({"selection": outcome.selection} if outcome.selection is not None else {}),
+            },
         )
         result = StageResult(
             stage=stage,

@@ -7,6 +7,10 @@ reachable, so later stages have differences between completions to learn from.
 
 Data is prompt/completion in chat form, so TRL computes the loss on the completion only (the
 model is not taught to reproduce the system prompt and the question).
+
+With ``eval_every`` the stage answers a slice of the selection (else held-out) records greedily as
+it trains, and with ``keep: best`` its output is the checkpoint that answered best
+(:mod:`posttrain.training.selection`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import ModelConfig, SFTStageConfig
+from posttrain.core.errors import StageError
+from posttrain.core.selection import selection_trainer_options
 from posttrain.data.builders import build_sft_dataset
 from posttrain.models.artifacts import StageResult
 from posttrain.models.building import building_models
@@ -26,6 +32,12 @@ from posttrain.training.runner import (
     execute_stage,
     load_policy,
     trainer_arguments,
+)
+from posttrain.training.selection import (
+    attach_evaluation,
+    evaluation_records,
+    records_dataset,
+    selection_record,
 )
 from posttrain.training.trl_compat import carry_token_count, compact_fused_head_on_cpu
 
@@ -55,16 +67,26 @@ def make_sft_trainer(
     *,
     eval_dataset: Any = None,
     callbacks: Sequence[Any] = (),
+    selection: Any = None,
+    eval_max_new_tokens: int | None = None,
 ):
     """The stage's ``SFTTrainer``, ready to ``train()``: ``(trainer, tokenizer, train rows)``
-    (shared with benchmarks/sft_throughput.py, which measures it against TRL's defaults)."""
+    (shared with benchmarks/sft_throughput.py, which measures it against TRL's defaults).
+
+    ``selection`` (prepared records: the selection slice, else the held-out split) feeds the stage's
+    ``eval_every`` evaluation, generating up to ``eval_max_new_tokens``."""
     from trl import SFTConfig, SFTTrainer  # heavy: deferred until needed
 
     compact_fused_head_on_cpu()
     calculator = "calculator" in sft_cfg.tools
     data = sft_dataset(train_dataset, sft_cfg.num_examples, calculator=calculator)
     model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
-    args = SFTConfig(**trainer_arguments(ctx, sft_cfg.trainer_options()))
+    options = sft_cfg.trainer_options()
+    best = selection_trainer_options("sft", sft_cfg.keep, sft_cfg.eval_every, sft_cfg.select_metric, options)
+    args = SFTConfig(**trainer_arguments(ctx, {**options, **best}))
+    records = _evaluation_records(sft_cfg, selection)
+    if records is not None and sft_cfg.keep == "best" and eval_dataset is None:
+        eval_dataset = records_dataset(records)  # the trainer needs one to evaluate on a schedule
     eval_data = sft_dataset(eval_dataset, calculator=calculator) if eval_dataset is not None else None
     trainer = SFTTrainer(
         model=model,
@@ -75,7 +97,20 @@ def make_sft_trainer(
         peft_config=peft_config,
         callbacks=list(callbacks),
     )
+    if records is not None:
+        attach_evaluation(trainer, sft_cfg, records, stage="sft", max_new_tokens=eval_max_new_tokens)
     return trainer, tokenizer, data
+
+
+def _evaluation_records(sft_cfg: SFTStageConfig, selection: Any) -> list[dict[str, Any]] | None:
+    if sft_cfg.eval_every is None:
+        return None
+    if selection is None:
+        if sft_cfg.keep == "best":
+            raise StageError("sft: keep: best needs the selection slice (data.selection_size)")
+        logger.warning("[sft] eval_every is set but no evaluation records were given: not evaluating")
+        return None
+    return evaluation_records(selection, sft_cfg.eval_limit)
 
 
 def run_sft(
@@ -88,25 +123,37 @@ def run_sft(
     seed: int = 0,
     report_to: str | list[str] = "none",
     eval_dataset: Any = None,
+    selection: Any = None,
+    eval_max_new_tokens: int | None = None,
 ) -> StageResult:
     """Fine-tune ``model_path`` on ``train_dataset`` (prepared data or prompt/completion rows).
 
     ``sft_cfg.num_examples`` keeps the first N examples; TRL options come from
-    ``sft_cfg.trainer_options()``. Returns the stage summary; the policy is in ``output_dir``.
+    ``sft_cfg.trainer_options()``. ``selection`` is what ``eval_every`` evaluates (and ``keep: best``
+    chooses by). Returns the stage summary; the policy is in ``output_dir``.
     """
     options = sft_cfg.trainer_options()
 
     def train(ctx: StageContext) -> TrainOutcome:
         with building_models():
             trainer, tokenizer, data = make_sft_trainer(
-                sft_cfg, model_cfg, model_path, train_dataset, ctx, eval_dataset=eval_dataset
+                sft_cfg,
+                model_cfg,
+                model_path,
+                train_dataset,
+                ctx,
+                eval_dataset=eval_dataset,
+                selection=selection,
+                eval_max_new_tokens=eval_max_new_tokens,
             )
         carry_token_count(trainer, ctx.resume_from)
+        output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(
             trainer,
-            trainer.train(resume_from_checkpoint=ctx.resume_from),
+            output,
             tokenizer,
             metrics={"train_examples": len(data)},
+            selection=selection_record(sft_cfg, trainer),
         )
 
     return execute_stage(

@@ -1,0 +1,233 @@
+"""What ``posttrain compare`` shows first: the headline numbers with their intervals, stage to stage
+and across seeds. Pure functions on the ``<stage>/<metric>`` values a pipeline run carries.
+
+**Headline.** Per evaluation step (``eval-<stage>``) and evaluation set: strict and flexible
+accuracy and the strict-format rate, each with its 95 % Wilson interval; below each, the change
+from the evaluation before it in the run, with the paired interval the run logged (Newcombe's
+paired score interval on the same questions, :func:`posttrain.evaluation.diff.stage_delta_metrics`)
+and a ``*`` where that interval excludes zero. Every other number (decode steps, load seconds,
+tool calls, per-difficulty slices, in-training evaluations) is a counter, shown with ``--all``.
+
+**Across seeds.** Runs of one config that differ only in ``seed`` share the tag
+``posttrain.seed_group``. For each group with two or more seeds: per stage, set and metric, the
+mean over the seeds, their standard deviation and range, and a Student t interval over the seeds'
+values (:func:`posttrain.core.stats.t_interval`); the stage-to-stage change is taken within each
+seed, then summarised the same way, marked ``*`` when its interval over seeds excludes zero. That
+is the interval a claim "stage X improves on Y" needs: it includes the training noise a single
+run's question-level interval cannot see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from posttrain.core.metric_names import interval_names, parse_metric_name
+from posttrain.core.stats import Interval, format_percent, t_interval
+
+__all__ = [
+    "HEADLINE_METRICS",
+    "SeedRun",
+    "counter_names",
+    "format_headline",
+    "format_seed_groups",
+    "headline_keys",
+    "seed_groups",
+]
+
+HEADLINE_METRICS = ("accuracy_strict", "accuracy_flexible", "strict_format_rate")
+_LABELS = {"accuracy_strict": "strict", "accuracy_flexible": "flexible", "strict_format_rate": "format"}
+_DELTA_PARTS = ("delta_", "fixed_", "broken_", "mcnemar_p_")
+SIGNIFICANT = "*"
+"""Marks a change whose 95 % interval excludes zero."""
+
+
+def _split(name: str) -> tuple[str, str, str | None, int | None]:
+    """``eval-sft/accuracy_strict/gsm8k`` → (stage, metric, set, ops)."""
+    stage, _, rest = name.partition("/")
+    metric, eval_set, ops = parse_metric_name(rest)
+    return stage, metric, eval_set, ops
+
+
+def _is_headline(name: str) -> bool:
+    stage, metric, _, ops = _split(name)
+    if not stage.startswith("eval-") or ops is not None:
+        return False
+    for base in HEADLINE_METRICS:
+        family = {base, *interval_names(base)}
+        family |= {f"{part}{base}" for part in _DELTA_PARTS} | set(interval_names(f"delta_{base}"))
+        if metric in family:
+            return True
+    return False
+
+
+def counter_names(names: Sequence[str]) -> list[str]:
+    """The metrics that are not headline numbers (``--all`` shows them), in the given order.
+
+    >>> counter_names(["eval-sft/accuracy_strict", "eval-sft/accuracy_strict_ci_low", "eval-sft/seconds",
+    ...                "eval-sft/accuracy_strict/ops_1", "grpo-x/accuracy", "eval-sft/delta_accuracy_strict"])
+    ['eval-sft/seconds', 'eval-sft/accuracy_strict/ops_1', 'grpo-x/accuracy']
+    """
+    return [name for name in names if not _is_headline(name)]
+
+
+def headline_keys(names: Sequence[str]) -> list[tuple[str, str | None]]:
+    """(evaluation step, set) pairs that have headline numbers, steps in the given order, the primary
+    set (None) first.
+
+    >>> headline_keys(["eval-baseline/accuracy_strict", "eval-baseline/accuracy_strict/gsm8k",
+    ...                "eval-sft/seconds", "eval-sft/accuracy_strict"])
+    [('eval-baseline', None), ('eval-baseline', 'gsm8k'), ('eval-sft', None)]
+    """
+    keys: dict[tuple[str, str | None], None] = {}
+    for name in names:
+        stage, metric, eval_set, ops = _split(name)
+        if stage.startswith("eval-") and ops is None and metric in HEADLINE_METRICS:
+            keys[(stage, eval_set)] = None
+    order = list(dict.fromkeys(stage for stage, _ in keys))
+    return sorted(keys, key=lambda k: (order.index(k[0]), k[1] is not None))
+
+
+def _name(stage: str, metric: str, eval_set: str | None) -> str:
+    return f"{stage}/{metric}" + (f"/{eval_set}" if eval_set else "")
+
+
+def _value_cell(metrics: Mapping[str, float], stage: str, metric: str, eval_set: str | None) -> str:
+    value = metrics.get(_name(stage, metric, eval_set))
+    if value is None:
+        return "-"
+    low, high = (metrics.get(_name(stage, bound, eval_set)) for bound in interval_names(metric))
+    return format_percent(value, low, high)
+
+
+def _delta_cell(metrics: Mapping[str, float], stage: str, metric: str, eval_set: str | None) -> str | None:
+    """The paired change the run logged for this stage (None when it logged none)."""
+    delta = metrics.get(_name(stage, f"delta_{metric}", eval_set))
+    if delta is None:
+        return None
+    low, high = (metrics.get(_name(stage, bound, eval_set)) for bound in interval_names(f"delta_{metric}"))
+    if low is None or high is None:
+        return f"{100 * delta:+.1f}"
+    change = Interval(delta, low, high, "paired")
+    return change.points() + (f" {SIGNIFICANT}" if change.excludes(0) else "")
+
+
+def _previous(keys: Sequence[tuple[str, str | None]], index: int) -> str | None:
+    stage, eval_set = keys[index]
+    earlier = [s for s, e in keys[:index] if e == eval_set and s != stage]
+    return earlier[-1] if earlier else None
+
+
+def format_headline(
+    columns: Sequence[Mapping[str, float]], names: Sequence[str]
+) -> list[tuple[str, list[str]]]:
+    """Headline rows, one cell per run (``columns``: each run's ``<stage>/<metric>`` values):
+    each metric with its interval, and under it the change from the evaluation before it."""
+    keys = headline_keys(names)
+    rows: list[tuple[str, list[str]]] = []
+    for index, (stage, eval_set) in enumerate(keys):
+        where = stage + (f" [{eval_set}]" if eval_set else "")
+        previous = _previous(keys, index)
+        for metric in HEADLINE_METRICS:
+            values = [_value_cell(m, stage, metric, eval_set) for m in columns]
+            if all(v == "-" for v in values):
+                continue
+            rows.append((f"{where} {_LABELS[metric]}", values))
+            deltas = [_delta_cell(m, stage, metric, eval_set) for m in columns]
+            if previous is not None and any(d is not None for d in deltas):
+                label = f"  change from {previous.removeprefix('eval-')}"
+                rows.append((label, [d or "-" for d in deltas]))
+    return rows
+
+
+# --------------------------------------------------------------------------- across seeds
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    """One pipeline run of a seed group: its seed and its ``<stage>/<metric>`` values."""
+
+    run_id: str
+    seed: int
+    metrics: Mapping[str, float]
+
+
+def seed_groups(runs: Sequence[tuple[str | None, SeedRun]]) -> dict[str, list[SeedRun]]:
+    """Runs by seed group (runs without one are left out), one run per seed (the last given wins:
+    a rerun of a seed is the same measurement again), groups with fewer than two seeds dropped.
+
+    >>> runs = [("g", SeedRun("a", 0, {})), ("g", SeedRun("b", 1, {})), ("g", SeedRun("c", 1, {})),
+    ...         ("h", SeedRun("d", 0, {})), (None, SeedRun("e", 2, {}))]
+    >>> {g: [r.run_id for r in rs] for g, rs in seed_groups(runs).items()}
+    {'g': ['a', 'c']}
+    """
+    groups: dict[str, dict[int, SeedRun]] = {}
+    for group, run in runs:
+        if group:
+            groups.setdefault(group, {})[run.seed] = run
+    return {
+        group: [by_seed[s] for s in sorted(by_seed)] for group, by_seed in groups.items() if len(by_seed) >= 2
+    }
+
+
+def _spread(values: Sequence[float], points: bool) -> list[str]:
+    """mean, sd, min-max, interval over seeds (percent, or percentage points for changes)."""
+    interval = t_interval(values)
+    scale = 100.0
+    fmt = "{:+.1f}" if points else "{:.1f}"
+    sd = (sum((v - interval.estimate) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    mark = f" {SIGNIFICANT}" if points and interval.excludes(0) else ""
+    return [
+        fmt.format(scale * interval.estimate) + ("" if points else "%"),
+        f"{scale * sd:.1f}",
+        f"{fmt.format(scale * min(values))} to {fmt.format(scale * max(values))}",
+        f"[{fmt.format(scale * interval.low)}, {fmt.format(scale * interval.high)}]{mark}",
+    ]
+
+
+def _seed_value(run: SeedRun, stage: str, metric: str, eval_set: str | None) -> float | None:
+    return run.metrics.get(_name(stage, metric, eval_set))
+
+
+def _seed_delta(run: SeedRun, stage: str, previous: str, metric: str, eval_set: str | None) -> float | None:
+    """This seed's change from ``previous`` to ``stage``: the paired one it logged, else the difference."""
+    logged = run.metrics.get(_name(stage, f"delta_{metric}", eval_set))
+    if logged is not None:
+        return logged
+    after, before = _seed_value(run, stage, metric, eval_set), _seed_value(run, previous, metric, eval_set)
+    return None if after is None or before is None else after - before
+
+
+def format_seed_groups(groups: Mapping[str, Sequence[SeedRun]], names: Sequence[str]) -> list[str]:
+    """Text lines: per seed group, per headline stage, set and metric, the seeds' mean, sd, range and
+    95 % t interval, and the same for each stage's change (``*``: its interval excludes zero)."""
+    lines: list[str] = []
+    keys = headline_keys(names)
+    for group, runs in groups.items():
+        seeds = ", ".join(str(r.seed) for r in runs)
+        lines += [
+            "",
+            f"across seeds: group {group} (seeds {seeds}): mean, sd, range and 95% t interval over the "
+            f"{len(runs)} seeds ({SIGNIFICANT}: a change whose interval excludes 0)",
+        ]
+        table: list[list[str]] = [["stage", "metric", "mean", "sd", "range", "95% CI over seeds"]]
+        for index, (stage, eval_set) in enumerate(keys):
+            where = stage + (f" [{eval_set}]" if eval_set else "")
+            previous = _previous(keys, index)
+            for metric in HEADLINE_METRICS:
+                values = [v for r in runs if (v := _seed_value(r, stage, metric, eval_set)) is not None]
+                if len(values) >= 2:
+                    table.append([where, _LABELS[metric], *_spread(values, points=False)])
+                if previous is None:
+                    continue
+                changes = [
+                    d for r in runs if (d := _seed_delta(r, stage, previous, metric, eval_set)) is not None
+                ]
+                if len(changes) >= 2:
+                    label = f"  change from {previous.removeprefix('eval-')}"
+                    table.append([label, _LABELS[metric], *_spread(changes, points=True)])
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        lines += [
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table
+        ]
+    return lines
