@@ -39,11 +39,11 @@ import difflib
 import importlib
 import inspect
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from posttrain.core.errors import ConfigError
+from posttrain.core.library_policy import CUSTOM_CODE_ENV, allow_custom_code, custom_code_allowed
 from posttrain.rewards.accuracy import arithmetic_reward, correctness_reward, int_answer_reward
 from posttrain.rewards.format import soft_format_reward, strict_format_reward, xml_count_reward
 from posttrain.rewards.scaling import make_adaptive_scaler, reward_name
@@ -82,7 +82,6 @@ FACTORIES: dict[str, Callable[..., Callable[..., list[float | None]]]] = {
     "repetition": make_repetition_penalty,
 }
 ADAPTIVE_PARAM = "adaptive"
-CUSTOM_CODE_ENV = "POSTTRAIN_ALLOW_CUSTOM_CODE"
 # Keywords TRL passes every reward besides the dataset columns (FACTS.md, TRL 1.16), and the columns
 # of posttrain's prepared data: a reward's required parameters must be among them.
 _REWARD_KEYWORDS = {
@@ -102,20 +101,6 @@ _REWARD_KEYWORDS = {
 
 class CustomCodeRefused(ConfigError):
     """A config names code (``module:function``) and the opt-in is absent."""
-
-
-def custom_code_allowed() -> bool:
-    """Whether custom ``module:function`` rewards may be imported: ``$POSTTRAIN_ALLOW_CUSTOM_CODE``.
-
-    The opt-in lives outside the config on purpose: a config (or a deployment's parameters) must
-    never be able to grant itself the right to run code.
-    """
-    return os.environ.get(CUSTOM_CODE_ENV, "").strip().lower() in {"1", "true", "yes"}
-
-
-def allow_custom_code() -> None:
-    """Opt in for this process and the processes it starts (what ``--allow-custom-code`` does)."""
-    os.environ[CUSTOM_CODE_ENV] = "1"
 
 
 def is_custom(name: str) -> bool:
