@@ -13,6 +13,14 @@ from typing import Any
 
 from posttrain.core.config import PipelineConfig, parse_config, read_config_mapping
 from posttrain.core.errors import ConfigError
+from posttrain.core.inputs import check_config_values, path_problem
+from posttrain.pipeline.input_checks import (
+    check_bounds,
+    check_generation_lengths,
+    check_local_data,
+    check_model,
+    check_tracking_uri,
+)
 from posttrain.pipeline.launcher import accelerate_setup
 from posttrain.rewards.registry import check_reward
 
@@ -58,8 +66,11 @@ def check_paths(cfg: PipelineConfig, source: str = "<config>") -> None:
         if extra.data == "local" and extra.path:
             wanted.append((f"eval.extra_sets.{i}.path", extra.path))
     for key, path in wanted:
-        if not Path(path).expanduser().exists():
+        problem = path_problem(path)
+        if problem == "no such file or folder":
             raise ConfigError(f"{source}: {key}: no such file or folder: {path} (from {Path.cwd()})")
+        if problem is not None:  # a FIFO or a device: reading it would hang or never end
+            raise ConfigError(f"{source}: {key}: {path} {problem}")
 
 
 def check_launchers(cfg: PipelineConfig, source: str = "<config>") -> None:
@@ -134,13 +145,20 @@ def check_vllm_server(cfg: PipelineConfig, source: str = "<config>") -> None:
 
 
 def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
-    """A config mapping checked against the schema, the reward registry and the file system."""
+    """A config mapping checked against the schema, the reward registry and the file system: what
+    the model, the files and the URIs it names are, and that its numbers are sensible
+    (:mod:`posttrain.pipeline.input_checks`). Nothing is written, no server is asked."""
+    check_config_values(raw, source)  # a mapping from elsewhere than a file (a deployment's parameters)
     cfg = parse_config(raw, source)
+    check_bounds(cfg, source)
     check_rewards(cfg, source)
+    check_generation_lengths(cfg, check_model(cfg, source), source)
     check_paths(cfg, source)
     check_launchers(cfg, source)
     check_shared_store(cfg, source)
     check_vllm_server(cfg, source)
+    check_tracking_uri(cfg, source)
+    check_local_data(cfg)
     return cfg
 
 
