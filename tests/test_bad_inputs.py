@@ -808,6 +808,15 @@ TRUST_CASES = [
         f"{{cfg}}: MLFLOW_TRACKING_URI=http://user:***@127.0.0.1:{PORT}: not a URI",
     ),
     (
+        "credential in a trainer option",  # transformers would log it to MLflow as it is
+        [f"sft.trainer.run_name=https://u:{SECRET}@runs.example.com/x"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: sft.trainer: option 'run_name' holds a credential",
+    ),
+    (
         "a model named by a URL with credentials",
         [f"model.name=https://user:{SECRET}@huggingface.co/org/model"],
         None,

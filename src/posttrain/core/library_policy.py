@@ -14,7 +14,8 @@ config can come from anyone (a shared recipe, a Prefect deployment's parameters)
 Three kinds of key are decided here:
 
 * **managed**: posttrain sets them itself (``output_dir``, ``bf16``, ``push_to_hub``, peft's
-  ``task_type``...); accepting them from YAML would silently fight the pipeline. Always refused.
+  ``task_type``...); accepting them from YAML would silently fight the pipeline. Always refused, as
+  is a trainer option holding a credential: transformers logs every trainer option to MLflow.
 * **code**: keys that load or run code; refused without the opt-in.
 * **server flags**: ``vllm_server.extra_args`` are parsed by the rules ``trl vllm-serve``'s argument
   parser applies, except that an abbreviation (``--mod`` for ``--model``) is refused, and each flag
@@ -32,6 +33,8 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from posttrain.core.redact import redact
 
 __all__ = [
     "CUSTOM_CODE_ENV",
@@ -131,6 +134,13 @@ def check_trainer_options(options: Mapping[str, Any]) -> None:
     for key in options:
         if key in MANAGED_TRAINER_KEYS:
             raise ValueError(f"'{key}' is managed by posttrain: {MANAGED_TRAINER_KEYS[key]}")
+    for key, value in options.items():
+        if redact({key: value}) != {key: value}:
+            raise ValueError(
+                f"option '{key}' holds a credential (a secret-looking key, a URI password or a token): "
+                "transformers logs every trainer option to MLflow as it is; pass credentials through "
+                "the environment (HF_TOKEN, ...)"
+            )
     if custom_code_allowed():
         return
     for key, value in options.items():
