@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from posttrain.core.hashing import package_versions, sha256_file, stable_hash
 from posttrain.core.redact import redact
+from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
 
 __all__ = ["deferred_memos", "flush_memos", "memo_dir", "remembered_check"]
 
@@ -120,12 +121,8 @@ def _rebuild(name: str, key: str, options: Any, saved: Any) -> tuple[bool, Any]:
 
 def _read_entry(path: Path) -> Any:
     try:
-        with path.open("rb") as fh:
-            data = fh.read(_MAX_ENTRY_BYTES + 1)
-        if len(data) > _MAX_ENTRY_BYTES:
-            return None
-        return json.loads(data.decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
+        return read_json_bounded(path, max_bytes=_MAX_ENTRY_BYTES)
+    except (OSError, UntrustedContentError):
         return None
 
 

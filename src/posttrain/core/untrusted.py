@@ -83,17 +83,8 @@ def loads_bounded(text: str | bytes, where: str, *, max_depth: int = MAX_DEPTH) 
     return value
 
 
-def read_json_bounded(
-    path: str | Path,
-    *,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    max_depth: int = MAX_DEPTH,
-    expect: type | None = None,
-) -> Any:
-    """The JSON in ``path``: at most ``max_bytes``, ``max_depth`` deep, a regular file, of type
-    ``expect`` when given. Raises :class:`UntrustedContentError` naming the file (FileNotFoundError
-    for a missing one, so callers can tell "not there" from "damaged")."""
-    path = Path(path)
+def _read_bounded(path: Path, max_bytes: int) -> bytes:
+    """The bytes of a regular file, at most ``max_bytes`` (FileNotFoundError when there is none)."""
     try:
         if not path.is_file():
             if not path.exists():
@@ -107,6 +98,21 @@ def read_json_bounded(
         raise UntrustedContentError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if len(data) > max_bytes:
         raise UntrustedContentError(f"{path}: larger than {max_bytes} bytes")
+    return data
+
+
+def read_json_bounded(
+    path: str | Path,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_depth: int = MAX_DEPTH,
+    expect: type | None = None,
+) -> Any:
+    """The JSON in ``path``: at most ``max_bytes``, ``max_depth`` deep, a regular file, of type
+    ``expect`` when given. Raises :class:`UntrustedContentError` naming the file (FileNotFoundError
+    for a missing one, so callers can tell "not there" from "damaged")."""
+    path = Path(path)
+    data = _read_bounded(path, max_bytes)
     value = loads_bounded(data, str(path), max_depth=max_depth)
     if expect is not None and not isinstance(value, expect):
         kind = {dict: "a JSON object", list: "a JSON list"}.get(expect, expect.__name__)
@@ -120,19 +126,7 @@ def read_jsonl_bounded(
     """Every non-blank line of a JSON-lines file, parsed as :func:`read_json_bounded` parses a file
     (errors name ``file:line``)."""
     path = Path(path)
-    try:
-        if not path.is_file():
-            if not path.exists():
-                raise FileNotFoundError(2, "No such file", str(path))
-            raise UntrustedContentError(f"{path}: not a regular file")
-        with path.open("rb") as fh:
-            data = fh.read(max_bytes + 1)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise UntrustedContentError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if len(data) > max_bytes:
-        raise UntrustedContentError(f"{path}: larger than {max_bytes} bytes")
+    data = _read_bounded(path, max_bytes)
     return [
         loads_bounded(line, f"{path}:{number}", max_depth=max_depth)
         for number, line in enumerate(data.splitlines(), start=1)
