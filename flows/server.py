@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from urllib.parse import urlsplit
 
 from posttrain.core.net import unreachable
 from posttrain.flows.prefect_compat import import_embedded_server, kill_embedded_server, start_embedded_server
@@ -95,6 +96,9 @@ def prefect_api_problem() -> str | None:
     url = os.environ.get("PREFECT_API_URL")
     if not url:
         return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return "not an http(s) URL of a Prefect API (http://host:4200/api)"
     problem = unreachable(url.rstrip("/") + "/health")
     return f"Prefect server unreachable: {problem}" if problem else None
 

@@ -1,17 +1,26 @@
 """Bad input, table-driven: every case exits 2 with exactly one line on stderr that names the file and
 the key (or the file and line, or the flag), prints no traceback, and writes nothing: no store, no
-tracking database. Each case goes through `posttrain run` (or `eval`), where a late failure would
-cost the most: it must be found before the store is locked, a server starts or a model loads."""
+tracking database, no remembered option check. Each case goes through `posttrain run` (or `eval`),
+where a late failure would cost the most: it must be found before the store is locked, a server
+starts or a model loads.
+
+:data:`CASES` are the first round; :data:`TRUST_CASES` the second (issue 29), one group per class:
+remote code a config cannot switch on, secrets that never reach the error line, a store that stays
+inside itself, inputs found before anything starts, errors from deep inside libraries, absurd values.
+"""
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from posttrain.cli import main
-from posttrain.rewards.registry import CUSTOM_CODE_ENV
+from posttrain.core.library_policy import CUSTOM_CODE_ENV
 
 BASE = """\
 name: bad
@@ -658,12 +667,597 @@ CASES = [
     ),
 ]
 
+SECRET = "s3cr@t:pw%40x"
+"""A password holding the characters that broke redaction before (issue 29): '@', ':', '%40'."""
+SLASH_SECRET = "s3cr@t:p/w"
+"""One holding '/' too: no URI parser reads the host after it, so only its form can be judged."""
+SECRET_PARTS = ("s3cr", "pw%40x", "p/w")
+
+
+def _fifo(name: str):
+    """A setup that makes ``name`` (relative to the test's folder) a FIFO. A writer feeds it after a
+    few seconds, so code that wrongly reads it fails the test instead of hanging it."""
+
+    def setup(tmp: Path) -> None:
+        path = tmp / name
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+
+        def feed() -> None:
+            time.sleep(5)
+            with open(path, "w") as fh:  # noqa: PTH123 - blocks until a reader opens it
+                fh.write(BASE)
+
+        threading.Thread(target=feed, daemon=True).start()
+
+    return setup
+
+
+def _files(files: dict[str, str] | None = None, dirs: tuple[str, ...] = ()):
+    """A setup that makes ``dirs`` and writes ``files`` (name -> text) in the test's folder."""
+
+    def setup(tmp: Path) -> None:
+        for name in dirs:
+            (tmp / name).mkdir(parents=True, exist_ok=True)
+        for name, content in (files or {}).items():
+            (tmp / name).write_text(content)
+
+    return setup
+
+
+def _linked_store(tmp: Path) -> None:
+    (tmp / "linked").mkdir()
+    (tmp / "linked" / ".posttrain-store").write_text("{}")
+    (tmp / "outside" / "x.tmp-1").mkdir(parents=True)
+    (tmp / "linked" / "stages").symlink_to(tmp / "outside")
+
+
+def _alias_bomb() -> str:
+    """897 bytes that expand to 10^7 values (the example of issue 29)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 8):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n" + BASE
+
+
+DEEP = 5000
+# (id, --set overrides, config text (str or bytes; None: BASE), extra argv, env, setup(tmp) or None,
+# expected fragment); the second round of cases, one group per class of issue 29.
+TRUST_CASES = [
+    # -- 1. a config cannot make a library load or run code without the opt-in from outside it
+    (
+        "trust_remote_code in a trainer",
+        ["sft.trainer.trust_remote_code=true"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: sft.trainer: option 'trust_remote_code' would let transformers and vLLM run the model "
+        "repository's own code; allow it with --allow-custom-code",
+    ),
+    (
+        "trust_remote_code as a YAML word",  # TRL would read 'yes' as true
+        ["grpo.stages.0.trainer.trust_remote_code='yes'"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.trainer: option 'trust_remote_code' would let",
+    ),
+    (
+        "trust_remote_code in model_init_kwargs (the reference model)",
+        [
+            "grpo.stages.0.trainer.beta=0.1",
+            "grpo.stages.0.trainer.model_init_kwargs={trust_remote_code: true}",
+        ],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.trainer: option 'model_init_kwargs.trust_remote_code' would let",
+    ),
+    (
+        "hub kernels in model_init_kwargs",
+        ["dpo.trainer.model_init_kwargs={use_kernels: true}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: dpo.trainer: option 'model_init_kwargs.use_kernels' would download and run kernels",
+    ),
+    (
+        "a from_pretrained option off the allow list",
+        ["grpo.stages.0.trainer.model_init_kwargs={pretrained_model_name_or_path: evil/model}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.trainer: option 'model_init_kwargs.pretrained_model_name_or_path' is not "
+        "among the loading options a config may pass",
+    ),
+    (
+        "a generation loop from the hub",
+        ["grpo.stages.0.trainer.generation_kwargs={custom_generate: evil/loop}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.trainer: option 'generation_kwargs.custom_generate' would download and run",
+    ),
+    (
+        "attention kernel from a hub repository",
+        ["model.attn_implementation=kernels-community/flash-attn"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: model.attn_implementation: attn_implementation 'kernels-community/flash-attn' names a "
+        "kernel repository on the Hugging Face Hub",
+    ),
+    (
+        "attention kernel from a hub repository in model_init_kwargs",
+        ["grpo.stages.0.trainer.model_init_kwargs={attn_implementation: 'evil/kernel:fn'}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.trainer: model_init_kwargs.attn_implementation 'evil/kernel:fn' names a kernel",
+    ),
+    (
+        "an attention implementation transformers does not have",
+        ["model.attn_implementation=fastest"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: model.attn_implementation: attn_implementation 'fastest' is not one of transformers'",
+    ),
+    (
+        "peft imports a module by name",
+        ["model.lora={r: 4, megatron_core: os, megatron_config: {}}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: model.lora: option 'megatron_core' names a module peft imports",
+    ),
+    (
+        "server flags abbreviated (--mod, --hos)",  # argparse would swap the model, bind every interface
+        ["vllm_server={gpus: [1], extra_args: [--mod, other/model, --hos, 0.0.0.0]}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: vllm_server.extra_args: '--mod': abbreviations are refused (argparse would read it as --model)",
+    ),
+    (
+        "server flag abbreviated with =",
+        ["vllm_server={gpus: [1], extra_args: [--hos=0.0.0.0]}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: vllm_server.extra_args: '--hos=0.0.0.0': abbreviations are refused (argparse would read it as --host)",
+    ),
+    (
+        "server flag off the allow list",
+        ["vllm_server={gpus: [1], extra_args: [--trust-remote-code]}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: vllm_server.extra_args: --trust-remote-code is not among the server flags a config may pass",
+    ),
+    (
+        "server config file that sets environment variables",
+        ["vllm_server={gpus: [1], extra_args: [--config, env.yaml]}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: vllm_server.extra_args: --config is not among the server flags",
+    ),
+    (
+        "a bare word in server flags (another model to vllm serve)",
+        ["vllm_server={gpus: [1], extra_args: [other/model]}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: vllm_server.extra_args: 'other/model' is not a --flag",
+    ),
+    (
+        "a server flag's value out of range",
+        ["vllm_server={gpus: [1], extra_args: [--gpu-memory-utilization, '1.5']}"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: vllm_server.extra_args: --gpu-memory-utilization: '1.5' is not a fraction in (0, 1]",
+    ),
+    (
+        "posttrain's own server flag even with the opt-in",
+        ["vllm_server={gpus: [1], extra_args: [--model, other/model]}"],
+        None,
+        [],
+        {CUSTOM_CODE_ENV: "1"},
+        None,
+        "{cfg}: vllm_server.extra_args: --model is set by posttrain (the stage's model); remove it",
+    ),
+    # -- 2. secrets never reach the error line (nor disk: tests/test_secrets.py)
+    (
+        "password with @ : / and %40 in an unreachable MLFLOW_TRACKING_URI",
+        ["tracking.tracking_uri=null"],
+        None,
+        [],
+        {"MLFLOW_TRACKING_URI": f"http://user:{SECRET}@127.0.0.1:{PORT}"},
+        None,
+        f"{{cfg}}: MLFLOW_TRACKING_URI=http://user:***@127.0.0.1:{PORT}: MLflow tracking server unreachable",
+    ),
+    (
+        "password with / in MLFLOW_TRACKING_URI",
+        ["tracking.tracking_uri=null"],
+        None,
+        [],
+        {"MLFLOW_TRACKING_URI": f"http://user:{SLASH_SECRET}@127.0.0.1:{PORT}"},
+        None,
+        f"{{cfg}}: MLFLOW_TRACKING_URI=http://user:***@127.0.0.1:{PORT}: not a URI",
+    ),
+    (
+        "credential in a trainer option",  # transformers would log it to MLflow as it is
+        [f"sft.trainer.run_name=https://u:{SECRET}@runs.example.com/x"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: sft.trainer: option 'run_name' holds a credential",
+    ),
+    (
+        "a model named by a URL with credentials",
+        [f"model.name=https://user:{SECRET}@huggingface.co/org/model"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: model.name: https://user:***@huggingface.co/org/model is a URL, not a model",
+    ),
+    # -- 3. only a marked folder is a store, and a store stays inside itself
+    (
+        "a folder holding only data/ and results/ is not a store",
+        ["orchestration.store={tmp}/lookalike"],
+        None,
+        [],
+        {},
+        _files(dirs=("lookalike/data", "lookalike/results")),
+        "{cfg}: orchestration.store: {tmp}/lookalike is not a posttrain store (no .posttrain-store marker) "
+        "and holds data, results",
+    ),
+    (
+        "a store whose stages/ links outside it",
+        ["orchestration.store={tmp}/linked"],
+        None,
+        [],
+        {},
+        _linked_store,
+        "{cfg}: orchestration.store: {tmp}/linked/stages is a symbolic link",
+    ),
+    # -- 5. found before any store, lock, server or model: the model, paths, URIs
+    (
+        "missing model folder",
+        ["model.name=./models/none"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: model.name: ./models/none: no such file or folder",
+    ),
+    (
+        "missing .gguf file",
+        ["model.name=weights/model.Q4.gguf"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: model.name: weights/model.Q4.gguf: no such file or folder",
+    ),
+    (
+        "a folder that is not a model",
+        ["model.name={tmp}/notamodel"],
+        None,
+        [],
+        {},
+        _files(dirs=("notamodel",)),
+        "{cfg}: model.name: {tmp}/notamodel is not a Hugging Face model folder (no config.json)",
+    ),
+    (
+        "a .gguf name that is a folder",
+        ["model.name={tmp}/dir.gguf"],
+        None,
+        [],
+        {},
+        _files(dirs=("dir.gguf",)),
+        "{cfg}: model.name: {tmp}/dir.gguf is a folder, not a file",
+    ),
+    (
+        "a model named by a file:// URL",
+        ["model.name=file:///models/llama"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: model.name: file:///models/llama is a URL, not a model",
+    ),
+    (
+        "a model name that is no hub id",
+        ["model.name=org/../model"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: model.name: 'org/../model' is not a hub id (org/name)",
+    ),
+    (
+        "config is a FIFO",
+        None,
+        None,
+        [],
+        {},
+        _fifo("bad.yaml"),
+        "{cfg}: cannot read config: it is a FIFO (named pipe), not a regular file or folder",
+    ),
+    (
+        "data path is a FIFO",
+        ["data.source=local", "data.path=pipe.jsonl"],
+        None,
+        [],
+        {},
+        _fifo("pipe.jsonl"),
+        "{cfg}: data.path: pipe.jsonl is a FIFO (named pipe), not a regular file or folder",
+    ),
+    (
+        "eval path is a device",
+        ["eval.data=local", "eval.path=/dev/zero"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: eval.path: /dev/zero is a character device, not a regular file or folder",
+    ),
+    (
+        "accelerate config is a FIFO",
+        ["training.launcher=accelerate", "training.accelerate_config=pipe.yaml"],
+        None,
+        [],
+        {},
+        _fifo("pipe.yaml"),
+        "{cfg}: training.accelerate_config: pipe.yaml is a FIFO (named pipe)",
+    ),
+    (
+        "malformed local data line",  # before: found 13 s into the run, after mlflow.db existed
+        ["data.source=local", "data.path=bad.jsonl"],
+        None,
+        [],
+        {},
+        _files(
+            {
+                "bad.jsonl": '{"question": "q?", "answer": "so #### 4"}\n{"question": "q2?", "answer": "none"}\n'
+            }
+        ),
+        "error: bad.jsonl:2: answer has no '#### <number>' final line",
+    ),
+    (
+        "malformed eval data line",
+        ["eval.data=local", "eval.path=test.jsonl"],
+        None,
+        [],
+        {},
+        _files({"test.jsonl": '{"question": "q?", "answer": "so #### 4"}\n{"question": \n'}),
+        "error: test.jsonl:2: malformed JSON",
+    ),
+    (
+        "unreachable tracking database (not http)",
+        [f"tracking.tracking_uri=postgresql://mlflow:{SECRET}@127.0.0.1:{PORT}/mlflow"],
+        None,
+        [],
+        {},
+        None,
+        f"{{cfg}}: tracking.tracking_uri: MLflow tracking database unreachable: 127.0.0.1:{PORT}: connection refused",
+    ),
+    (
+        "a tracking URI MLflow cannot use",
+        ["tracking.tracking_uri=ftp://host/mlruns"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: tracking.tracking_uri: ftp is not a tracking store MLflow knows",
+    ),
+    (
+        "a database tracking URI without a host",
+        ["tracking.tracking_uri=postgresql:///mlflow"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: tracking.tracking_uri: postgresql needs a host",
+    ),
+    (
+        "PREFECT_API_URL that is not a URL",
+        [],
+        None,
+        [],
+        {"PREFECT_API_URL": "localhost:4200/api"},
+        None,
+        "{cfg}: PREFECT_API_URL=localhost:4200/api: not an http(s) URL of a Prefect API",
+    ),
+    # -- 6. what reaches deep into a library: encodings, nesting, names the file system refuses
+    ("config in Latin-1", None, ("# café\n" + BASE).encode("latin-1"), [], {}, None, "{cfg}: not UTF-8 text"),
+    ("config in UTF-16", None, BASE.encode("utf-16"), [], {}, None, "{cfg}: not UTF-8 text"),
+    (
+        "YAML nested thousands deep",
+        None,
+        BASE + "extra: " + "[" * DEEP + "]" * DEEP + "\n",
+        [],
+        {},
+        None,
+        "{cfg}:11: nested deeper than 32 levels",
+    ),
+    (
+        "--set nested thousands deep",
+        ["data.synthetic=" + "[" * DEEP + "]" * DEEP],
+        None,
+        [],
+        {},
+        None,
+        "override data.synthetic:1: nested deeper than 32 levels",
+    ),
+    (
+        "--set key path thousands deep",
+        [".".join(["x"] * DEEP) + "=1"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: nested deeper than 32 levels",
+    ),
+    (
+        "a JSONL line nested thousands deep",
+        ["data.source=local", "data.path=deep.jsonl"],
+        None,
+        [],
+        {},
+        _files({"deep.jsonl": '{"question": ' + "[" * DEEP + "]" * DEEP + ', "answer": "#### 1"}\n'}),
+        "error: deep.jsonl:1: nested too deeply to be a GSM8K record",
+    ),
+    (
+        "a stage name too long for the file system",
+        ["grpo.stages.0.name=" + "s" * 300],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.name: 300 characters; at most 64",
+    ),
+    (
+        "an extra set name ending in a newline",
+        ['eval.extra_sets=[{name: "gsm\\n", data: synthetic}]'],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: eval.extra_sets.0.name: set name 'gsm\\n' must be",
+    ),
+    ("a YAML alias bomb", None, _alias_bomb(), [], {}, None, "{cfg}:1: expands to more than 100,000 values"),
+    ("a config of megabytes", None, BASE + "#" * (1 << 21), [], {}, None, "{cfg}: larger than 1024 KiB"),
+    # -- 7. absurd values
+    (
+        "NaN reward weight",
+        ["grpo.stages.0.rewards.0.weight=.nan"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.rewards.0.weight: must be a finite number, got nan",
+    ),
+    (
+        "infinite learning rate",
+        ["sft.trainer.learning_rate=.inf"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: sft.trainer.learning_rate: must be a finite number, got inf",
+    ),
+    (
+        "learning rate 'nan' as text (coerced by TRL's type)",
+        ["dpo.trainer.learning_rate='nan'"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: dpo.trainer: option 'learning_rate' must be > 0, got nan",
+    ),
+    (
+        "infinite monitor threshold (a typed field)",
+        ["grpo.stages.0.monitor.kl_threshold=.inf"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.monitor.kl_threshold: must be a finite number, got inf",
+    ),
+    (
+        "max_new_tokens beyond the model's context",
+        ["eval.max_new_tokens=100000"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: eval.max_new_tokens: 100000 tokens is beyond the context of tiny-random (2048 tokens)",
+    ),
+    (
+        "completion length beyond the model's context",
+        ["grpo.stages.0.trainer.max_completion_length=4096"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.trainer.max_completion_length: 4096 tokens is beyond the context of tiny-random",
+    ),
+    (
+        "batch size of 10^5",
+        ["sft.trainer.per_device_train_batch_size=100000"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: sft.trainer: option 'per_device_train_batch_size' must be at most 65,536, got 100000",
+    ),
+    (
+        "num_generations of 10^5",
+        ["grpo.stages.0.trainer.num_generations=100000"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.trainer: option 'num_generations' must be at most 4,096",
+    ),
+    (
+        "10^12 synthetic examples",
+        ["data.synthetic.num_examples=1000000000000"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: data.synthetic.num_examples: 1000000000000 is more than posttrain can use (at most 10,000,000)",
+    ),
+    (
+        "evaluation batch of a million",
+        ["eval.batch_size=1000000"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: eval.batch_size: 1000000 is more than posttrain can use (at most 65,536)",
+    ),
+    (
+        "a number beyond any setting",
+        ["seed=1.0e+300"],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: seed: 1e+300 is beyond any sensible setting",
+    ),
+]
+
 
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", CUSTOM_CODE_ENV):
+    for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", CUSTOM_CODE_ENV, "POSTTRAIN_CHECK_MEMO"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))  # remembered checks land here
     (tmp_path / "afile").write_text("a file, not a folder")
     return tmp_path
 
@@ -680,15 +1274,36 @@ def test_there_are_at_least_thirty_cases():
     assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
 
 
+ALL_CASES = [(*c[:5], None, c[5]) for c in CASES] + TRUST_CASES
+
+
+def _tree(root: Path) -> dict[str, int]:
+    """Every entry under ``root`` (links not followed) with its modification time."""
+    found = {}
+    for top, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            path = os.path.join(top, name)
+            found[os.path.relpath(path, root)] = os.lstat(path).st_mtime_ns
+    return found
+
+
 @pytest.mark.parametrize(
-    ("sets", "text", "argv", "env", "fragment"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+    ("sets", "text", "argv", "env", "setup", "fragment"),
+    [c[1:] for c in ALL_CASES],
+    ids=[c[0] for c in ALL_CASES],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
-    sets, text, argv, env, fragment, isolated, capfd, monkeypatch
+    sets, text, argv, env, setup, fragment, isolated, capfd, monkeypatch
 ):
     tmp = isolated
     cfg = tmp / "bad.yaml"
-    cfg.write_text(BASE if text is None else text)
+    content = BASE if text is None else text
+    if isinstance(content, bytes):
+        cfg.write_bytes(content)
+    else:
+        cfg.write_text(content)
+    if setup is not None:
+        setup(tmp)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     base_sets = [
@@ -696,6 +1311,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
         f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
     ]
     overrides = [s.replace("{tmp}", str(tmp)) for s in (*base_sets, *(sets or []))]
+    before = _tree(tmp)
     start = time.monotonic()
     code = main(["run", str(cfg), *[a for s in overrides for a in ("--set", s)], *argv])
     elapsed = time.monotonic() - start
@@ -705,9 +1321,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err and out == ""
     assert fragment.format(cfg=cfg, tmp=tmp) in lines[0]
-    assert not (tmp / "store").exists() and not (tmp / "mlflow.db").exists()
-    assert not (tmp / ".posttrain-store").exists()
-    assert not (tmp / "mlruns").exists() and not (tmp / ".posttrain").exists()
+    assert not any(part in err for part in SECRET_PARTS), err  # planted secrets are never shown
+    assert _tree(tmp) == before  # no store, no mlflow.db, no remembered check: nothing at all
     assert elapsed < 10  # unreachable servers included: a few seconds, not MLflow's minutes of retries
 
 
@@ -730,27 +1345,198 @@ def test_bad_eval_flags_are_one_line(flag, value, fragment, isolated, capfd):
     assert not (isolated / "out").exists()
 
 
-def test_a_bad_record_found_inside_a_step_is_one_line_without_prefects_tracebacks(isolated, capfd):
-    """Only the data step can see a file's records: the error crosses Prefect's task and flow, which
-    would each print the traceback first; the user sees posttrain's line, and the runs say FAILED."""
+def test_an_error_found_inside_a_step_is_one_line_without_prefects_tracebacks(isolated, capfd):
+    """Only the data step can see that too few records are left for the held-out slice: the error
+    crosses Prefect's task and flow, which would each print the traceback first; the user sees
+    posttrain's line, and the runs say FAILED. (A malformed line is found before anything starts:
+    the "malformed local data line" case of the table.)"""
     import sqlite3
 
     tmp = isolated
-    (tmp / "bad.jsonl").write_text(
-        '{"question": "q?", "answer": "so #### 4"}\n{"question": "q2?", "answer": "none"}\n'
+    (tmp / "two.jsonl").write_text(
+        '{"question": "q?", "answer": "so #### 4"}\n{"question": "q2?", "answer": "so #### 5"}\n'
     )
-    cfg = tmp / "badrec.yaml"
+    cfg = tmp / "few.yaml"
     cfg.write_text(
-        "model: {name: tiny-random, precision: fp32}\ndata: {source: local, path: bad.jsonl, eval_size: 1}\n"
+        "model: {name: tiny-random, precision: fp32}\ndata: {source: local, path: two.jsonl, eval_size: 2}\n"
         f"tracking: {{log_model: false, tracking_uri: 'sqlite:///{tmp / 'mlflow.db'}'}}\n"
         f"orchestration: {{store: {tmp / 'store'}}}\n"
     )
     code = main(["run", str(cfg), "--set", f"model.cache_dir={tmp / 'models'}"])
     err = capfd.readouterr().err
     assert code == 2
-    assert [line for line in err.splitlines() if "error" in line.lower()] == [
-        "error: bad.jsonl:2: answer has no '#### <number>' final line"
+    assert [line for line in err.splitlines() if "error:" in line.lower()] == [
+        "error: data.eval_size=2 but only 2 records are left for it; the held-out slice must leave at least "
+        "one training record (lower eval_size or load more data)"
     ]
     assert "Traceback" not in err and "Encountered exception" not in err
     statuses = set(sqlite3.connect(tmp / "mlflow.db").execute("select status from runs"))
     assert statuses == {("FAILED",)}
+
+
+# --------------------------------------------------------------------------- eval's own inputs
+
+
+def test_eval_output_naming_a_file_fails_before_the_evaluation(isolated, capfd, monkeypatch):
+    import posttrain.evaluation
+
+    def evaluated(*args, **kwargs):
+        raise AssertionError("the evaluation ran before --output was checked")
+
+    monkeypatch.setattr(posttrain.evaluation, "run_eval", evaluated)
+    code = main(["eval", "--model", "tiny-random", "--data", "synthetic", "--output", "afile"])
+    err = capfd.readouterr().err
+    assert code == 2
+    assert err.strip() == "error: --output afile: is a file; give a folder for report.json and examples.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "fragment"),
+    [
+        ("--data", "/dev/zero", "error: --data: /dev/zero is a character device"),
+        ("--model", "/dev/null", "error: --model: /dev/null is a character device"),
+    ],
+)
+def test_eval_refuses_a_device_before_reading_it(flag, value, fragment, isolated, capfd):
+    argv = {"--model": "tiny-random", "--data": "synthetic", flag: value}
+    code = main(["eval", *[x for kv in argv.items() for x in kv]])
+    assert code == 2 and capfd.readouterr().err.strip().startswith(fragment)
+
+
+def _report(folder: Path) -> Path:
+    from posttrain.evaluation.report import EvalReport
+
+    return EvalReport(model="m", summary={"accuracy_strict": 1.0}, records=()).save(folder)
+
+
+REPORT_DAMAGE = [
+    ("report.json", "a string", '"not a report"', "report.json: not a JSON object"),
+    ("report.json", "truncated", '{"model": "m", "summ', "report.json: malformed JSON"),
+    ("report.json", "nested", "[" * DEEP + "]" * DEEP, "report.json: nested deeper than 64 levels"),
+    ("report.json", "fields", '{"model": 1, "summary": []}', "report.json: not an evaluation report"),
+    ("examples.jsonl", "a bad line", '{"id": "q1"}\n{"id": ', "examples.jsonl:2: malformed JSON"),
+    ("examples.jsonl", "not UTF-8", b"\xff\xfe", "examples.jsonl:1: not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize(
+    ("file", "content", "fragment"),
+    [(f, c, m) for f, _, c, m in REPORT_DAMAGE],
+    ids=[d[1] for d in REPORT_DAMAGE],
+)
+def test_eval_diff_on_a_damaged_report_is_one_line(file, content, fragment, isolated, capfd):
+    a, b = _report(isolated / "a"), _report(isolated / "b")
+    path = b / file
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    code = main(["eval", "--diff", str(a), str(b)])
+    err = capfd.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: {b}/") and fragment in err
+
+
+def test_eval_diff_on_a_file_is_one_line(isolated, capfd):
+    a = _report(isolated / "a")
+    assert main(["eval", "--diff", str(a), "afile"]) == 2
+    assert capfd.readouterr().err.strip() == "error: --diff: afile is a file, not a folder"
+
+
+# --------------------------------------------------------------------------- the last line of defence
+
+
+def _sqlite_disk_full() -> Exception:
+    """What a full disk under MLflow's SQLite store raises: MLflow's error from SQLAlchemy's from sqlite3's."""
+    import sqlite3
+
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+
+    try:
+        try:
+            try:
+                raise sqlite3.OperationalError("database or disk is full")
+            except sqlite3.OperationalError as exc:
+                raise sqlalchemy.exc.OperationalError("INSERT INTO metrics", {}, exc) from exc
+        except sqlalchemy.exc.OperationalError as exc:
+            raise MlflowException(f"(sqlite3.OperationalError) {exc.orig}") from exc
+    except MlflowException as exc:
+        return exc
+
+
+def _safetensors_disk_full() -> Exception:
+    from safetensors import SafetensorError
+
+    return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+LIBRARY_ERRORS = [
+    (
+        "disk full under SQLite (MLflow)",
+        _sqlite_disk_full,
+        "error: the MLflow database (SQLite): database or disk is full",
+    ),
+    (
+        "disk full under safetensors",
+        _safetensors_disk_full,
+        "error: saving weights (safetensors): Error while serializing",
+    ),
+    (
+        "disk full",
+        lambda: OSError(28, "No space left on device", "/store/stages/x"),
+        "error: /store/stages/x: No space left on device",
+    ),
+    (
+        "permission",
+        lambda: PermissionError(13, "Permission denied", "/store/lock"),
+        "error: /store/lock: Permission denied",
+    ),
+    (
+        "name too long",
+        lambda: OSError(36, "File name too long", "/store/" + "s" * 300),
+        "error: /store/" + "s" * 300 + ": File name too long",
+    ),
+    (
+        "not UTF-8",
+        lambda: UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+        "error: input is not UTF-8 text",
+    ),
+    (
+        "recursion",
+        lambda: RecursionError("maximum recursion depth exceeded"),
+        "error: input nested too deeply",
+    ),
+]
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+@pytest.mark.parametrize(
+    ("make", "fragment"), [c[1:] for c in LIBRARY_ERRORS], ids=[c[0] for c in LIBRARY_ERRORS]
+)
+def test_errors_a_user_causes_deep_in_a_library_are_one_line(
+    make, fragment, debug, isolated, capfd, monkeypatch
+):
+    """Raised from inside a command (as a save or a tracking call would): one line and exit 2; the
+    traceback only with --debug, before the line."""
+    import posttrain.cli
+
+    error = make()
+
+    def command(args):
+        raise error
+
+    monkeypatch.setattr(posttrain.cli, "cmd_rewards_list", command)
+    code = main([*(["--debug"] if debug else []), "rewards", "list"])
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith(fragment), err
+    assert ("Traceback" in err) is debug and (len(lines) == 1) is not debug
+
+
+def test_an_error_no_user_can_cause_keeps_its_traceback(isolated, monkeypatch):
+    import posttrain.cli
+
+    def command(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(posttrain.cli, "cmd_rewards_list", command)
+    with pytest.raises(KeyError):
+        main(["rewards", "list"])

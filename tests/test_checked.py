@@ -84,3 +84,68 @@ def test_a_remembered_trainer_check_returns_what_trl_returned(tmp_path, monkeypa
     again = validate_trainer_options("grpo", options)
     assert again == first == {"max_steps": 2, "learning_rate": 1e-4, "num_generations": 4}
     assert [type(v) for v in again.values()] == [int, float, int]
+
+
+def _memo_text(root) -> str:
+    return "".join(p.read_text() for p in (root / "cache" / "checked-options").iterdir())
+
+
+def test_the_memo_holds_a_digest_and_coerced_values_never_the_options(memo, tmp_path):
+    """A remembered pass is its key (a digest) and the values coercion changed: an option's value
+    reaches the file only if the check changed it, and options with a secret are not remembered."""
+    options = {"run_name": "my-private-run-name", "learning_rate": "1e-4"}
+    assert memo(options, result={"run_name": "my-private-run-name", "learning_rate": 1e-4}) == {
+        "run_name": "my-private-run-name",
+        "learning_rate": 1e-4,
+    }
+    text = _memo_text(tmp_path)
+    assert "my-private-run-name" not in text and "run_name" not in text and "0.0001" in text
+    assert memo(options) == {"run_name": "my-private-run-name", "learning_rate": 1e-4}  # rebuilt
+    assert len(memo.calls) == 1
+    folder = tmp_path / "cache" / "checked-options"
+    assert folder.stat().st_mode & 0o077 == 0 and all(p.stat().st_mode & 0o077 == 0 for p in folder.iterdir())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"model_init_kwargs": {"token": "hf_" + "x" * 30}},  # a secret-looking key
+        {"hub_model_id": "me/x", "run_name": "http://u:pw@host/x"},  # a password in a URI
+        {"api_key": "abc"},
+    ],
+)
+def test_options_holding_a_secret_are_checked_every_time_and_never_written(options, memo, tmp_path):
+    memo(options)
+    memo(options)
+    assert len(memo.calls) == 2
+    assert not (tmp_path / "cache" / "checked-options").exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"[" * 100_000 + b"]" * 100_000,  # nested past the recursion limit
+        b'{"posttrain_checked": 2, "name": "trainer.grpo", "changed": "x"}',
+        b"\xff\xfe not text",
+        b'{"posttrain_checked": 2',  # truncated
+        b" " * (70 << 10),  # larger than an entry can be
+    ],
+)
+def test_a_damaged_memo_file_is_a_miss(content, memo, tmp_path):
+    memo({"max_steps": 2})
+    (path,) = (tmp_path / "cache" / "checked-options").iterdir()
+    path.write_bytes(content)
+    assert memo({"max_steps": 2}) == {"max_steps": 2}
+    assert len(memo.calls) == 2
+
+
+def test_deferred_memos_are_written_only_when_flushed(memo, tmp_path):
+    from posttrain.core.checked import deferred_memos, flush_memos
+
+    with deferred_memos():
+        memo({"max_steps": 3})
+    assert not (tmp_path / "cache").exists()  # the command failed: nothing remembered
+    with deferred_memos():
+        memo({"max_steps": 3})
+        flush_memos()
+    assert len(list((tmp_path / "cache" / "checked-options").iterdir())) == 1

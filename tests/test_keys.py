@@ -90,11 +90,11 @@ def test_local_data_is_keyed_by_file_content_not_path(tmp_path):
 
 
 def test_a_data_folder_is_keyed_by_its_jsonl_files(tmp_path):
-    (tmp_path / "part-1.jsonl").write_text("1\n")
+    (tmp_path / "part-1.jsonl").write_text('{"question": "q1", "answer": "#### 1"}\n')
     before = _local(tmp_path)
     (tmp_path / "notes.txt").write_text("not data")
     assert _local(tmp_path) == before
-    (tmp_path / "part-2.jsonl").write_text("2\n")
+    (tmp_path / "part-2.jsonl").write_text('{"question": "q2", "answer": "#### 2"}\n')
     with_two = _local(tmp_path)
     assert with_two != before
     (tmp_path / "part-2.jsonl").rename(tmp_path / "part-3.jsonl")

@@ -207,9 +207,7 @@ def test_an_output_without_its_record_is_adopted_only_if_it_verifies(tmp_path, c
     step = plan.step("eval-sft")
     inputs = StepInputs(ModelRef("model", model_fp), DataResult("data", "t", "e"))
     key = step.key(plan.config, inputs)
-    out = step.output_dir(store, key)
-    out.mkdir(parents=True)
-    (out / "report.json").write_text('{"accuracy": 0.5}')
+    out = _report(step.output_dir(store, key))
     summary = {"accuracy_strict": 0.5}
     write_result(out, EvalResult("sft", str(out.resolve()), summary, {}, "m1", fingerprint_tree(out)))
     if change is not None:
@@ -366,15 +364,24 @@ def stage_output(root: Path, name: str):
     from posttrain.models.artifacts import StageResult, fingerprint_dir
 
     folder = _folder(root / name, "config.json", "model.safetensors", "stage.json")
-    return StageResult(name, str(folder), {"loss": 0.5}, {"output": fingerprint_dir(folder)})
+    return StageResult(
+        name, str(folder), {"loss": 0.5}, {"output": fingerprint_dir(folder), "input_model": "fp-base"}
+    )
 
 
 def eval_output(root: Path, stage: str):
     from posttrain.core.hashing import fingerprint_tree
     from posttrain.pipeline.steps import EvalResult
 
-    folder = _folder(root / f"eval-{stage}", "summary.json")
+    folder = _report(root / f"eval-{stage}")
     return EvalResult(stage, str(folder), {"accuracy_strict": 0.5}, {}, "fp", fingerprint_tree(folder))
+
+
+def _report(folder: Path) -> Path:
+    """A real (empty) evaluation report: a cached evaluation's report must read back."""
+    from posttrain.evaluation.report import EvalReport
+
+    return EvalReport(model=folder.name, summary={"accuracy_strict": 0.5}, records=()).save(folder)
 
 
 def output_for(root: Path, step):
@@ -390,7 +397,8 @@ def _inputs(model_fp: str = "fp-base") -> StepInputs:
 
 
 def _flip_a_byte(path: Path) -> None:
-    path.write_text(path.read_text().replace("of", "0f", 1))
+    text = path.read_text()
+    path.write_text(text.replace("of", "0f", 1) if "of" in text else text + " ")
 
 
 @pytest.mark.parametrize("make", [data_output, lambda root: eval_output(root, "sft")], ids=["data", "eval"])

@@ -96,9 +96,10 @@ def _plant(records_dir: Path, key: str, marker: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["pickle", "prefect-record"])
 def test_store_records_never_unpickle(how, tmp_path):
-    marker = tmp_path / "unpickled"
-    _plant(tmp_path / "results", KEY, marker, how)
-    records = StoreRecords(Store.at(tmp_path))
+    marker = tmp_path / "store" / "unpickled"
+    store = Store.at(tmp_path / "store")
+    _plant(store.results_dir, KEY, marker, how)
+    records = StoreRecords(store)
     assert records.exists(KEY)
     with pytest.raises(RecordError, match="not a (JSON|posttrain) cache record"):
         records.read(KEY)
@@ -129,7 +130,7 @@ def test_a_planted_record_is_not_unpickled_by_dry_run_or_run(how, tiny_cfg, tmp_
     plan = build_plan(tiny_cfg)
     key = plan.step("data").key(tiny_cfg, StepInputs(base_model(tiny_cfg)))
     marker = tmp_path / "unpickled"
-    _plant(tmp_path / "store" / "results", key, marker, how)
+    _plant(Store.at(tmp_path / "store").results_dir, key, marker, how)
 
     assert preview(tiny_cfg)[0] == ("data", "run", "cache record unreadable")
     assert not marker.exists()

@@ -104,3 +104,41 @@ def test_stage_json_and_mlflow_params_are_redacted(tmp_path):
         "x.password": REDACTED,
         "x.uri": f"http://a:{REDACTED}@h",
     }
+
+
+@pytest.mark.parametrize(
+    "password",
+    ["p@ss", "p:ss", "p/ss", "p%40ss%3A", "a@b:c/d%2F@e", "@", ":@/"],
+)
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "http://alice:{pw}@mlflow.local:5000/api",  # MLflow
+        "postgresql+psycopg2://alice:{pw}@db:5432/mlflow",
+        "http://alice:{pw}@127.0.0.1:4200/api",  # Prefect
+        "s3://alice:{pw}@bucket/posttrain",  # a shared store
+    ],
+)
+def test_a_password_holding_at_colon_slash_or_escapes_is_hidden_whole(uri, password):
+    text = "connecting to " + uri.format(pw=password) + ": refused"
+    assert redact_text(text) == "connecting to " + uri.format(pw=REDACTED) + ": refused"
+
+
+def test_every_log_record_is_redacted_whatever_its_handler(caplog):
+    import logging
+
+    from posttrain.core.redact import RedactingFormatter, redacting_log_records
+
+    log = logging.getLogger("posttrain.test_redact")
+    with caplog.at_level(logging.INFO):
+        with redacting_log_records():
+            log.info("pushed to %s", "s3://u:p@ss/w@bucket/x")
+            log.info("token %s", "hf_" + "b" * 30)
+        log.info("after the block: %s", "http://u:pw@h")  # the factory is restored
+    assert [r.getMessage() for r in caplog.records] == [
+        f"pushed to s3://u:{REDACTED}@bucket/x",
+        f"token {REDACTED}",
+        "after the block: http://u:pw@h",
+    ]
+    record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed: %s", ("http://u:pw@h",), None)
+    assert RedactingFormatter("%(message)s").format(record) == f"failed: http://u:{REDACTED}@h"

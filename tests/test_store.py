@@ -131,18 +131,70 @@ def test_a_foreign_folder_is_refused_and_left_untouched(tmp_path):
     assert not (home / ".posttrain-store").exists()
 
 
-def test_new_empty_and_pre_marker_stores_are_marked(tmp_path):
-    from posttrain.pipeline.store import MARKER
+def test_new_and_empty_folders_are_marked_and_a_lookalike_is_refused(tmp_path):
+    from posttrain.pipeline.store import MARKER, StoreError
 
     assert Store.at(tmp_path / "new").is_marked
     (tmp_path / "empty").mkdir()
     assert Store.at(tmp_path / "empty").is_marked
-    old = tmp_path / "old"
-    for part in ("data", "stages", "evals", "results", "prefect"):
-        (old / part).mkdir(parents=True)
-    (old / "lock").write_text("")
-    assert Store.at(old).is_marked and (old / MARKER).is_file()
+    lookalike = tmp_path / "lookalike"  # only store-like folders, but no marker: not adopted
+    for part in ("data", "results"):
+        (lookalike / part).mkdir(parents=True)
+    (lookalike / "data" / "x.tmp-1").mkdir()
+    with pytest.raises(StoreError, match=r"no .posttrain-store marker\) and holds data, results"):
+        Store.at(lookalike)
+    assert not (lookalike / MARKER).exists() and (lookalike / "data" / "x.tmp-1").is_dir()
+    (tmp_path / "linked" / MARKER).parent.mkdir()
+    (tmp_path / "linked" / MARKER).symlink_to(tmp_path / "new" / MARKER)  # a marker must be a file
+    with pytest.raises(StoreError, match="no .posttrain-store marker"):
+        Store.at(tmp_path / "linked")
     assert not Store.at(tmp_path / "dry", create=False).is_marked and not (tmp_path / "dry").exists()
+
+
+@pytest.mark.parametrize("area", ["stages", "data", "evals", "results", "locks", "prefect", "lock"])
+def test_a_store_whose_folder_links_outside_is_refused_and_nothing_outside_is_touched(area, tmp_path):
+    from posttrain.pipeline.store import StoreError
+
+    store = Store.at(tmp_path / "store")
+    outside = tmp_path / "outside"
+    (outside / "work.tmp-1").mkdir(parents=True)  # would be deleted by tidying through the link
+    (outside / "draft.old-2").mkdir()
+    (store.root / area).symlink_to(outside)
+    with pytest.raises(StoreError, match=f"{area} is a symbolic link"):
+        Store.at(store.root)
+    with pytest.raises(StoreError, match="symbolic link"), store.lock():
+        store.clean_interrupted_writes()
+    assert sorted(p.name for p in outside.iterdir()) == ["draft.old-2", "work.tmp-1"]
+
+
+def test_tidying_skips_links_inside_a_stores_folders(tmp_path):
+    store = Store.at(tmp_path / "store")
+    outside = tmp_path / "outside"
+    (outside / "keep").mkdir(parents=True)
+    (store.root / "stages").mkdir()
+    (store.root / "stages" / "sft-abc.tmp-1").symlink_to(outside)
+    (store.root / "stages" / "sft-def.old-2").symlink_to(outside)
+    with store.lock():
+        assert store.clean_interrupted_writes() == []
+    assert (outside / "keep").is_dir()
+
+
+def test_a_lock_file_planted_as_a_link_is_not_written_through(tmp_path):
+    from posttrain.pipeline.store import StoreError
+
+    store = Store.at(tmp_path / "store")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (store.root / "locks").mkdir()
+    (store.root / "locks" / ("a" * 24)).symlink_to(victim)
+    with pytest.raises(OSError):
+        store.step_lock("a" * 24).acquire()
+    store.root.joinpath("lock").symlink_to(victim)
+    with pytest.raises(StoreError):
+        Store.at(store.root)
+    with pytest.raises(StoreError), store.lock():
+        pass
+    assert victim.read_text() == "precious"
 
 
 def test_run_takes_the_lock_before_prefects_server_starts(tmp_path, capsys):

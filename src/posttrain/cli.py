@@ -1,7 +1,12 @@
 """`posttrain` command line: the only module that prints.
 
 Every command turns expected failures (bad config, bad data, missing hardware or model) into one
-line on stderr and exit code 2, so scripts and schedulers see a clean failure, not a traceback.
+line on stderr and exit code 2, so scripts and schedulers see a clean failure, not a traceback:
+:func:`user_error_line` is the last line of defence, which also maps what a user's input or machine
+causes deep inside a library (text that is not UTF-8, input nested past Python's recursion limit, a
+name too long for the file system, a full disk under safetensors or SQLite, a permission). The
+traceback is printed only with ``--debug``; an error posttrain did not expect (a bug) keeps it.
+Every line logged or printed passes through :func:`posttrain.core.redact.redact_text`.
 """
 
 from __future__ import annotations
@@ -11,19 +16,24 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from posttrain.core.checked import deferred_memos, flush_memos
 from posttrain.core.config import DataConfig, EvalConfig, TrackingConfig
 from posttrain.core.errors import HardwareError, PosttrainError
+from posttrain.core.inputs import check_input_path, path_problem
+from posttrain.core.library_policy import CUSTOM_CODE_ENV, allow_custom_code
 from posttrain.core.metric_names import interval_names, slices_of
 from posttrain.core.prompts import format_sft_target
-from posttrain.core.redact import redact_text
+from posttrain.core.redact import RedactingFormatter, redact_text, redacting_log_records
 from posttrain.core.stats import format_percent
 from posttrain.core.sweep import parse_seeds, sweep_points
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
@@ -34,7 +44,7 @@ from posttrain.pipeline import load_config
 from posttrain.pipeline.store import Store, StoreError
 from posttrain.pipeline.validation import managed_vllm_stages
 from posttrain.rewards.check import judge, score_examples
-from posttrain.rewards.registry import CUSTOM_CODE_ENV, allow_custom_code, build_reward, reward_names
+from posttrain.rewards.registry import build_reward, reward_names
 
 # Modules that import torch, datasets, Prefect or MLflow (seconds each) are imported inside the
 # commands that use them, so `posttrain --help`, `validate` and `rewards list` stay quick.
@@ -50,14 +60,87 @@ class CLIError(Exception):
 
 EXPECTED_ERRORS = (CLIError, PosttrainError, FileNotFoundError)
 # Operating-system failures a user fixes outside posttrain (a full disk, a read-only mount, missing
-# permissions): one line naming the file, not a traceback.
-EXPECTED_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# permissions, a name too long for the file system): one line naming the file, not a traceback.
+EXPECTED_OS_ERRORS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENAMETOOLONG,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ELOOP,
+}
+# What a full disk or a refused write looks like from libraries that do not raise OSError: the
+# safetensors writer (Rust's io::Error text) and SQLite (MLflow's tracking database).
+_DISK_MESSAGES = (
+    "no space left on device",
+    "os error 28",
+    "database or disk is full",
+    "disk i/o error",
+    "attempt to write a readonly database",
+    "unable to open database file",
+    "disk quota exceeded",
+    "read-only file system",
+    "permission denied",
+)
 # Library warnings a user can do nothing about (they concern how a library calls another, or
 # schema inference on posttrain's own tables): a run's log shows posttrain's progress instead.
 QUIET_WARNINGS = (
     ("ignore", r"Hint: Inferred schema contains integer column", UserWarning, ""),
     ("ignore", r".*", FutureWarning, r"transformers(\.|$)"),
 )
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during (libraries wrap: MLflow wraps
+    SQLAlchemy, which wraps sqlite3), outermost first, each once."""
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen and len(seen) < 32:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def user_error_line(exc: BaseException) -> str | None:
+    """The one line for an error the user's input or machine caused, or None for anything else.
+
+    >>> user_error_line(OSError(errno.ENAMETOOLONG, "File name too long", "x" * 3))
+    'xxx: File name too long'
+    >>> user_error_line(UnicodeDecodeError("utf-8", b"\\xff", 0, 1, "invalid start byte"))
+    'input is not UTF-8 text (invalid start byte at byte 0): save files as UTF-8'
+    >>> user_error_line(KeyError("bug")) is None
+    True
+    """
+    if isinstance(exc, EXPECTED_ERRORS):
+        return str(exc)
+    for err in _chain(exc):
+        if isinstance(err, PosttrainError | CLIError):
+            return str(err)
+        if isinstance(err, OSError) and err.errno in EXPECTED_OS_ERRORS:
+            where = f"{err.filename}: " if err.filename else ""
+            return f"{where}{err.strerror or err}"
+        if isinstance(err, UnicodeDecodeError):
+            return f"input is not UTF-8 text ({err.reason} at byte {err.start}): save files as UTF-8"
+        if isinstance(err, RecursionError):
+            return "input nested too deeply to process (Python's recursion limit); flatten it"
+        name = type(err).__name__
+        text = str(err).strip().splitlines()[0] if str(err).strip() else name
+        text = re.sub(r"^\([\w.]+\)\s*", "", text)  # SQLAlchemy's "(sqlite3.OperationalError) ..." prefix
+        is_library_io = name == "SafetensorError" or type(err).__module__.split(".")[0] in (
+            "sqlite3",
+            "sqlalchemy",
+        )
+        if is_library_io and any(m in text.lower() for m in _DISK_MESSAGES):
+            what = (
+                "saving weights (safetensors)"
+                if name == "SafetensorError"
+                else "the MLflow database (SQLite)"
+            )
+            return f"{what}: {text}"
+    return None
 
 
 # --------------------------------------------------------------------------- formatting
@@ -157,6 +240,8 @@ def _data_config_for(target: str, overrides: Sequence[str]):
         return cfg.data, cfg.model.name
     if not path.exists():
         raise CLIError(f"{target}: no such config, JSONL file or folder")
+    if problem := path_problem(path):
+        raise CLIError(f"{target} {problem}")
     return DataConfig(source="local", path=str(path), on_bad_record="error"), None
 
 
@@ -287,6 +372,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _check_machine(cfg, args.config)
     store = _open_store(cfg, args.config)
     with _locked(store, args.config):
+        flush_memos()  # the input is good: remember its checks even if the run fails later
         summary = None if os.environ.get("PREFECT_API_URL") else _run_cached(cfg, args.force)
         if summary is None:
             # The lock is held before Prefect's embedded server (whose home is in the store) starts.
@@ -357,6 +443,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         _check_machine(cfg, args.config)
     store = _open_store(configs[0], args.config)
     with _locked(store, args.config):
+        flush_memos()
         server = prestart_embedded_prefect(store)
         from posttrain.flows.server import quiet_run_failures_on_console
         from posttrain.flows.sweep import run_sweep
@@ -383,6 +470,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from posttrain.evaluation.report import REPORT_FILE, EvalReport
 
     if args.diff:
+        for folder in args.diff:
+            check_input_path(folder, "--diff", "folder")
         a, b = (EvalReport.load(d) for d in args.diff)
         print(format_diff(diff_reports(a, b, mode=args.mode), n_examples=args.examples))
         # A pipeline evaluation holds each extra set's report in a folder named after the set.
@@ -395,6 +484,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     if not args.model or not args.data:
         raise CLIError("eval needs --model and --data (or --diff A B)")
+    _check_eval_paths(args)
     try:
         cfg = EvalConfig(
             max_new_tokens=args.max_new_tokens,
@@ -411,6 +501,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.output:
         print(f"report: {Path(args.output) / 'report.json'} (+ examples.jsonl)")
     return 0
+
+
+def _check_eval_paths(args: argparse.Namespace) -> None:
+    """What ``eval`` reads and writes is usable, found before the model loads and the evaluation
+    runs: a local ``--model`` or ``--data`` is a regular file or folder, and ``--output`` is a
+    folder (or can become one) that can be written."""
+    if Path(args.model).expanduser().exists():
+        check_input_path(args.model, "--model")
+    if args.data not in ("hub", "synthetic") and not args.data.startswith("hub:"):
+        check_input_path(args.data, "--data")
+    if args.output:
+        output = Path(args.output).expanduser()
+        if output.exists() and not output.is_dir():
+            raise CLIError(
+                f"--output {args.output}: is a file; give a folder for report.json and examples.jsonl"
+            )
+        parent = next((p for p in [output, *output.parents] if p.exists()), Path("."))
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise CLIError(f"--output {args.output}: cannot create or write {parent}")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -491,6 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    parser.add_argument(
+        "--debug", action="store_true", help="print the traceback of an error before its one-line message"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_set(p: argparse.ArgumentParser) -> None:
@@ -655,6 +767,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
+    for handler in logging.getLogger().handlers:
+        if type(handler.formatter) is logging.Formatter:  # basicConfig's: the same, redacted
+            handler.setFormatter(RedactingFormatter(handler.formatter._fmt, handler.formatter.datefmt))
     for noisy in ("httpx", "httpcore", "alembic", "urllib3", "mlflow.system_metrics"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     # Prefect's own INFO lines still reach its UI (run logs); only the terminal leaves them out.
@@ -666,15 +781,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for action, message, category, module in QUIET_WARNINGS:
         warnings.filterwarnings(action, message=message, category=category, module=module)
     try:
-        return args.func(args)
-    except EXPECTED_ERRORS as exc:
-        print(f"error: {redact_text(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        if exc.errno not in EXPECTED_OS_ERRORS:
+        with redacting_log_records(), deferred_memos():
+            status = args.func(args)
+            flush_memos()
+            return status
+    except Exception as exc:
+        line = user_error_line(exc)
+        if line is None:
             raise
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+        if args.debug:
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"error: {redact_text(' '.join(line.split()))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -104,14 +104,17 @@ def staging_dir(output_dir: str | Path) -> Iterator[Path]:
 def tidy_interrupted(folder: Path) -> list[Path]:
     """Delete unfinished outputs and restore interrupted replacements directly under ``folder``.
 
-    Only safe while no other process writes there (the caller holds the store's lock). Returns the
-    paths deleted or restored.
+    Only safe while no other process writes there (the caller holds the store's lock). Symbolic
+    links (``folder`` itself, or an entry in it) are never followed: posttrain writes none. Returns
+    the paths deleted or restored.
     """
     touched = []
-    if not folder.is_dir():
+    if not folder.is_dir() or folder.is_symlink():
         return touched
     for path in sorted(folder.iterdir()):
         name = path.name
+        if path.is_symlink():  # never ours: following it would delete or rename outside the store
+            continue
         if STAGING_SUFFIX in name:
             shutil.rmtree(path, ignore_errors=True)
         elif REPLACED_SUFFIX in name:

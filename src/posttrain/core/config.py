@@ -33,6 +33,8 @@ from pydantic import (
 )
 
 from posttrain.core.errors import ConfigError, yaml_boolean_hint
+from posttrain.core.inputs import YAMLLimitError, check_config_values, load_yaml_bounded, path_problem
+from posttrain.core.library_policy import check_attn_implementation, check_server_args
 from posttrain.core.metric_names import is_ops_slice
 from posttrain.core.peft_options import (
     LORA_ALIASES,
@@ -68,7 +70,7 @@ __all__ = [
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     omit_when_default: ClassVar[tuple[str, ...]] = ()
     """Keys left out of the JSON form while they hold their default: a key added to a section
     leaves the config hashes (cache keys) of configs that do not use it as they were."""
@@ -178,10 +180,6 @@ class TrainingConfig(StrictModel):
         return self.model_copy(update=override.model_dump(exclude_none=True))
 
 
-# `trl vllm-serve` options posttrain sets itself from the section and the stage (not extra_args).
-VLLM_SERVER_OWNED_FLAGS = ("--model", "--host", "--port")
-
-
 class VLLMServerConfig(StrictModel):
     """``vllm_server:``: a vLLM generation server that posttrain starts and stops itself.
 
@@ -203,8 +201,9 @@ class VLLMServerConfig(StrictModel):
     timeout_s: float = Field(600.0, gt=0)
     """How long to wait for the server's health check (loading and compiling a model takes minutes)."""
     extra_args: list[str] = Field(default_factory=list)
-    """More ``trl vllm-serve`` arguments, passed as they are (``--gpu_memory_utilization``, ``0.9``;
-    unknown ones go on to ``vllm serve``). ``--model``, ``--host`` and ``--port`` are posttrain's."""
+    """More ``trl vllm-serve`` arguments (``--gpu_memory_utilization``, ``0.9``), spelled in full and
+    from an allow list unless custom code is allowed (:mod:`posttrain.core.library_policy`).
+    ``--model``, ``--host``, ``--port`` and ``--revision`` are posttrain's."""
 
     @field_validator("gpus")
     @classmethod
@@ -223,14 +222,8 @@ class VLLMServerConfig(StrictModel):
 
     @field_validator("extra_args")
     @classmethod
-    def _not_owned(cls, args: list[str]) -> list[str]:
-        for arg in args:
-            flag = arg.split("=", 1)[0]
-            if flag in VLLM_SERVER_OWNED_FLAGS:
-                raise ValueError(
-                    f"{flag} is set by posttrain (the stage's model, vllm_server.host/port); remove it"
-                )
-        return args
+    def _allowed_flags(cls, args: list[str]) -> list[str]:
+        return check_server_args(args)
 
 
 class LoraConfig(StrictModel):
@@ -338,6 +331,12 @@ class ModelConfig(StrictModel):
     """merge: every stage writes a standalone model; adapter: only the adapter, recording its base."""
     cache_dir: str | None = None
     """Where built-in models are fetched and converted (default ~/.cache/posttrain/models)."""
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention_without_hub_code(cls, name: str | None) -> str | None:
+        check_attn_implementation(name)
+        return name
 
     @model_validator(mode="after")
     def _quantization_needs_lora(self) -> ModelConfig:
@@ -624,7 +623,7 @@ class EvalSetConfig(_EvalSource):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, name: str) -> str:
-        if not _SET_NAME.match(name) or is_ops_slice(name):
+        if not _SET_NAME.fullmatch(name) or is_ops_slice(name):
             raise ValueError(
                 f"set name {name!r} must be 1-40 lowercase letters, digits, '_' or '-', starting with a "
                 "letter, and not ops_<n> (it names a folder and metrics)"
@@ -808,7 +807,7 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     key, sep, text = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {override!r} is not of the form dotted.key=value")
-    value = _parse_override_value(text)
+    value = _parse_override_value(text, f"override {key.strip()}")
     parts = key.strip().split(".")
     node: Any = raw
     for depth, part in enumerate(parts):
@@ -832,7 +831,7 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
             raise ConfigError(f"override {key}: '{'.'.join(parts[:depth])}' is a value, not a section")
 
 
-def _parse_override_value(text: str) -> Any:
+def _parse_override_value(text: str, source: str = "override") -> Any:
     """A YAML scalar (`1e-5`, `null`, `true`) or flow collection (`[a, b]`); other text stays a string.
 
     Without the fallback, `--set data.system_prompt=Be brief: answer` would become a mapping.
@@ -840,8 +839,10 @@ def _parse_override_value(text: str) -> Any:
     if not text.strip():
         return None
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
+        value = load_yaml_bounded(text, source)
+    except YAMLLimitError:
+        raise
+    except ConfigError:
         return text
     if isinstance(value, dict | list) and not text.lstrip().startswith(("[", "{")):
         return text
@@ -881,21 +882,23 @@ def read_config_mapping(path: str | Path, overrides: Sequence[str] = ()) -> dict
     store location, read it from here and validate that section alone.
     """
     path = Path(path)
+    if path.exists() and (problem := path_problem(path, "file")):
+        raise ConfigError(f"{path}: cannot read config: it {problem}")  # a FIFO would block forever
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
-    try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    raw = load_yaml_bounded(text, str(path), _UniqueKeyLoader)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a config must be a YAML mapping")
     raw.setdefault("name", path.stem)
     for override in overrides:
         apply_override(raw, override)
+    check_config_values(raw, str(path))
     return raw
 
 

@@ -29,6 +29,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from posttrain.core.untrusted import UntrustedContentError, note_unreadable, read_json_bounded
+
 __all__ = [
     "VERSIONED_PACKAGES",
     "fingerprint_tree",
@@ -64,14 +66,7 @@ class _DigestMemo:
     def __init__(self, path: Path | None) -> None:
         self.path, self.entries, self.changed = path, {}, False
         if path is not None:
-            with contextlib.suppress(OSError, ValueError):
-                data = json.loads(path.read_text(encoding="utf-8"))
-                if isinstance(data, dict) and data.get("version") == _MEMO_VERSION:
-                    self.entries = {
-                        str(k): v
-                        for k, v in data.get("files", {}).items()
-                        if isinstance(v, list) and len(v) == 2 and isinstance(v[1], str)
-                    }
+            self.entries = _read_memo(path)
 
     def digest(self, file: Path) -> str:
         key = str(file.resolve())
@@ -100,6 +95,30 @@ class _DigestMemo:
         except OSError:  # a memo that cannot be written costs a re-hash next time, nothing else
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+def _read_memo(path: Path) -> dict[str, list]:
+    """The remembered entries of a digest memo; a damaged memo (store content, untrusted) is empty,
+    noted once: every file is hashed again, nothing else."""
+    try:
+        data = read_json_bounded(path, max_bytes=64 << 20, max_depth=8, expect=dict)
+        files = data.get("files") if data.get("version") == _MEMO_VERSION else {}
+        if not isinstance(files, dict):
+            raise UntrustedContentError(f"{path}: files must be a mapping")
+    except FileNotFoundError:
+        return {}
+    except UntrustedContentError as exc:
+        note_unreadable(exc, "hashing every file again")
+        return {}
+    return {
+        str(k): v
+        for k, v in files.items()
+        if isinstance(v, list)
+        and len(v) == 2
+        and isinstance(v[1], str)
+        and isinstance(v[0], list)
+        and all(type(n) is int for n in v[0])
+    }
 
 
 def _signature(file: Path) -> list[int]:

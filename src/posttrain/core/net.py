@@ -14,7 +14,7 @@ import urllib.request
 
 from posttrain.core.redact import redact_text
 
-__all__ = ["PREFLIGHT_TIMEOUT_S", "free_port", "unreachable"]
+__all__ = ["PREFLIGHT_TIMEOUT_S", "free_port", "tcp_unreachable", "unreachable"]
 
 PREFLIGHT_TIMEOUT_S = 4.0
 """Per request; the CLI makes at most two (MLflow, Prefect), so it fails within ten seconds."""
@@ -49,6 +49,27 @@ def unreachable(url: str, timeout: float = PREFLIGHT_TIMEOUT_S) -> str | None:
         return f"{redact_text(url)}: no answer within {timeout:g} s"
     except (OSError, ValueError) as exc:
         return f"{redact_text(url)}: {exc}"
+
+
+def tcp_unreachable(host: str, port: int, timeout: float = PREFLIGHT_TIMEOUT_S) -> str | None:
+    """Why nothing accepts a TCP connection at ``host:port`` within ``timeout`` (None: something
+    does): the check for a database server, which speaks no HTTP.
+
+    >>> tcp_unreachable("127.0.0.1", 9, timeout=1.0)
+    '127.0.0.1:9: connection refused'
+    """
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except ConnectionRefusedError:
+        why = "connection refused"
+    except TimeoutError:
+        why = f"no answer within {timeout:g} s"
+    except socket.gaierror:
+        why = "unknown host"
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    return f"{host}:{port}: {why}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -20,6 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from posttrain.core.checked import remembered_check
 from posttrain.core.errors import refused_option
+from posttrain.core.library_policy import MANAGED_LORA_KEYS, check_lora_options
 
 __all__ = [
     "LORA_ALIASES",
@@ -38,16 +39,6 @@ POSTTRAIN_LORA_KEYS = {
 """posttrain's name of each setting it declares itself → peft's name."""
 LORA_ALIASES = {"lora_alpha": "alpha", "lora_dropout": "dropout"}
 """peft's names accepted for posttrain's short ones."""
-# Keys posttrain sets itself: accepting them from YAML would silently fight the pipeline.
-_MANAGED_LORA_KEYS = {
-    "task_type": "posttrain trains causal LMs (CAUSAL_LM)",
-    "peft_type": "model.lora is a LoRA adapter",
-    "base_model_name_or_path": "posttrain records each stage's base model itself",
-    "revision": "set model.revision",
-    "inference_mode": "posttrain trains the adapter",
-    "auto_mapping": "set by peft",
-    "peft_version": "set by peft",
-}
 
 
 @cache
@@ -63,7 +54,9 @@ _CHECK_PACKAGES = ("peft", "transformers", "torch", "pydantic")
 
 def validate_lora_options(options: dict[str, Any]) -> dict[str, Any]:
     """Check peft-only ``options`` (not posttrain's four keys) against ``LoraConfig``; return them
-    coerced. A pass is remembered (:mod:`posttrain.core.checked`)."""
+    coerced. A pass is remembered (:mod:`posttrain.core.checked`); what the options may make peft
+    do (:mod:`posttrain.core.library_policy`) is decided first, every time."""
+    check_lora_options(options)
     return remembered_check(
         "lora.options",
         options,
@@ -86,10 +79,8 @@ def _validate_lora_options(options: dict[str, Any]) -> dict[str, Any]:
     types = _lora_field_types()
     coerced: dict[str, Any] = {}
     for key, value in options.items():
-        if key in _MANAGED_LORA_KEYS:
-            raise ValueError(f"'{key}' is managed by posttrain: {_MANAGED_LORA_KEYS[key]}")
         if key not in types:
-            known = [*POSTTRAIN_LORA_KEYS, *(k for k in types if k not in _MANAGED_LORA_KEYS)]
+            known = [*POSTTRAIN_LORA_KEYS, *(k for k in types if k not in MANAGED_LORA_KEYS)]
             close = difflib.get_close_matches(key, known, n=3)
             hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
             raise ValueError(f"unknown LoraConfig option '{key}'{hint}")

@@ -1,5 +1,6 @@
 """Secrets out of everything posttrain writes or logs: MLflow params, tags and artifacts, ``stage.json``,
-console lines and Prefect's flow-run parameters.
+console lines, every log record (:func:`redacting_log_records`) and Prefect's flow-run parameters.
+This is the one redaction function: every URI posttrain shows and every log line goes through it.
 
 Two rules, applied to nested mappings and lists:
 
@@ -7,6 +8,9 @@ Two rules, applied to nested mappings and lists:
   ``access_token``, ``credentials``, ...) becomes :data:`REDACTED`, whatever it is;
 * in any string, the password of a URI (``scheme://user:password@host``), secret-looking query
   parameters (``?token=...``) and Hugging Face tokens (``hf_...``) are replaced by :data:`REDACTED`.
+  A password runs to the *last* ``@`` of the URI, so one holding ``@``, ``:``, ``/`` or
+  percent-escapes is hidden whole (a URI parser would disagree on where it ends; the redaction
+  errs towards hiding more).
 
 Tokenizer settings are not secrets: ``pad_token``, ``eos_token``, ``max_new_tokens`` and the like
 are kept.
@@ -15,18 +19,30 @@ are kept.
 {'trainer': {'hub_token': '***', 'pad_token': '<pad>', 'max_new_tokens': 8}}
 >>> redact_text("http://alice:s3cret@mlflow.local:5000/?token=abc&x=1")
 'http://alice:***@mlflow.local:5000/?token=***&x=1'
+>>> redact_text("postgresql://bob:p@ss:w/rd%21@db:5432/mlflow")
+'postgresql://bob:***@db:5432/mlflow'
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import yaml
 
-__all__ = ["REDACTED", "is_secret_key", "redact", "redact_override", "redact_text"]
+__all__ = [
+    "REDACTED",
+    "RedactingFormatter",
+    "is_secret_key",
+    "redact",
+    "redact_override",
+    "redact_text",
+    "redacting_log_records",
+]
 
 REDACTED = "***"
 _SECRET_WORDS = r"password|passwd|passphrase|pwd|secret|credentials?|api[_-]?key|apikey|access[_-]?key|private[_-]?key|auth"
@@ -34,7 +50,11 @@ _SECRET_KEY = re.compile(rf"(^|[_\-.])({_SECRET_WORDS})($|[_\-.])", re.IGNORECAS
 _TOKEN_KEY = re.compile(r"(^|[_\-.])token$", re.IGNORECASE)
 # `<word>_token` keys that name a vocabulary entry, not a credential.
 _TOKENIZER_WORDS = {"pad", "eos", "bos", "unk", "sep", "cls", "mask", "start", "end", "stop", "special"}
-_URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@]*:)(?P<secret>[^\s/@]+)(?P<tail>@)")
+# userinfo = user ":" password "@": the password is greedy up to the last "@" of the URI (the host
+# part after it holds none), so "@", ":" and "/" inside it are hidden too.
+_URI_PASSWORD = re.compile(
+    r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@'\"]*:)(?P<secret>[^\s'\"]+)(?P<tail>@[^\s@'\"]*)"
+)
 _QUERY_SECRET = re.compile(
     rf"(?P<head>[?&;](?:[^\s=&;#]*[_\-.])?(?:{_SECRET_WORDS}|token|access_token|sig|signature)=)(?P<secret>[^\s&;#]+)",
     re.IGNORECASE,
@@ -103,3 +123,35 @@ def redact_override(override: str) -> str:
     if isinstance(parsed, dict | list) and (cleaned := redact(parsed)) != parsed:
         return f"{key}={json.dumps(cleaned, default=str)}"
     return f"{key}={redact_text(value)}"
+
+
+class RedactingFormatter(logging.Formatter):
+    """A formatter whose every line (message, traceback, stack) passes through :func:`redact_text`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(super().format(record))
+
+
+@contextmanager
+def redacting_log_records() -> Iterator[None]:
+    """Within the block, every log record is created with its message already redacted, whichever
+    handler gets it (the console, Prefect's API handler, a file): the message is formatted once at
+    creation, and replaced (its arguments dropped) only when it held a secret."""
+    previous: Callable[..., logging.LogRecord] = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is the logging module's to report, as usual
+            return record
+        cleaned = redact_text(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, None
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        yield
+    finally:
+        logging.setLogRecordFactory(previous)

@@ -3,12 +3,14 @@
 A stage's ``trainer:`` mapping goes to ``trl.SFTConfig`` / ``DPOConfig`` / ``GRPOConfig`` unchanged,
 so posttrain never re-declares TRL's options. What posttrain adds is checking them at load time:
 unknown keys (with suggestions and notes on options renamed across versions), value types, TRL's own
-cross-field checks, and keys posttrain manages itself.
+cross-field checks, and what :mod:`posttrain.core.library_policy` refuses (keys posttrain manages
+itself, options that would make a library run code).
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import tempfile
 import typing
 from functools import cache
@@ -18,22 +20,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from posttrain.core.checked import remembered_check
 from posttrain.core.errors import refused_option
+from posttrain.core.library_policy import check_trainer_options
 
-# Keys posttrain sets itself: accepting them from YAML would silently fight the pipeline.
-_MANAGED_TRAINER_KEYS = {
-    "output_dir": "posttrain chooses each stage's output directory inside the store",
-    "bf16": "set model.precision (auto|fp32|bf16|fp16) instead",
-    "fp16": "set model.precision (auto|fp32|bf16|fp16) instead",
-    "use_cpu": "posttrain picks the device from the hardware",
-    "report_to": "tracking is configured in the `tracking:` section",
-    "reward_weights": "give each reward a `weight` in the stage's `rewards:` list",
-    "resume_from_checkpoint": "posttrain resumes a killed stage from its last checkpoint by itself: "
-    "rerun `posttrain run` (finished stages are reused; --force STEP retrains one from scratch)",
-    "save_only_model": "checkpoints keep the optimizer, scheduler and RNG states so a killed stage "
-    "resumes exactly; set save_strategy: 'no' to write no checkpoints",
-    "push_to_hub": "posttrain never publishes: upload a stage directory from the store or the MLflow model",
-    "hub_token": "credentials never go in a config: set HF_TOKEN in the environment",
-}
 # Values TRL accepts (or crashes on later, e.g. num_generations: 0 divides by zero) that cannot train.
 _POSITIVE = ("learning_rate",)
 _AT_LEAST_ONE = (
@@ -47,6 +35,20 @@ _AT_LEAST_ONE = (
     "generation_batch_size",
 )
 _NON_NEGATIVE = ("beta", "weight_decay", "warmup_steps", "warmup_ratio", "max_grad_norm")
+# Values beyond what any run can use (a batch of 10^5 completions allocates before it fails).
+_AT_MOST = {
+    "learning_rate": 10.0,
+    "per_device_train_batch_size": 65_536,
+    "gradient_accumulation_steps": 65_536,
+    "num_generations": 4096,
+    "generation_batch_size": 1 << 20,
+    "steps_per_generation": 65_536,
+    "num_iterations": 1024,
+    "max_completion_length": 1 << 20,
+    "max_length": 1 << 20,
+    "num_train_epochs": 10_000,
+    "max_steps": 100_000_000,
+}
 # Options people carry over from other libraries or older TRL versions.
 _RENAMED_TRAINER_KEYS = {
     "kl_coef": "the KL coefficient is `beta` in TRL 1.16 (default 0.0)",
@@ -146,8 +148,10 @@ def validate_trainer_options(kind: str, options: dict[str, Any]) -> dict[str, An
     Unknown keys, wrong types and TRL's own cross-field checks (e.g. ``generation_batch_size``
     divisible by ``num_generations``) all fail here. The real config object is built on the CPU
     with fp32 so that GPU-only settings still validate on any machine. A pass is remembered
-    (:mod:`posttrain.core.checked`), so loading an unchanged config does not import TRL again.
+    (:mod:`posttrain.core.checked`), so loading an unchanged config does not import TRL again; what
+    the options may make TRL do is decided first, every time (it depends on the opt-in).
     """
+    check_trainer_options(options)
     return remembered_check(
         f"trainer.{kind}",
         options,
@@ -162,8 +166,6 @@ def _validate_trainer_options(kind: str, options: dict[str, Any]) -> dict[str, A
     types = _trl_field_types(kind)
     coerced: dict[str, Any] = {}
     for key, value in options.items():
-        if key in _MANAGED_TRAINER_KEYS:
-            raise ValueError(f"'{key}' is managed by posttrain: {_MANAGED_TRAINER_KEYS[key]}")
         if key in _RENAMED_TRAINER_KEYS and key not in types:
             raise ValueError(f"unknown {cls.__name__} option '{key}': {_RENAMED_TRAINER_KEYS[key]}")
         if key not in types:
@@ -200,6 +202,12 @@ def _check_ranges(kind: str, options: dict[str, Any], given: set[str]) -> None:
     for key in _NON_NEGATIVE:
         if isinstance(options.get(key), int | float) and options[key] < 0:
             raise bad(key, ">= 0")
+    for key, value in options.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad(key, "a finite number")
+    for key, most in _AT_MOST.items():
+        if isinstance(options.get(key), int | float) and options[key] > most:
+            raise bad(key, f"at most {most:,}")
     max_steps = options.get("max_steps", -1)
     if isinstance(max_steps, int) and max_steps != -1 and max_steps < 1:
         raise bad("max_steps", ">= 1 (or -1 to train num_train_epochs epochs)")

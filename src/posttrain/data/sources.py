@@ -67,6 +67,8 @@ def _iter_jsonl(file: Path) -> Iterator[tuple[int, Any | DataError]]:
                     yield line_no, json.loads(line)
                 except json.JSONDecodeError as exc:
                     yield line_no, DataError(f"malformed JSON ({exc.msg} at column {exc.colno})")
+                except RecursionError:  # a GSM8K record is two strings; thousands of [ are not one
+                    yield line_no, DataError("nested too deeply to be a GSM8K record")
         except UnicodeDecodeError as exc:
             raise DataError(f"{file}: not UTF-8 text ({exc.reason})") from None
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from posttrain.core.metric_names import interval_names, is_interval_metric, metric_name
 from posttrain.core.stats import format_percent
+from posttrain.core.untrusted import UntrustedContentError, read_json_bounded, read_jsonl_bounded
 from posttrain.evaluation.scoring import SampleScore, summarize_by_ops
 
 logger = logging.getLogger(__name__)
@@ -187,24 +188,31 @@ class EvalReport:
 
     @classmethod
     def load(cls, directory: str | Path) -> EvalReport:
-        """Read a report written by :meth:`save`."""
+        """Read a report written by :meth:`save`. A report is read back like any store content
+        (:mod:`posttrain.core.untrusted`): a damaged one is an ``UntrustedContentError`` naming the file."""
         directory = Path(directory)
         try:
-            head = json.loads((directory / REPORT_FILE).read_text())
-            lines = (directory / EXAMPLES_FILE).read_text(encoding="utf-8").splitlines()
+            head = read_json_bounded(directory / REPORT_FILE, expect=dict)
+            rows = read_jsonl_bounded(directory / EXAMPLES_FILE)
         except FileNotFoundError as exc:
             raise FileNotFoundError(
                 f"{directory} is not an evaluation report: {exc.filename} is missing"
             ) from None
-        records = tuple(EvalRecord.from_dict(json.loads(line)) for line in lines if line.strip())
-        return cls(
-            model=head["model"],
-            summary=head["summary"],
-            records=records,
-            config=head.get("config", {}),
-            timings=head.get("timings", {}),
-            meta=head.get("meta", {}),
-        )
+        try:
+            if not isinstance(head["model"], str) or not isinstance(head["summary"], dict):
+                raise TypeError("model must be a string and summary a mapping")
+            return cls(
+                model=head["model"],
+                summary=head["summary"],
+                records=tuple(EvalRecord.from_dict(row) for row in rows),
+                config=head.get("config", {}),
+                timings=head.get("timings", {}),
+                meta=head.get("meta", {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UntrustedContentError(
+                f"{directory / REPORT_FILE}: not an evaluation report ({type(exc).__name__}: {exc})"
+            ) from None
 
 
 BY_OPS_METRICS = ("accuracy_strict", *interval_names("accuracy_strict"))

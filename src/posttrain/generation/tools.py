@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from posttrain.core.calculator import calculator, calculator_call
-from posttrain.core.custom_code import import_named, is_custom
 from posttrain.core.errors import ModelError
+from posttrain.core.library_policy import import_named, is_custom
 from posttrain.generation.engine import EngineTool, ToolCall
 
 logger = logging.getLogger(__name__)

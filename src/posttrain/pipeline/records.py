@@ -33,6 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from posttrain.core.atomic import RESULT_FILE
 from posttrain.core.errors import PosttrainError
+from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
 from posttrain.models.artifacts import StageResult
 from posttrain.pipeline.steps import DataResult, EvalResult
 from posttrain.pipeline.store import Store
@@ -44,6 +45,7 @@ __all__ = [
     "StoreRecords",
     "decode_result",
     "encode_result",
+    "path_outside",
     "read_output_result",
 ]
 
@@ -94,16 +96,41 @@ def read_output_result(kind: str, directory: str | Path) -> Any:
 
 
 def _read_json(path: Path, what: str, missing: str) -> Any:
-    """``path`` parsed as JSON, at most :data:`_MAX_RECORD_BYTES`; any failure a :class:`RecordError`
-    (``missing`` when there is no file, else naming the file as not ``what``)."""
+    """``path`` parsed as JSON, bounded (:func:`~posttrain.core.untrusted.read_json_bounded`); any
+    failure a :class:`RecordError` (``missing`` when there is no file, else naming the file)."""
     try:
-        if path.stat().st_size > _MAX_RECORD_BYTES:
-            raise RecordError(f"{path} is too large to be a {what}")
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return read_json_bounded(path, max_bytes=_MAX_RECORD_BYTES)
     except FileNotFoundError:
         raise RecordError(missing) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordError(f"{path} is not a JSON {what} ({type(exc).__name__})") from None
+    except UntrustedContentError as exc:
+        raise RecordError(f"{exc}: not a JSON {what}") from None
+
+
+def _paths_of(result: Any) -> list[Path]:
+    """Every path a step result names: its output folder and what lies inside it (GRPO samples,
+    extra evaluation sets' report folders)."""
+    if isinstance(result, DataResult):
+        return [Path(result.data_dir)]
+    if isinstance(result, EvalResult):
+        return [Path(result.report_dir), *(Path(result.report_dir, name) for name in result.sets)]
+    if isinstance(result, StageResult):
+        return [Path(result.output_dir), *(Path(result.output_dir, s) for s in result.samples)]
+    return []
+
+
+def path_outside(result: Any, root: str | Path) -> str | None:
+    """The first path ``result`` names that does not lie inside ``root`` once resolved (symlinks
+    followed, ``..`` collapsed), or None when all do.
+
+    >>> path_outside(DataResult("/store/data/k", "t", "e"), "/store"), path_outside(DataResult("/etc", "t", "e"), "/store")
+    (None, '/etc')
+    """
+    top = Path(root).resolve()
+    for path in _paths_of(result):
+        where = path.resolve()
+        if not path.is_absolute() or not where.is_relative_to(top):
+            return str(path)
+    return None
 
 
 class StoreRecords:
@@ -180,7 +207,7 @@ class StoreRecords:
     def code_of_lineage(self, lineage: str) -> dict[str, str] | None:
         """The ``code`` of the latest record written for ``lineage``; None if there is none (or unreadable)."""
         try:
-            pointer = json.loads(self._lineage_path(lineage).read_text(encoding="utf-8"))
+            pointer = read_json_bounded(self._lineage_path(lineage), max_bytes=4096, expect=dict)
             record = self.raw(str(pointer["key"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None

@@ -14,6 +14,11 @@ Layout under the URL::
     outputs/<local name>.<hex>/     one complete upload of an output folder (a fresh name per upload)
     records/<key>.json              {"posttrain_shared": 1, "key", "kind", "output": "outputs/..."}
 
+Everything read from the shared store is untrusted input: a record is bounded (size, depth) and
+must name an upload under ``outputs/`` that lies inside the shared store's own prefix (on a mounted
+filesystem: once symlinks are resolved, and an upload holding a symlink is refused); anything else
+is a miss, logged once. The URL is only ever shown redacted (it may hold credentials).
+
 The record is written last, as one small object (on a local or mounted filesystem: a temporary file
 renamed into place), so it is the commit: a reader never sees an upload that has no record, and two
 workers uploading the same key at once each upload a whole folder of their own; the last record
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +41,8 @@ from typing import Any
 
 from posttrain.core.atomic import RESULT_FILE, staging_dir, write_result
 from posttrain.core.errors import PosttrainError
+from posttrain.core.redact import redact_text
+from posttrain.core.untrusted import UntrustedContentError, loads_bounded, note_unreadable
 from posttrain.models.artifacts import StageResult
 from posttrain.pipeline.records import RecordError, read_output_result
 from posttrain.pipeline.steps import DataResult, EvalResult
@@ -78,11 +86,14 @@ class SharedStore:
     def __init__(self, url: str) -> None:
         import fsspec  # deferred: only runs with a shared store import it
 
+        self.url = redact_text(url)
+        """The URL as shown in logs and errors: without its credentials."""
         try:
             self.fs, self.root = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as exc:
-            raise SharedStoreError(f"orchestration.shared_store {url!r}: {exc}") from None
-        self.url = url
+            raise SharedStoreError(
+                f"orchestration.shared_store {self.url!r}: {redact_text(str(exc))}"
+            ) from None
         self.root = self.root.rstrip("/")
 
     def _path(self, *parts: str) -> str:
@@ -95,19 +106,43 @@ class SharedStore:
         """The commit record of ``key``, or None when there is none or it is not ours."""
         path = self._record_path(key)
         try:
-            if not self.fs.exists(path) or self.fs.size(path) > _MAX_RECORD_BYTES:
+            if not self.fs.exists(path):
                 return None
-            record = json.loads(self.fs.cat_file(path).decode("utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            logger.warning("shared record %s is unreadable (%s): ignored", path, exc)
+            if self.fs.size(path) > _MAX_RECORD_BYTES:
+                raise UntrustedContentError(f"{path}: larger than {_MAX_RECORD_BYTES} bytes")
+            record = loads_bounded(self.fs.cat_file(path), path, max_depth=4)
+        except (OSError, UntrustedContentError) as exc:
+            note_unreadable(f"shared record {redact_text(str(exc))}", "ignored")
             return None
         if not isinstance(record, dict) or record.get("posttrain_shared") != SHARED_VERSION:
             return None
-        output = record.get("output")
-        ok_output = isinstance(output, str) and output.startswith("outputs/") and ".." not in output
-        if record.get("key") != key or not ok_output:
+        if record.get("key") != key or not self._confined(record.get("output")):
+            note_unreadable(f"shared record {path}: names an upload outside {self.url}/outputs", "ignored")
             return None
         return record
+
+    def _confined(self, output: Any) -> bool:
+        """``output`` names one upload folder under ``outputs/`` of this shared store: no ``..``,
+        and on a mounted filesystem no symlink, the folder or anything in it, leading elsewhere."""
+        if not isinstance(output, str) or not output.startswith("outputs/"):
+            return False
+        parts = output.split("/")
+        if len(parts) != 2 or parts[1] in ("", ".", ".."):
+            return False
+        if not self._local():
+            return True
+        folder = self._path(output)
+        if os.path.islink(folder):
+            return False
+        for top, dirs, files in os.walk(folder):
+            if any(os.path.islink(os.path.join(top, name)) for name in (*dirs, *files)):
+                return False
+        outputs = os.path.realpath(self._path("outputs"))
+        return os.path.realpath(folder).startswith(outputs + os.sep)
+
+    def _local(self) -> bool:
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        return "file" in protocols or "local" in protocols
 
     def has(self, key: str) -> bool:
         return self.record(key) is not None
@@ -128,8 +163,8 @@ class SharedStore:
                 result = read_output_result(kind, tmp)
                 (tmp / RESULT_FILE).unlink()
                 write_result(tmp, relocate_result(result, output_dir))
-        except (OSError, RecordError) as exc:  # a miss, never a crash: the step is recomputed
-            logger.warning("cannot pull %s from the shared store %s: %s", record["output"], self.url, exc)
+        except (OSError, RecordError, ValueError, TypeError) as exc:  # a miss, never a crash: recomputed
+            note_unreadable(f"shared upload {record['output']} in {self.url}: {redact_text(str(exc))}")
             return False
         logger.info("pulled %s from the shared store %s", Path(output_dir).name, self.url)
         return True
@@ -148,7 +183,12 @@ class SharedStore:
         try:
             return self._upload(kind, key, Path(output_dir))
         except OSError as exc:  # the run itself succeeded; other workers will recompute this step
-            logger.warning("cannot push %s to the shared store %s: %s", Path(output_dir).name, self.url, exc)
+            logger.warning(
+                "cannot push %s to the shared store %s: %s",
+                Path(output_dir).name,
+                self.url,
+                redact_text(str(exc)),
+            )
             return False
 
     def _upload(self, kind: str, key: str, local: Path) -> bool:
@@ -165,8 +205,7 @@ class SharedStore:
         path = self._record_path(key)
         self.fs.makedirs(self._path("records"), exist_ok=True)
         data = json.dumps(record, indent=1, sort_keys=True).encode()
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        if "file" in protocols:
+        if self._local():
             # A mounted filesystem: rename is atomic; an object store's single PUT already is.
             tmp = self._path("records", f".{key}.json.tmp-{secrets.token_hex(4)}")
             self.fs.pipe_file(tmp, data)

@@ -16,8 +16,12 @@ Each output directory is named after its step's cache key (:mod:`posttrain.pipel
 
 ``orchestration.store`` may point anywhere, and a run tidies what a killed run left (it deletes
 ``*.tmp-*`` folders and renames ``*.old-*`` ones), so posttrain only ever writes to a folder that
-is marked as its store: a new or empty folder is marked when first used, a store from before the
-marker existed (nothing but posttrain's own entries) is adopted, and any other folder is refused.
+is marked as its store: a new or empty folder is marked when first used, and any other folder
+without the marker is refused, even one that holds nothing but folders named like a store's.
+
+A store stays inside itself: its folders (``data/``, ``stages/``, ...) and lock files must not be
+symbolic links (such a store is refused, and tidying never follows one), and every path read back
+from it is checked to lie inside it (:func:`posttrain.pipeline.records.path_outside`).
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ class StoreLockedError(StoreError):
 
 
 MARKER = ".posttrain-store"
-# What a posttrain store holds: a folder with anything else in it is someone else's.
-_OWN_ENTRIES = {MARKER, "lock", "locks", "data", "stages", "evals", "results", "prefect"}
+_AREAS = ("locks", "data", "stages", "evals", "results", "prefect")
+"""The folders of a store (each must be a real folder inside it, never a symbolic link)."""
 
 # Stores whose lock this context holds: the CLI takes the lock before Prefect's server starts, and
 # the flow it then runs re-enters it, as do a sweep's points, which Prefect runs in worker threads
@@ -78,21 +82,23 @@ class Store:
             except OSError as exc:
                 raise StoreError(f"cannot create the store {root}: {exc.strerror or exc}") from None
             store._mark()
+            store.check_contained()
         return store
 
     @property
     def is_marked(self) -> bool:
-        return (self.root / MARKER).is_file()
+        marker = self.root / MARKER
+        return marker.is_file() and not marker.is_symlink()
 
     def _mark(self) -> None:
-        """Mark the folder as a store, or refuse a folder that holds anything but a store's entries."""
+        """Mark a new or empty folder as a store; refuse any other folder without the marker."""
         if self.is_marked:
             return
         if not self.root.is_dir():
             raise StoreError(f"{self.root} is not a folder")
-        foreign = sorted(p.name for p in self.root.iterdir() if p.name not in _OWN_ENTRIES)
-        if foreign:
-            shown = ", ".join(foreign[:3]) + (f" (+{len(foreign) - 3} more)" if len(foreign) > 3 else "")
+        entries = sorted(p.name for p in self.root.iterdir())
+        if entries:
+            shown = ", ".join(entries[:3]) + (f" (+{len(entries) - 3} more)" if len(entries) > 3 else "")
             raise StoreError(
                 f"{self.root} is not a posttrain store (no {MARKER} marker) and holds {shown}: "
                 "point orchestration.store at a new or empty folder"
@@ -103,6 +109,17 @@ class Store:
             )
         except OSError as exc:
             raise StoreError(f"cannot write to the store {self.root}: {exc.strerror or exc}") from None
+
+    def check_contained(self) -> None:
+        """Refuse a store whose folders or lock file are symbolic links: posttrain writes, renames
+        and deletes inside its store, and a link would carry that to wherever it points."""
+        for name in (*_AREAS, "lock"):
+            if (self.root / name).is_symlink():
+                raise StoreError(
+                    f"{self.root / name} is a symbolic link: a store's folders must be real folders inside "
+                    "it (posttrain writes and tidies only there); to keep a store on another disk, point "
+                    "orchestration.store there"
+                )
 
     def check_writable(self) -> None:
         """Fail now, in one line, if nothing can be written here (instead of after training)."""
@@ -139,6 +156,7 @@ class Store:
         """
         if not self.is_marked:
             raise StoreError(f"refusing to clean {self.root}: not a posttrain store (no {MARKER} marker)")
+        self.check_contained()
         touched = [p for area in ("data", "stages", "evals") for p in tidy_interrupted(self.root / area)]
         if touched:
             logger.warning(
@@ -179,7 +197,7 @@ class Store:
     def _flock(self) -> Iterator[None]:
         path = self.root / "lock"
         try:
-            handle = path.open("a+")
+            handle = _open_lock_file(path)
         except OSError as exc:
             raise StoreError(f"cannot lock the store {self.root}: {exc.strerror or exc}") from None
         with handle as fh:
@@ -205,6 +223,13 @@ class Store:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _open_lock_file(path: Path):
+    """``path`` opened for appending and reading, never through a symbolic link (a planted link would
+    make posttrain truncate and write whatever file it names)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    return os.fdopen(fd, "a+")
+
+
 class StepLock:
     """One step's lock: held from the cache decision until the step's record is written, so runs
     sharing a store (a sweep's concurrent points) never make the same output at once; the second
@@ -218,7 +243,9 @@ class StepLock:
 
     def acquire(self) -> StepLock:
         self.path.parent.mkdir(exist_ok=True)
-        fh = self.path.open("a+")
+        if self.path.parent.is_symlink():
+            raise StoreError(f"{self.path.parent} is a symbolic link: refusing to lock through it")
+        fh = _open_lock_file(self.path)
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

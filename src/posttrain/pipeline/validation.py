@@ -12,8 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import PipelineConfig, parse_config, read_config_mapping
-from posttrain.core.custom_code import import_named
 from posttrain.core.errors import ConfigError
+from posttrain.core.inputs import check_config_values, path_problem
+from posttrain.core.library_policy import import_named
+from posttrain.pipeline.input_checks import (
+    check_bounds,
+    check_generation_lengths,
+    check_local_data,
+    check_model,
+    check_tracking_uri,
+)
 from posttrain.pipeline.launcher import accelerate_setup
 from posttrain.rewards.registry import check_reward
 
@@ -60,8 +68,11 @@ def check_paths(cfg: PipelineConfig, source: str = "<config>") -> None:
         if extra.data == "local" and extra.path:
             wanted.append((f"eval.extra_sets.{i}.path", extra.path))
     for key, path in wanted:
-        if not Path(path).expanduser().exists():
+        problem = path_problem(path)
+        if problem == "no such file or folder":
             raise ConfigError(f"{source}: {key}: no such file or folder: {path} (from {Path.cwd()})")
+        if problem is not None:  # a FIFO or a device: reading it would hang or never end
+            raise ConfigError(f"{source}: {key}: {path} {problem}")
 
 
 def check_launchers(cfg: PipelineConfig, source: str = "<config>") -> None:
@@ -153,6 +164,7 @@ def check_tools(cfg: PipelineConfig, source: str = "<config>") -> None:
         from transformers.utils import get_json_schema  # heavy: only configs with chat tools need it
 
         from posttrain.generation.tools import tool_functions
+
         for j, name in enumerate(section.tools):
             try:
                 get_json_schema(tool_functions([name])[0])
@@ -189,14 +201,26 @@ def check_tools(cfg: PipelineConfig, source: str = "<config>") -> None:
 
 
 def _check_tool_template(cfg: PipelineConfig, source: str) -> None:
+    """TRL's ``supports_tool_calling`` on the model's tokenizer, loaded without building or pulling a
+    model: the built-in tiny model's tokenizer is built in memory, a pulled built-in, a local folder
+    or a hub id's tokenizer is loaded. A built-in not pulled yet (or a .gguf file, converted at run
+    time) is checked when the stage starts, by TRL itself."""
     from posttrain.core.errors import ModelError
     from posttrain.generation.tools import check_tool_template  # imports transformers
     from posttrain.models.loading import load_tokenizer
-    from posttrain.models.resolve import resolve_model_path
+    from posttrain.models.resolve import models_cache_dir
+    from posttrain.models.tiny import TINY_MODEL_NAME, build_tiny_tokenizer
 
     name = cfg.model.name
     try:
-        tokenizer = load_tokenizer(resolve_model_path(name, cfg.model.cache_dir), revision=cfg.model.revision)
+        if name == TINY_MODEL_NAME:
+            tokenizer = build_tiny_tokenizer()
+        elif (models_cache_dir(cfg.model.cache_dir) / name / "tokenizer_config.json").is_file():
+            tokenizer = load_tokenizer(str(models_cache_dir(cfg.model.cache_dir) / name))
+        elif name.endswith(".gguf") or "/" not in name and not Path(name).expanduser().is_dir():
+            return
+        else:
+            tokenizer = load_tokenizer(name, revision=cfg.model.revision)
         check_tool_template(tokenizer)
     except ModelError as exc:
         raise ConfigError(f"{source}: model.name: {name}: {exc}") from None
@@ -207,14 +231,21 @@ def _check_tool_template(cfg: PipelineConfig, source: str) -> None:
 
 
 def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
-    """A config mapping checked against the schema, the reward registry and the file system."""
+    """A config mapping checked against the schema, the reward registry and the file system: what
+    the model, the files and the URIs it names are, and that its numbers are sensible
+    (:mod:`posttrain.pipeline.input_checks`). Nothing is written, no server is asked."""
+    check_config_values(raw, source)  # a mapping from elsewhere than a file (a deployment's parameters)
     cfg = parse_config(raw, source)
+    check_bounds(cfg, source)
     check_rewards(cfg, source)
     check_tools(cfg, source)
+    check_generation_lengths(cfg, check_model(cfg, source), source)
     check_paths(cfg, source)
     check_launchers(cfg, source)
     check_shared_store(cfg, source)
     check_vllm_server(cfg, source)
+    check_tracking_uri(cfg, source)
+    check_local_data(cfg)
     return cfg
 
 

@@ -42,7 +42,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from posttrain.core.custom_code import (
+from posttrain.core.library_policy import (
     CUSTOM_CODE_ENV,
     CustomCodeRefused,
     allow_custom_code,
@@ -291,7 +291,7 @@ def check_reward(name: str, params: Mapping[str, Any] | None = None) -> None:
     >>> check_reward("os:system", {"command": "touch /tmp/x"})
     Traceback (most recent call last):
     ...
-    posttrain.core.custom_code.CustomCodeRefused: custom reward 'os:system' would import and run code named by the config; allow it with --allow-custom-code (or POSTTRAIN_ALLOW_CUSTOM_CODE=1) if you trust this config
+    posttrain.core.library_policy.CustomCodeRefused: custom reward 'os:system' would import and run code named by the config; allow it with --allow-custom-code (or POSTTRAIN_ALLOW_CUSTOM_CODE=1) if you trust this config
     """
     name, params, scaler = _split_params(name, params)
     if is_custom(name):

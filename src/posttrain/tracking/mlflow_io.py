@@ -15,9 +15,10 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from posttrain.core.config import PipelineConfig, TrackingConfig
-from posttrain.core.net import unreachable
+from posttrain.core.net import tcp_unreachable, unreachable
 from posttrain.core.redact import redact, redact_text
 from posttrain.models.building import between_trainings
 
@@ -62,15 +63,24 @@ def resolve_tracking_uri(tracking: TrackingConfig) -> str:
     return f"sqlite:///{db.resolve()}" if db is not None and not db.is_absolute() else uri
 
 
+_DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
+
+
 def tracking_problem(tracking: TrackingConfig) -> str | None:
     """Why the tracking store cannot be used, found in seconds (MLflow itself retries for minutes).
 
-    An http(s) server must answer; a SQLite database's folder must exist. None when all is well.
+    An http(s) server must answer, a database server (PostgreSQL, MySQL, SQL Server) accept a
+    connection, and a SQLite database's folder must exist. None when all is well.
     """
     uri = resolve_tracking_uri(tracking)
     if uri.startswith(("http://", "https://")):
         problem = unreachable(uri.rstrip("/") + "/health")
         return f"MLflow tracking server unreachable: {problem}" if problem else None
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    if scheme in _DATABASE_PORTS:
+        parts = urlsplit(uri)
+        problem = tcp_unreachable(parts.hostname or "", parts.port or _DATABASE_PORTS[scheme])
+        return f"MLflow tracking database unreachable: {problem}" if problem else None
     db = sqlite_path(uri)
     if db is not None and not db.parent.is_dir():
         return f"{redact_text(uri)}: folder {db.parent} does not exist"

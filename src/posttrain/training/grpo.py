@@ -175,7 +175,7 @@ def make_grpo_trainer(
     """
     from trl import GRPOConfig
 
-    from posttrain.core.custom_code import import_named
+    from posttrain.core.library_policy import import_named
     from posttrain.generation.rollout import ShadowRollout, shadow_rollout_blockers
     from posttrain.generation.tools import tool_functions
     from posttrain.models.hardware import resolve_dtype
