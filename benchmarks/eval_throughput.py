@@ -38,9 +38,10 @@ from posttrain.data.sources import load_jsonl
 from posttrain.evaluation import evaluate
 from posttrain.evaluation.scoring import SampleScore, answers_agree, score_completion
 from posttrain.generation.engine import encode_prompts, stop_token_ids
+from posttrain.models.hardware import cpu_kind, decode_flops_per_token, matmul_gflops
 from posttrain.models.loading import load_model_and_tokenizer
 
-TARGETS = {"c/a": 20.0, "c/b": 4.0, "c/d": 1.5, "agreement": 0.95}
+TARGETS = {"c/a": 25.0, "c/b": 4.0, "c/d": 1.5, "agreement": 0.95, "matmul share": 0.25}
 
 
 class LoadWatch:
@@ -163,8 +164,12 @@ def main() -> None:
     mean_prompt = sum(map(len, prompts)) / len(prompts)
     print(
         f"model {args.model}; {len(records)} questions; mean prompt {mean_prompt:.0f} tokens; "
-        f"max_new_tokens {args.max_new_tokens}; greedy; torch threads {torch.get_num_threads()}"
+        f"max_new_tokens {args.max_new_tokens}; greedy; torch threads {torch.get_num_threads()}; "
+        f"CPU {cpu_kind()}"
     )
+    bf16_rate = matmul_gflops(torch.bfloat16)
+    print(f"bf16 matmul rate (best torch.matmul of training-sized shapes): {bf16_rate:.0f} GFLOP/s")
+    flops_config = model32.config
 
     print(f"(a) one generate call per question, fp32, on the first {limit_a} questions")
     out_a, sec_a = run_generate(model32, tokenizer, prompts[:limit_a], 1, args.max_new_tokens, stop)
@@ -247,6 +252,7 @@ def main() -> None:
     for (precision, batch_size), report in zip(variants, reports, strict=True):
         print(f"\n(c) precision {precision} ({report.meta.get('dtype')}), batch {batch_size}")
         describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a, tps_d)
+        describe_flops(report, flops_config, mean_prompt, bf16_rate)
     cores = os.cpu_count() or 1
     if watch.mark() > cores + 0.5:
         print(
@@ -254,6 +260,21 @@ def main() -> None:
             "the CPU during this run, so the timings and ratios above are not reliable; "
             "rerun on an idle machine."
         )
+
+
+def describe_flops(report, config, mean_prompt: float, bf16_rate: float) -> None:
+    """The matmul work (c) did per second, as a share of the machine's bf16 matmul rate: how far the
+    engine is from compute-bound. A token's FLOPs are counted at the mean context a decode step sees
+    (prompt plus half the mean completion); prefill work is left out, so the share is a lower bound."""
+    tokens = report.timings["generated_tokens"]
+    context = mean_prompt + tokens / max(report.timings["sequences"], 1) / 2
+    gflops = decode_flops_per_token(config, context) * tokens / report.timings["seconds"] / 1e9
+    share = gflops / bf16_rate
+    verdict = "met" if share >= TARGETS["matmul share"] else "NOT met"
+    print(
+        f"  decode work {gflops:.1f} GFLOP/s = {share:.1%} of the bf16 matmul rate "
+        f"(target >= {TARGETS['matmul share']:.0%}: {verdict})"
+    )
 
 
 def describe_c(report, tokenizer, records, out_a, tps_a, out_b, tps_b, limit_a, tps_d=None) -> None:

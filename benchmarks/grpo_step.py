@@ -232,7 +232,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    from posttrain.models.hardware import cpu_has_fast_bf16
+    from posttrain.models.hardware import cpu_kind
     from posttrain.models.resolve import resolve_model_path
 
     model_path = resolve_model_path(opts.model)
@@ -244,8 +244,8 @@ def main() -> None:
     data = build_data(model_path, opts.steps + 1)
     print(
         f"model {opts.model}; {opts.steps} timed steps + 1 warm-up; {shapes}; torch threads "
-        f"{torch.get_num_threads()}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; CPU fast bf16: "
-        f"{cpu_has_fast_bf16()}; load {os.getloadavg()[0]:.2f}"
+        f"{torch.get_num_threads()}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; CPU {cpu_kind()}; "
+        f"load {os.getloadavg()[0]:.2f}"
     )
     results = {}
     for name in opts.variants.split(","):

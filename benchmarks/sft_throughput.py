@@ -46,6 +46,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loa
 import torch  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback  # noqa: E402
 
+from posttrain.models.hardware import cpu_kind, matmul_gflops  # noqa: E402
+
 GSM8K_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 # Ablations: posttrain's SFT settings with TRL options changed ({} is posttrain's own).
@@ -298,22 +300,6 @@ def run_variants(
     return results
 
 
-def matmul_gflops(dtype: torch.dtype, seconds: float = 1.5) -> float:
-    """Best ``torch.matmul`` GFLOP/s in ``dtype`` over the shapes a small model's training multiplies
-    (tokens x hidden by hidden x MLP width, both ways) and a square one."""
-    best = 0.0
-    shapes = [(2048, 576, 1536), (2048, 1536, 576), (1024, 1024, 1024)]
-    for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        torch.matmul(a, b)
-        count, start = 0, time.perf_counter()
-        while count < 3 or time.perf_counter() - start < seconds / len(shapes):
-            torch.matmul(a, b)
-            count += 1
-        best = max(best, 2 * m * k * n * count / (time.perf_counter() - start) / 1e9)
-    return best
-
-
 def report(name: str, measured: Measured, params: int, limit_gflops: float) -> str:
     """One variant's line: tokens/s (wall and CPU), padding, and the share of the matmul limit."""
     rate = measured.tokens_per_s()
@@ -402,7 +388,7 @@ def measure(
     opts: argparse.Namespace, model_name: str, model_path: str, data: str, variants: list[str]
 ) -> None:
     """Run the variants and print the report (``main`` without the argument parsing)."""
-    from posttrain.models.hardware import cpu_has_fast_bf16, resolve_dtype, resolve_precision
+    from posttrain.models.hardware import resolve_dtype, resolve_precision
 
     precision = resolve_precision(opts.precision)
     total_steps = 1 + opts.repeats * opts.steps
@@ -423,7 +409,7 @@ def measure(
     print(
         f"model {model_name}; data {data} ({len(rows)} rows); batch {opts.batch}, max_length {opts.max_length}, "
         f"precision {precision}; {opts.repeats} rounds of {opts.steps} steps per variant after 1 warm-up step; "
-        f"torch threads {torch.get_num_threads()}; CPU fast bf16: {cpu_has_fast_bf16()}; "
+        f"torch threads {torch.get_num_threads()}; CPU {cpu_kind()}; "
         f"load {os.getloadavg()[0]:.2f}",
         flush=True,
     )

@@ -13,7 +13,16 @@ from pathlib import Path
 
 from posttrain.core.errors import HardwareError
 
-__all__ = ["check_hardware", "cpu_has_fast_bf16", "cuda_available", "resolve_dtype", "resolve_precision"]
+__all__ = [
+    "check_hardware",
+    "cpu_has_fast_bf16",
+    "cpu_kind",
+    "cuda_available",
+    "decode_flops_per_token",
+    "matmul_gflops",
+    "resolve_dtype",
+    "resolve_precision",
+]
 
 
 @cache
@@ -24,6 +33,59 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cpu_kind() -> str:
+    """``"<model name> (AMX | avx512_bf16, no AMX | no native bf16)"``: timings move by up to 2x between
+    the CPUs a run meets, so benchmarks print which kind they ran on."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    if "amx_bf16" in flags:
+        return f"{model} (AMX)"
+    return f"{model} ({'avx512_bf16, no AMX' if 'avx512_bf16' in flags else 'no native bf16'})"
+
+
+def matmul_gflops(dtype, seconds: float = 1.5, shapes=None) -> float:
+    """Best ``torch.matmul`` GFLOP/s in ``dtype`` over ``shapes`` (m, k, n); by default the shapes a
+    small model's training multiplies (tokens x hidden by hidden x MLP width, both ways) and a
+    square one: the rate against which a benchmark reads what a variant achieves."""
+    import time
+
+    import torch  # heavy: deferred until needed
+
+    best = 0.0
+    for m, k, n in shapes or [(2048, 576, 1536), (2048, 1536, 576), (1024, 1024, 1024)]:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        torch.matmul(a, b)
+        count, start = 0, time.perf_counter()
+        while count < 3 or time.perf_counter() - start < seconds / 3:
+            torch.matmul(a, b)
+            count += 1
+        best = max(best, 2 * m * k * n * count / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def decode_flops_per_token(config, context: float) -> float:
+    """FLOPs of one decoded token of a decoder-only transformer: 2 x (every layer's weights and the LM
+    head) plus attention over ``context`` cached positions (scores and weighted values).
+
+    >>> from types import SimpleNamespace
+    >>> c = SimpleNamespace(hidden_size=4, num_hidden_layers=1, num_attention_heads=2,
+    ...                     num_key_value_heads=1, intermediate_size=8, vocab_size=10)
+    >>> decode_flops_per_token(c, context=3)
+    416.0
+    """
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * config.intermediate_size
+    weights = config.num_hidden_layers * (attention + mlp) + config.vocab_size * hidden
+    return float(2 * weights + config.num_hidden_layers * 4 * heads * head_dim * context)
 
 
 def cuda_available() -> bool:
