@@ -507,6 +507,12 @@ def test_mlflow_experiment_name_and_an_outer_run_are_honoured(uri, monkeypatch):
     with start_pipeline_run(cfg) as explicit:
         pass
     assert client(uri).get_experiment(explicit.experiment_id).name == "explicit"  # the config wins
+    # both open in the UI as model training, not GenAI (the tag decides MLflow 3's experiment view)
+    for experiment_id in (tracker.experiment_id, explicit.experiment_id):
+        assert (
+            client(uri).get_experiment(experiment_id).tags["mlflow.experimentKind"]
+            == "custom_model_development"
+        )
 
     outer_experiment = client(uri).create_experiment("outer")
     outer = client(uri).create_run(outer_experiment, run_name="outer")

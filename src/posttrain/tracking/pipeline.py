@@ -535,8 +535,14 @@ def _experiment_by_id(client: Any, experiment_id: str) -> str:
         raise ConfigError(f"MLFLOW_EXPERIMENT_ID={experiment_id}: no such experiment") from None
 
 
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+"""MLflow's UI opens an experiment without this tag in its GenAI mode ("Agent versions"); with it, as
+model training: runs, and the Models tab a training user expects."""
+
+
 def _get_or_create_experiment(client: Any, name: str, uri: str) -> str:
-    """Existing (restored if deleted) or new experiment; a SQLite store keeps artifacts next to its DB."""
+    """Existing (restored if deleted) or new experiment, marked as model training unless it says
+    otherwise; a SQLite store keeps artifacts next to its DB."""
     from mlflow.exceptions import MlflowException  # heavy: deferred until needed
 
     experiment = client.get_experiment_by_name(name)
@@ -544,10 +550,13 @@ def _get_or_create_experiment(client: Any, name: str, uri: str) -> str:
         if experiment.lifecycle_stage == "deleted":
             logger.warning("restoring deleted MLflow experiment %r", name)
             client.restore_experiment(experiment.experiment_id)
+        if not any(key in experiment.tags for key in EXPERIMENT_KIND):
+            for key, value in EXPERIMENT_KIND.items():
+                client.set_experiment_tag(experiment.experiment_id, key, value)
         return experiment.experiment_id
     db = sqlite_path(uri)
     location = (db.parent / "mlruns").resolve().as_uri() if db is not None else None
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
     except MlflowException:  # created concurrently by another process
         return client.get_experiment_by_name(name).experiment_id
