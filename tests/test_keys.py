@@ -186,3 +186,69 @@ def test_a_stage_that_keeps_its_best_checkpoint_has_the_choice_in_its_key():
     sft_best = [*base, "sft.keep=best", "sft.eval_every=2"]
     assert key(*sft_best, stage="sft") != key(*sft_best, "eval.max_new_tokens=9", stage="sft")
     assert key(*base, "sft.eval_every=2", stage="sft") != key(*base, stage="sft")  # a new setting
+
+
+# The config part of every step's cache identity for every shipped config (`config_hash`, not the
+# code fingerprint, which changes with any code change), computed before the config schema was
+# renamed (issue 32: `training:` -> `launch:`, one seed, one word for counts and for completion
+# length, `grpo.defaults:`). A rename that leaves what a step does as it was must leave these as
+# they were, or every user's cached steps would rerun; a deliberate change of behaviour updates them.
+PINNED_CONFIG_HASHES = {
+    "qwen2.5-0.5b-gsm8k-gpu.yaml": {
+        "data": "355cc3c99f732817",
+        "sft": "66750947d351c7d2",
+        "dpo": "3bd17d4ff16a4e19",
+        "grpo-format": "fce4e1dcd70ff2dd",
+        "grpo-correctness": "29313b631031db8b",
+        "eval": "5a44f84a3b093a27",
+    },
+    "smoke.yaml": {
+        "data": "fbbd3151facf95c0",
+        "sft": "ffb7078b5d591af4",
+        "dpo": "f764c2bf8821012d",
+        "grpo-format": "b63d4cfe5f87f8a5",
+        "grpo-correctness": "24fdb1ecbd83ee66",
+        "eval": "03f0a046e815ec7a",
+    },
+    "smollm2-arith-calc-cpu.yaml": {
+        "data": "70b390f9d4f7484b",
+        "sft": "cf1a7e05468b20f6",
+        "grpo-ops1": "38e30ac3700603e9",
+        "grpo-ops1-2": "f2ec266dfe0f6f54",
+        "grpo-ops1-3": "94caeb1420a447dc",
+        "eval": "4e0aa49d1f42474a",
+    },
+    "smollm2-arith-cpu.yaml": {
+        "data": "70b390f9d4f7484b",
+        "sft": "779c1c9120d5aa1b",
+        "grpo-ops1": "af9639c380a5ce40",
+        "grpo-ops1-2": "91ef00bb2310a7d3",
+        "grpo-ops1-3": "64eec3e4ea9e80ce",
+        "eval": "17049e760e7d5234",
+    },
+    "smollm2-gsm8k-calc-cpu.yaml": {
+        "data": "096ef504868a3ebe",
+        "sft": "456a229a3205d7a6",
+        "dpo": "a53abc3a3a14dfe1",
+        "grpo-format": "84b0c1cae3fac215",
+        "grpo-correctness": "e316ed0ea022b74a",
+        "eval": "6f961ec14b24deb5",
+    },
+    "smollm2-gsm8k-cpu.yaml": {
+        "data": "096ef504868a3ebe",
+        "sft": "c8651b13ab818c2f",
+        "dpo": "20a0ab3bbd654ad2",
+        "grpo-format": "c00ec9ef3e57cc7a",
+        "grpo-correctness": "53ab954b7742d2c4",
+        "eval": "5cd2ae9b1d8f8000",
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED_CONFIG_HASHES))
+def test_shipped_configs_keep_the_config_hashes_they_had_before_the_renames(name):
+    cfg = load_config(SMOKE.parent / name)
+    found = {"data": data_identity(cfg, "m").config_hash}
+    found |= {step: train_identity(cfg, step, "m", "d").config_hash for step in cfg.stage_names()}
+    found["eval"] = eval_identity(cfg, "eval-baseline", "m", "d").config_hash
+    assert found == PINNED_CONFIG_HASHES[name]
