@@ -14,7 +14,7 @@
 #   qlora-grpo      one GRPO step of a 4-bit (bitsandbytes NF4) QLoRA model
 #   optim-8bit      one SFT step with bitsandbytes' 8-bit AdamW (`optim: adamw_bnb_8bit`)
 #   vllm-colocate   one GRPO step whose rollouts come from vLLM in colocate mode, then a vLLM eval
-#   ddp-2gpu        one SFT step on two GPUs with `training.launcher: accelerate` (only with 2+ GPUs)
+#   ddp-2gpu        one SFT step on two GPUs with `launch.launcher: accelerate` (only with 2+ GPUs)
 #
 # GPU_CHECK_DRY_RUN=1 runs every check as `posttrain run --dry-run` whatever the hardware: the
 # overrides are validated against the config schema and the plan is printed (tests/test_gpu_check.py).
@@ -56,7 +56,7 @@ NO_GPU=""; [ "$NGPU" -gt 0 ] || NO_GPU="no CUDA device"
 NO_BNB=$NO_GPU; [ -n "$NO_BNB" ] || [ "$HAS_BNB" = 1 ] || NO_BNB="bitsandbytes not installed (pip install -e '.[quantization]')"
 NO_VLLM=$NO_GPU; [ -n "$NO_VLLM" ] || [ "$HAS_VLLM" = 1 ] || NO_VLLM="vllm not installed (pip install -e '.[vllm]')"
 NO_DDP=$NO_GPU; [ -n "$NO_DDP" ] || [ "$NGPU" -ge 2 ] || NO_DDP="one GPU only"
-NO_LAUNCHER=""; grep -q "launcher" src/posttrain/core/config.py || NO_LAUNCHER="training.launcher not in this version"
+NO_LAUNCHER=""; grep -q "launcher" src/posttrain/core/config.py || NO_LAUNCHER="launch.launcher not in this version"
 NO_DDP=${NO_LAUNCHER:-$NO_DDP}
 
 ONLY_SFT=(--set dpo=null --set "grpo.stages=[]" --set sft.trainer.max_steps=1)
@@ -70,7 +70,7 @@ check optim-8bit "$NO_BNB" -- --set model.precision=bf16 --set sft.trainer.optim
 check vllm-colocate "$NO_VLLM" -- --set model.precision=bf16 "${ONE_GRPO[@]}" \
     --set grpo.stages.0.trainer.use_vllm=true --set grpo.stages.0.trainer.vllm_mode=colocate \
     --set grpo.stages.0.trainer.vllm_gpu_memory_utilization=0.2 --set eval.backend=vllm
-check ddp-2gpu "$NO_DDP" -- --set model.precision=bf16 --set training.launcher=accelerate "${ONLY_SFT[@]}"
+check ddp-2gpu "$NO_DDP" -- --set model.precision=bf16 --set launch.launcher=accelerate "${ONLY_SFT[@]}"
 
 echo
 echo "check          status time  last result line"

@@ -110,11 +110,11 @@ def test_every_shipped_config_validates(path):
         ),  # both spellings
         (
             minimal(data={"synthetic": {"min_steps": 2}}),
-            "data.synthetic: 'min_steps' was renamed to 'min_ops'",
+            "data.synthetic.min_steps: renamed to 'min_ops' (arithmetic operations per problem)",
         ),  # renamed key
         (
             minimal(grpo={"stages": [{**grpo_stage(), "data_filter": {"max_steps": 2}}]}),
-            "grpo.stages.0.data_filter: 'max_steps' was renamed to 'max_ops'",
+            "grpo.stages.0.data_filter.max_steps: renamed to 'max_ops'",
         ),  # renamed key in a stage
     ],
 )

@@ -45,7 +45,7 @@ def test_every_check_is_a_valid_config(tmp_path):
     assert set(rows) == set(CHECKS)
     for name, row in rows.items():
         if " skip " in row:  # only a launcher this version lacks may skip a dry run
-            assert name == "ddp-2gpu" and "training.launcher" in row, row
+            assert name == "ddp-2gpu" and "launch.launcher" in row, row
             continue
         log = (tmp_path / "out" / f"{name}.log").read_text()
         assert " ok " in row, log

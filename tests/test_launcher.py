@@ -1,4 +1,4 @@
-"""`training.launcher`: the shipped accelerate configs, the launch command, how the launcher enters the
+"""`launch.launcher`: the shipped accelerate configs, the launch command, how the launcher enters the
 cache key, and what fails before anything starts. The 2-process runs are in test_launcher_multiprocess.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.core.config import PipelineConfig, TrainingConfig
+from posttrain.core.config import LaunchConfig, PipelineConfig
 from posttrain.core.errors import ConfigError, HardwareError
 from posttrain.models.hardware import cuda_available
 from posttrain.pipeline import keys
@@ -54,7 +54,7 @@ def test_shipped_accelerate_configs_load_with_accelerates_own_loader(name, kind,
         assert loaded.deepspeed_config["zero_stage"] == int(name[4])
     monkeypatch.chdir(REPO)
     setup = accelerate_setup(
-        TrainingConfig(launcher="accelerate", accelerate_config=f"configs/accelerate/{name}")
+        LaunchConfig(launcher="accelerate", accelerate_config=f"configs/accelerate/{name}")
     )
     assert setup.needs_cuda is needs_cuda and setup.num_processes == loaded.num_processes
 
@@ -68,11 +68,11 @@ def test_the_cpu_config_runs_two_processes_on_loopback():
 
 def test_the_launch_command_takes_a_free_port_unless_the_file_names_one(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    launch = TrainingConfig(launcher="accelerate", accelerate_config=CPU_ACCELERATE_CONFIG, num_processes=3)
+    launch = LaunchConfig(launcher="accelerate", accelerate_config=CPU_ACCELERATE_CONFIG, num_processes=3)
     cmd = launch_command(accelerate_setup(launch), tmp_path / "r.json")
     assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
     assert cmd[cmd.index("--config_file") + 1] == CPU_ACCELERATE_CONFIG
-    assert cmd[cmd.index("--num_processes") + 1] == "3"  # training.num_processes wins over the file's 2
+    assert cmd[cmd.index("--num_processes") + 1] == "3"  # launch.num_processes wins over the file's 2
     assert cmd[cmd.index("--main_process_port") + 1] == "0"
     assert cmd[-3:] == ["-m", STAGE_MODULE, str(tmp_path / "r.json")]
     own_port = tmp_path / "port.yaml"
@@ -93,13 +93,13 @@ def test_sharding_on_a_cpu_is_refused_not_run_as_ddp(name, tmp_path, monkeypatch
     on_cpu.write_text(
         (REPO / "configs/accelerate" / name).read_text().replace("use_cpu: false", "use_cpu: true")
     )
-    with pytest.raises(ConfigError, match=rf"^training.accelerate_config: .*cpu-{name}: distributed_type "):
-        accelerate_setup(TrainingConfig(launcher="accelerate", accelerate_config=str(on_cpu)))
+    with pytest.raises(ConfigError, match=rf"^launch.accelerate_config: .*cpu-{name}: distributed_type "):
+        accelerate_setup(LaunchConfig(launcher="accelerate", accelerate_config=str(on_cpu)))
 
 
 def test_without_an_accelerate_config_the_machine_picks_one(monkeypatch):
     monkeypatch.chdir(REPO)
-    setup = accelerate_setup(TrainingConfig(launcher="accelerate"))
+    setup = accelerate_setup(LaunchConfig(launcher="accelerate"))
     expected = "configs/accelerate/ddp.yaml" if cuda_available() else CPU_ACCELERATE_CONFIG
     assert setup.config_file == expected
 
@@ -107,17 +107,17 @@ def test_without_an_accelerate_config_the_machine_picks_one(monkeypatch):
 def test_a_missing_accelerate_config_names_the_key(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
-        ConfigError, match=r"^sft.training.accelerate_config: no such accelerate config: x.yaml"
+        ConfigError, match=r"^sft.launch.accelerate_config: no such accelerate config: x.yaml"
     ):
-        accelerate_setup(TrainingConfig(accelerate_config="x.yaml"), "sft.training.accelerate_config")
+        accelerate_setup(LaunchConfig(accelerate_config="x.yaml"), "sft.launch.accelerate_config")
 
 
-def cfg_with(training: dict | None = None, sft_training: dict | None = None) -> PipelineConfig:
+def cfg_with(launch: dict | None = None, sft_launch: dict | None = None) -> PipelineConfig:
     raw = {
         "name": "t",
         "model": {"name": "tiny-random"},
-        "sft": {"trainer": {"max_steps": 1}, **({"training": sft_training} if sft_training else {})},
-        **({"training": training} if training else {}),
+        "sft": {"trainer": {"max_steps": 1}, **({"launch": sft_launch} if sft_launch else {})},
+        **({"launch": launch} if launch else {}),
     }
     return PipelineConfig.model_validate(raw)
 
@@ -132,20 +132,20 @@ def test_one_process_keeps_the_key_and_more_processes_change_it(monkeypatch):
     monkeypatch.chdir(REPO)
     plain = sft_key(cfg_with())
     assert sft_key(cfg_with({"launcher": "inprocess", "num_processes": 4})) == plain
-    assert sft_key(cfg_with(sft_training={"launcher": "inprocess"})) == plain
+    assert sft_key(cfg_with(sft_launch={"launcher": "inprocess"})) == plain
     assert sft_key(cfg_with({"launcher": "accelerate", "num_processes": 1})) == plain
     two = sft_key(cfg_with({"launcher": "accelerate", "accelerate_config": CPU_ACCELERATE_CONFIG}))
     assert two != plain
     # The same world size, however it is spelt, is the same key.
-    assert sft_key(cfg_with(sft_training={"launcher": "accelerate", "num_processes": 2})) == two
+    assert sft_key(cfg_with(sft_launch={"launcher": "accelerate", "num_processes": 2})) == two
     assert sft_key(cfg_with({"launcher": "accelerate", "num_processes": 3})) not in (plain, two)
 
 
 def test_a_stage_overrides_the_global_launcher():
-    cfg = cfg_with({"launcher": "accelerate", "num_processes": 2}, sft_training={"launcher": "inprocess"})
-    assert cfg.launch_of(cfg.sft) == TrainingConfig(launcher="inprocess", num_processes=2)
-    assert cfg.launch_of(cfg.dpo) == TrainingConfig(launcher="accelerate", num_processes=2)
-    assert "training" not in cfg_with().sft.model_dump(mode="json")  # unset: not in the stage's hash
+    cfg = cfg_with({"launcher": "accelerate", "num_processes": 2}, sft_launch={"launcher": "inprocess"})
+    assert cfg.launch_of(cfg.sft) == LaunchConfig(launcher="inprocess", num_processes=2)
+    assert cfg.launch_of(cfg.dpo) == LaunchConfig(launcher="accelerate", num_processes=2)
+    assert "launch" not in cfg_with().sft.model_dump(mode="json")  # unset: not in the stage's hash
 
 
 @pytest.mark.parametrize("stage_lora", [None, "grpo.stages.1.lora=null", "sft.lora={r: 4}"])

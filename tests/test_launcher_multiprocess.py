@@ -1,4 +1,4 @@
-"""SFT, DPO and a GRPO stage trained by 2 processes on the CPU (`training.launcher: accelerate` with
+"""SFT, DPO and a GRPO stage trained by 2 processes on the CPU (`launch.launcher: accelerate` with
 configs/accelerate/cpu.yaml: torchrun + gloo on 127.0.0.1, a free port), each against a 1-process run
 with the same global batch (2 x 2 vs 1 x 4).
 
@@ -55,7 +55,7 @@ def config(tiny_model_dir, tmp_path, section: str, stage: dict, launcher: str) -
         "model": {"name": str(tiny_model_dir), "precision": "fp32"},
         "data": {"source": "synthetic", "synthetic": {"num_examples": 40, "max_ops": 2}, "eval_size": 4},
         "orchestration": {"store": str(tmp_path / "store")},
-        "training": {"launcher": launcher, "accelerate_config": CPU_ACCELERATE_CONFIG},
+        "launch": {"launcher": launcher, "accelerate_config": CPU_ACCELERATE_CONFIG},
     }
     if section == "grpo":
         raw["grpo"] = {"stages": [stage]}

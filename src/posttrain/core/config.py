@@ -25,6 +25,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializationInfo,
     SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
@@ -54,13 +55,13 @@ __all__ = [
     "EvalConfig",
     "EvalSetConfig",
     "GRPOStageConfig",
+    "LaunchConfig",
+    "LaunchOverride",
     "ModelConfig",
     "PipelineConfig",
     "RewardSpec",
     "SFTStageConfig",
     "TrackingConfig",
-    "TrainingConfig",
-    "TrainingOverride",
     "VLLMServerConfig",
     "apply_override",
     "dump_config",
@@ -69,16 +70,43 @@ __all__ = [
 ]
 
 
+_CACHE_FORM = "posttrain.cache_form"
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     omit_when_default: ClassVar[tuple[str, ...]] = ()
     """Keys left out of the JSON form while they hold their default: a key added to a section
     leaves the config hashes (cache keys) of configs that do not use it as they were."""
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {}
+    """Keys this section had under another name: ``old -> (new, why)``. The old key fails
+    validation with ``<key>: renamed to '<new>' (<why>)`` instead of "unknown key"."""
+    cache_names: ClassVar[dict[str, str]] = {}
+    """``new -> old`` for renamed keys whose step did not change: :func:`cache_form` hashes them
+    under the old name, so a rename moves no cache key."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed_keys(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for old, (new, why) in cls.renamed_keys.items():
+                if old in value:
+                    raise ValueError(f"{old}: renamed to '{new}' ({why})")
+        return value
 
     @model_serializer(mode="wrap", when_used="json")
-    def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
+    def _redacted(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
         """The JSON form, which everything that leaves the process is built from, without secrets."""
-        return self._without_defaults(redact(handler(self)))
+        data = self._json_form(redact(handler(self)))
+        if isinstance(data, dict) and info.context and info.context.get(_CACHE_FORM):
+            data = self._cache_form(data)
+        return data
+
+    def _json_form(self, data: Any) -> Any:
+        return self._without_defaults(data)
+
+    def _cache_form(self, data: dict[str, Any]) -> dict[str, Any]:
+        return {self.cache_names.get(key, key): value for key, value in data.items()}
 
     def _without_defaults(self, data: Any) -> Any:
         if isinstance(data, dict):
@@ -87,6 +115,13 @@ class StrictModel(BaseModel):
                 if key in data and data[key] == default:
                     del data[key]
         return data
+
+
+def cache_form(section: BaseModel) -> Any:
+    """A section's JSON form as cache keys hash it: renamed keys under the names they had when the
+    keys were first computed (``cache_names``), so renaming a key reruns nothing. Everything else
+    (MLflow params, ``config.yaml``, ``stage.json``) shows the current names."""
+    return section.model_dump(mode="json", context={_CACHE_FORM: True})
 
 
 ToolName = Literal["calculator"]
@@ -147,8 +182,13 @@ class _ToolFields(StrictModel):
         return bool(self.tools or self.environment_factory)
 
 
-class TrainingOverride(StrictModel):
-    """A stage's ``training:``: any of the top-level ``training:`` keys, for this stage only (unset
+# `training:` beside `trainer:` on every stage read as one thing said twice; it holds how a stage is
+# launched, so it is `launch:` (the stage's TRL options are `trainer:`).
+_LAUNCH_RENAMED = {"training": ("launch", "how stages are launched; TRL's options stay in trainer:")}
+
+
+class LaunchOverride(StrictModel):
+    """A stage's ``launch:``: any of the top-level ``launch:`` keys, for this stage only (unset
     keys fall back to the top-level section)."""
 
     launcher: Literal["inprocess", "accelerate"] | None = None
@@ -156,8 +196,8 @@ class TrainingOverride(StrictModel):
     num_processes: int | None = Field(None, ge=1)
 
 
-class TrainingConfig(StrictModel):
-    """``training:``: how training stages are started (each stage may override it in ``training:``).
+class LaunchConfig(StrictModel):
+    """``launch:``: how training stages are started (each stage may override it in ``launch:``).
 
     inprocess: in the pipeline's own process (the Prefect task's). accelerate: as a child process
     tree, ``accelerate launch --config_file <accelerate_config> -m posttrain.pipeline.launcher``,
@@ -173,8 +213,8 @@ class TrainingConfig(StrictModel):
     num_processes: int | None = Field(None, ge=1)
     """Overrides the accelerate config's ``num_processes`` (the world size)."""
 
-    def merged(self, override: TrainingOverride | None) -> TrainingConfig:
-        """This section with a stage's ``training:`` keys in place of the ones it sets."""
+    def merged(self, override: LaunchOverride | None) -> LaunchConfig:
+        """This section with a stage's ``launch:`` keys in place of the ones it sets."""
         if override is None:
             return self
         return self.model_copy(update=override.model_dump(exclude_none=True))
@@ -273,8 +313,9 @@ class _StageWithTrainer(StrictModel):
     trl_kind: ClassVar[str]
     omit_when_default: ClassVar[tuple[str, ...]] = ("tools", *_SELECTION_KEYS)
     trainer: dict[str, Any] = Field(default_factory=dict, description="TRL options, passed through")
-    training: TrainingOverride | None = None
-    """How this stage is launched, over the top-level ``training:`` section; only the number of
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _LAUNCH_RENAMED
+    launch: LaunchOverride | None = None
+    """How this stage is launched, over the top-level ``launch:`` section; only the number of
     processes enters the stage's cache key (see posttrain.pipeline.keys)."""
     lora: LoraConfig | None = None
     """This stage's own ``model.lora``: a mapping trains a LoRA adapter, ``null`` the full model;
@@ -293,14 +334,13 @@ class _StageWithTrainer(StrictModel):
         check_selection(self.keep, getattr(self, "eval_every", None), self.patience, self.trainer)
         return self
 
-    @model_serializer(mode="wrap", when_used="json")
-    def _redacted(self, handler: SerializerFunctionWrapHandler) -> Any:
-        """The JSON form without secrets, and without ``training`` or ``lora`` when unset: a stage's
-        config hash (cache key, ``stage.json``) stays what it was before stages could override them."""
-        data = self._without_defaults(redact(handler(self)))
+    def _json_form(self, data: Any) -> Any:
+        """Without ``launch`` or ``lora`` when unset: a stage's config hash (cache key, ``stage.json``)
+        stays what it was before stages could override them."""
+        data = self._without_defaults(data)
         if isinstance(data, dict):
-            if data.get("training") is None:
-                data.pop("training", None)
+            if data.get("launch") is None:
+                data.pop("launch", None)
             if "lora" not in self.model_fields_set:
                 data.pop("lora", None)
         return data
@@ -347,15 +387,10 @@ class ModelConfig(StrictModel):
 
 # "steps" meant three things in one config (pipeline steps, optimizer steps, arithmetic operations
 # per problem); the last are now `ops`. Old keys fail with the new name instead of "unknown key".
-_OPS_RENAMES = {"min_steps": "min_ops", "max_steps": "max_ops"}
-
-
-def _reject_renamed(value: Any, renames: dict[str, str], why: str) -> Any:
-    if isinstance(value, dict):
-        for old, new in renames.items():
-            if old in value:
-                raise ValueError(f"'{old}' was renamed to '{new}' ({why})")
-    return value
+_OPS_RENAMES = {
+    "min_steps": ("min_ops", "arithmetic operations per problem"),
+    "max_steps": ("max_ops", "arithmetic operations per problem"),
+}
 
 
 class SyntheticConfig(StrictModel):
@@ -366,11 +401,7 @@ class SyntheticConfig(StrictModel):
     seed: int = 0
     numbers: Literal["default", "small"] = "default"
     """Size of the quantities: the default ranges (up to a few thousand) or ``small`` (below 120)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, value: Any) -> Any:
-        return _reject_renamed(value, _OPS_RENAMES, "arithmetic operations per problem")
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _OPS_RENAMES
 
     @model_validator(mode="after")
     def _ordered(self) -> SyntheticConfig:
@@ -494,11 +525,7 @@ class StageDataFilter(StrictModel):
     min_ops: int | None = Field(None, ge=1)
     max_ops: int | None = Field(None, ge=1)
     num_examples: int | None = Field(None, ge=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, value: Any) -> Any:
-        return _reject_renamed(value, _OPS_RENAMES, "arithmetic operations per problem")
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _OPS_RENAMES
 
 
 class GRPOStageConfig(_StageWithTrainer, _ToolFields):
@@ -728,6 +755,7 @@ class OrchestrationConfig(StrictModel):
 
 
 class PipelineConfig(StrictModel):
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _LAUNCH_RENAMED
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     seed: int = 0
     model: ModelConfig
@@ -738,7 +766,7 @@ class PipelineConfig(StrictModel):
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
-    training: TrainingConfig = TrainingConfig()
+    launch: LaunchConfig = LaunchConfig()
     vllm_server: VLLMServerConfig | None = None
     """A managed vLLM server for GRPO stages in ``vllm_mode: server``; null: none (a stage in server
     mode then connects to a server you run, at its own ``vllm_server_host``/``port``)."""
@@ -780,9 +808,9 @@ class PipelineConfig(StrictModel):
             return self.model
         return self.model.model_copy(update={"lora": section.lora})
 
-    def launch_of(self, section: Any) -> TrainingConfig:
-        """The resolved ``training:`` settings of one stage section (its override over the global)."""
-        return self.training.merged(getattr(section, "training", None))
+    def launch_of(self, section: Any) -> LaunchConfig:
+        """The resolved ``launch:`` settings of one stage section (its override over the global)."""
+        return self.launch.merged(getattr(section, "launch", None))
 
     def stages(self) -> list[tuple[str, str]]:
         """``(kind, step name)`` of each enabled training stage, in execution order."""
@@ -861,10 +889,13 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     if not loc and _KEYED_MESSAGE.match(msg):  # a check across sections names its key itself
         return f"{source}: {msg}{more}"
+    if loc and _RENAMED_MESSAGE.match(msg):  # a section's renamed key: name the key the user wrote
+        return f"{source}: {loc}.{msg}{more}"
     return f"{source}: {loc or '(top level)'}: {msg}{more}"
 
 
 _KEYED_MESSAGE = re.compile(r"^[a-z_]+(\.[a-z0-9_]+)*: ")
+_RENAMED_MESSAGE = re.compile(r"^[a-z_]+(\.[a-z0-9_]+)*: renamed to ")
 
 
 def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:

@@ -131,7 +131,7 @@ BOUNDS: tuple[tuple[str, int], ...] = (
     ("dpo.samples_per_prompt", 1024),
     ("dpo.max_new_tokens", 1 << 20),
     ("eval.max_new_tokens", 1 << 20),
-    ("training.num_processes", 4096),
+    ("launch.num_processes", 4096),
 )
 """(attribute path, largest value) of the counts no run can use more of; GRPO stages and extra
 evaluation sets are checked by :func:`check_bounds` too. The longest name is :data:`_NAME_LENGTH`."""

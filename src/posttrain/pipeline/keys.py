@@ -157,7 +157,7 @@ def train_identity(
     config_hash = stable_hash(
         {
             "stage": stable_hash(
-                _without_lora(section.model_copy(update={"trainer": trainer, "training": None}))
+                _without_lora(section.model_copy(update={"trainer": trainer, "launch": None}))
             ),
             "trainer": {k: v for k, v in section.trainer_options().items() if k not in CHECKPOINT_OPTIONS},
             "model": stable_hash(cfg.model_for(section)),  # the stage's own `lora:` included

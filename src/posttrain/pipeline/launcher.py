@@ -1,9 +1,9 @@
-"""Training stages in their own process tree: ``training.launcher: accelerate``.
+"""Training stages in their own process tree: ``launch.launcher: accelerate``.
 
 In process, a stage trains inside the Prefect task's process and its memory is only as free
 afterwards as Python and the allocator make it. With ``accelerate``, the step instead runs::
 
-    accelerate launch --config_file <training.accelerate_config> -m posttrain.pipeline.stage_main <request>
+    accelerate launch --config_file <launch.accelerate_config> -m posttrain.pipeline.stage_main <request>
 
 accelerate starts ``num_processes`` copies (torchrun for DDP/FSDP, DeepSpeed's launcher for ZeRO);
 each rebuilds the plan from the request (the config and the step's inputs: paths and fingerprints)
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.config import PipelineConfig, TrainingConfig
+from posttrain.core.config import LaunchConfig, PipelineConfig
 from posttrain.core.errors import ConfigError, HardwareError, StageError
 from posttrain.core.inputs import load_yaml_bounded, path_problem
 from posttrain.core.processes import stop_process_group
@@ -73,14 +73,14 @@ class AccelerateSetup:
 
     config_file: str
     num_processes: int
-    """The world size: ``training.num_processes`` if set, else the file's ``num_processes``."""
+    """The world size: ``launch.num_processes`` if set, else the file's ``num_processes``."""
     needs_cuda: bool
     """The file asks for GPUs (DDP/FSDP/DeepSpeed without ``use_cpu: true``)."""
     port_set: bool
     """The file names its own ``main_process_port``."""
 
 
-def accelerate_setup(launch: TrainingConfig, key: str = "training.accelerate_config") -> AccelerateSetup:
+def accelerate_setup(launch: LaunchConfig, key: str = "launch.accelerate_config") -> AccelerateSetup:
     """Read the accelerate config file ``launch`` names (the machine's default when it names none).
 
     Only what posttrain needs from it; accelerate itself validates the whole file when it launches
@@ -158,7 +158,7 @@ def launch_stage(
     if setup.needs_cuda and not cuda_available():
         raise HardwareError(
             f"{step}: accelerate config {setup.config_file} needs CUDA GPUs and this machine has none; "
-            f"use {CPU_ACCELERATE_CONFIG} (training.accelerate_config) or leave it unset"
+            f"use {CPU_ACCELERATE_CONFIG} (launch.accelerate_config) or leave it unset"
         )
     with tempfile.TemporaryDirectory(prefix="posttrain-launch-") as tmp:
         request = Path(tmp, "request.json")

@@ -163,7 +163,7 @@ class TrainStep(Step):
         return store.stage_dir(self.name, key)
 
     def run(self, cfg, inputs, output_dir, report_to="none") -> StageResult:
-        """Train in this process, or under ``accelerate launch`` (``training.launcher``), whose
+        """Train in this process, or under ``accelerate launch`` (``launch.launcher``), whose
         processes run :meth:`train` themselves (posttrain.pipeline.stage_main)."""
         assert inputs.data is not None
         if cfg.launch_of(self.section(cfg)).launcher == "accelerate":

@@ -87,8 +87,8 @@ def check_launchers(cfg: PipelineConfig, source: str = "<config>") -> None:
         launch = cfg.launch_of(section)
         if launch.launcher != "accelerate":
             continue
-        own = section.training is not None and section.training.accelerate_config is not None
-        key = f"{where}.training.accelerate_config" if own else "training.accelerate_config"
+        own = section.launch is not None and section.launch.accelerate_config is not None
+        key = f"{where}.launch.accelerate_config" if own else "launch.accelerate_config"
         try:
             accelerate_setup(launch, key)
         except ConfigError as exc:

@@ -1,4 +1,4 @@
-"""What a stage needs to know when several processes train it (``training.launcher: accelerate``).
+"""What a stage needs to know when several processes train it (``launch.launcher: accelerate``).
 
 Every rank runs the whole stage function; the trainers (TRL's, through accelerate) shard the data
 and average the gradients. What posttrain adds around them is done by rank 0 alone: readying the
