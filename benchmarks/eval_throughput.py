@@ -190,7 +190,7 @@ def main() -> None:
             data="local",
             path=args.data,
             limit=args.limit,
-            max_new_tokens=args.max_new_tokens,
+            max_completion_length=args.max_new_tokens,
             batch_size=batch_size,
         )
         extra = {"refill_at": args.refill_at} if args.refill_at is not None else {}

@@ -27,7 +27,7 @@ name: bad
 model: {name: tiny-random, precision: fp32}
 data: {source: synthetic, synthetic: {num_examples: 32}, eval_size: 4}
 sft: {trainer: {max_steps: 1}}
-dpo: {num_prompts: 2, samples_per_prompt: 2, trainer: {max_steps: 1}}
+dpo: {num_prompts: 2, num_generations: 2, trainer: {max_steps: 1}}
 grpo:
   stages:
     - name: s
@@ -401,11 +401,11 @@ CASES = [
     ("pass@k greedy", ["eval.pass_k=2"], None, [], {}, "{cfg}: eval: pass_k > 1 needs sampling"),
     (
         "one DPO sample",
-        ["dpo.samples_per_prompt=1"],
+        ["dpo.num_generations=1"],
         None,
         [],
         {},
-        "{cfg}: dpo.samples_per_prompt: Input should be greater",
+        "{cfg}: dpo.num_generations: Input should be greater",
     ),
     (
         "monitor window 1",
@@ -1187,13 +1187,13 @@ TRUST_CASES = [
         "{cfg}: grpo.stages.0.monitor.kl_threshold: must be a finite number, got inf",
     ),
     (
-        "max_new_tokens beyond the model's context",
-        ["eval.max_new_tokens=100000"],
+        "max_completion_length beyond the model's context",
+        ["eval.max_completion_length=100000"],
         None,
         [],
         {},
         None,
-        "{cfg}: eval.max_new_tokens: 100000 tokens is beyond the context of tiny-random (2048 tokens)",
+        "{cfg}: eval.max_completion_length: 100000 tokens is beyond the context of tiny-random (2048 tokens)",
     ),
     (
         "completion length beyond the model's context",
@@ -1287,6 +1287,36 @@ RENAMED_CASES = [
         ["grpo.stages.0.training={num_processes: 2}"],
         "{cfg}: grpo.stages.0.training: renamed to 'launch'",
     ),
+    (
+        "sft's num_examples is limit",
+        ["sft.num_examples=4"],
+        "{cfg}: sft.num_examples: renamed to 'limit' (the first N",
+    ),
+    (
+        "a stage filter's num_examples is limit",
+        ["grpo.stages.0.data_filter={num_examples: 4}"],
+        "{cfg}: grpo.stages.0.data_filter.num_examples: renamed to 'limit'",
+    ),
+    (
+        "dpo's samples_per_prompt is num_generations",
+        ["dpo.samples_per_prompt=2"],
+        "{cfg}: dpo.samples_per_prompt: renamed to 'num_generations' (TRL's name for completions per prompt",
+    ),
+    (
+        "dpo's max_new_tokens is max_completion_length",
+        ["dpo.max_new_tokens=8"],
+        "{cfg}: dpo.max_new_tokens: renamed to 'max_completion_length' (TRL's name for the completion length",
+    ),
+    (
+        "eval's max_new_tokens is max_completion_length",
+        ["eval.max_new_tokens=8"],
+        "{cfg}: eval.max_new_tokens: renamed to 'max_completion_length'",
+    ),
+    (
+        "an extra set's max_new_tokens is max_completion_length",
+        ["eval.extra_sets=[{name: more, data: heldout, max_new_tokens: 8}]"],
+        "{cfg}: eval.extra_sets.0.max_new_tokens: renamed to 'max_completion_length'",
+    ),
 ]
 
 ALL_CASES = (
@@ -1350,9 +1380,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     [
         ("--batch-size", "0", "error: --batch-size: Input should be greater than or equal to 1 (got 0)"),
         (
-            "--max-new-tokens",
+            "--max-completion-length",
             "-1",
-            "error: --max-new-tokens: Input should be greater than or equal to 1 (got -1)",
+            "error: --max-completion-length: Input should be greater than or equal to 1 (got -1)",
         ),
         ("--limit", "0", "error: --limit: Input should be greater than or equal to 1 (got 0)"),
     ],

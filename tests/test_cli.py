@@ -137,7 +137,7 @@ def test_eval_writes_a_report_and_diffs_two(tiny_model_dir, tmp_path, capsys):
             "synthetic",
             "--limit",
             "4",
-            "--max-new-tokens",
+            "--max-completion-length",
             tokens,
             "--precision",
             "fp32",

@@ -207,8 +207,8 @@ def test_bad_overrides(override, fragment):
 
 def test_override_fills_a_null_section():
     raw = {"sft": None}
-    apply_override(raw, "sft.num_examples=3")
-    assert raw == {"sft": {"num_examples": 3}}
+    apply_override(raw, "sft.limit=3")
+    assert raw == {"sft": {"limit": 3}}
 
 
 def test_section_hashes_are_stable_and_local():

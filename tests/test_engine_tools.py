@@ -459,9 +459,9 @@ def test_reports_name_the_tool_count_calls_and_diffs_say_when_tools_differ(tiny_
         {"id": f"q{i}", "question": f"What is 12 times 7? ({i})", "answer": "84", "ops": 1} for i in range(3)
     ]
     with_tool = evaluate(
-        model, records, EvalConfig(limit=3, max_new_tokens=12, tools=["calculator"]), tokenizer=t
+        model, records, EvalConfig(limit=3, max_completion_length=12, tools=["calculator"]), tokenizer=t
     )
-    bare = evaluate(model, records, EvalConfig(limit=3, max_new_tokens=12), tokenizer=t)
+    bare = evaluate(model, records, EvalConfig(limit=3, max_completion_length=12), tokenizer=t)
     assert with_tool.config["tools"] == ["calculator"] and "tools" not in bare.config
     assert with_tool.summary["tool_calls_per_completion"] == 1.0
     assert with_tool.summary["tool_failed_calls_per_completion"] == 0.0

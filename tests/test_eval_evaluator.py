@@ -54,14 +54,14 @@ def _check_consistent(report: EvalReport, n: int, max_new: int) -> None:
 
 def test_evaluate_tiny_model_on_synthetic(tiny, tmp_path):
     records = load_eval_records("synthetic", limit=5)
-    cfg = EvalConfig(data="synthetic", limit=4, max_new_tokens=16, batch_size=3)
+    cfg = EvalConfig(data="synthetic", limit=4, max_completion_length=16, batch_size=3)
     report = evaluate(tiny, records, cfg)
     _check_consistent(report, 4, 16)
     assert [r.id for r in report.records] == [r["id"] for r in records[:4]]  # limit = the first N, in order
     assert [r.gold for r in report.records] == [r["answer"] for r in records[:4]]
     assert [r.ops for r in report.records] == [r["ops"] for r in records[:4]]  # difficulty carried along
     assert sum(m["n"] for m in report.by_ops.values()) == 4
-    assert report.config["max_new_tokens"] == 16 and report.config["data_source"] == "synthetic"
+    assert report.config["max_completion_length"] == 16 and report.config["data_source"] == "synthetic"
     assert report.meta["dtype"] == "float32"
     assert EvalReport.load(report.save(tmp_path / "r")) == report
 
@@ -78,7 +78,7 @@ def test_report_has_lm_eval_scores_of_its_own_completions(tiny, monkeypatch):
 
     monkeypatch.setattr(evaluator, "lm_eval_accuracy", spy)
     records = load_eval_records("synthetic", limit=3)
-    report = evaluate(tiny, records, EvalConfig(data="synthetic", limit=3, max_new_tokens=8))
+    report = evaluate(tiny, records, EvalConfig(data="synthetic", limit=3, max_completion_length=8))
     [(samples, references)] = seen
     assert samples == [[r.completion] for r in report.records]
     assert references == [r["answer"] for r in records]
@@ -94,7 +94,7 @@ def test_evaluate_with_prompts_given_and_a_datasets_dataset(tiny):
     ]
     model, tokenizer = tiny
     report = evaluate(
-        model, Dataset.from_list(rows), EvalConfig(limit=None, max_new_tokens=8), tokenizer=tokenizer
+        model, Dataset.from_list(rows), EvalConfig(limit=None, max_completion_length=8), tokenizer=tokenizer
     )
     _check_consistent(report, 2, 8)
     assert [r.id for r in report.records] == ["7", "8"]
@@ -102,7 +102,7 @@ def test_evaluate_with_prompts_given_and_a_datasets_dataset(tiny):
 
 def test_pass_at_k_sampling(tiny):
     records = load_eval_records("synthetic", limit=3)
-    cfg = EvalConfig(limit=3, max_new_tokens=8, pass_k=2, temperature=1.0, seed=3)
+    cfg = EvalConfig(limit=3, max_completion_length=8, pass_k=2, temperature=1.0, seed=3)
     report = evaluate(tiny, records, cfg, num_samples=3)
     assert report.summary["samples_per_example"] == 3
     assert {"pass@2_strict", "pass@2_flexible"} <= set(report.summary)
@@ -113,12 +113,15 @@ def test_pass_at_k_sampling(tiny):
 
 def test_evaluate_rejects_bad_inputs(tiny):
     with pytest.raises(ValueError, match="lacks field"):
-        evaluate(tiny, [{"question": "q", "answer": "1"}], EvalConfig(max_new_tokens=4))
+        evaluate(tiny, [{"question": "q", "answer": "1"}], EvalConfig(max_completion_length=4))
     with pytest.raises(ValueError, match="tokenizer"):
-        evaluate(tiny[0], [{"id": 1, "question": "q", "answer": "1"}], EvalConfig(max_new_tokens=4))
+        evaluate(tiny[0], [{"id": 1, "question": "q", "answer": "1"}], EvalConfig(max_completion_length=4))
     with pytest.raises(ValueError, match="temperature"):
         evaluate(
-            tiny, [{"id": 1, "question": "q", "answer": "1"}], EvalConfig(max_new_tokens=4), num_samples=2
+            tiny,
+            [{"id": 1, "question": "q", "answer": "1"}],
+            EvalConfig(max_completion_length=4),
+            num_samples=2,
         )
 
 
@@ -138,7 +141,7 @@ def test_run_eval_from_a_local_file(tiny_model_dir, tmp_path):
         str(data),
         limit=3,
         output_dir=out,
-        cfg=EvalConfig(max_new_tokens=8),
+        cfg=EvalConfig(max_completion_length=8),
         precision="fp32",
         progress=False,
     )
@@ -206,7 +209,7 @@ def test_in_memory_model_precision_copy_leaves_the_original(tiny):
     report = evaluate(
         model,
         [{"id": "1", "question": "1+1?", "answer": "2"}],
-        EvalConfig(max_new_tokens=4),
+        EvalConfig(max_completion_length=4),
         tokenizer=tokenizer,
         precision="bf16",
     )

@@ -164,7 +164,7 @@ def _with(report: EvalReport, dtype: str, **config) -> EvalReport:
             **report.config,
             "batch_size": 64,
             "refill_at": 0.5,
-            "max_new_tokens": 256,
+            "max_completion_length": 256,
             "seed": 0,
             "temperature": 0.0,
             **config,
@@ -181,7 +181,13 @@ def _with(report: EvalReport, dtype: str, **config) -> EvalReport:
         ("bfloat16", "bfloat16", {"batch_size": 32}, ("batch_size: 64 -> 32",)),
         ("bfloat16", "bfloat16", {"refill_at": 1.0}, ("refill_at: 0.5 -> 1.0",)),
         ("float32", "bfloat16", {}, ("dtype: float32 -> bfloat16",)),
-        ("bfloat16", "bfloat16", {"max_new_tokens": 128}, ("max_new_tokens: 256 -> 128",)),
+        ("bfloat16", "bfloat16", {"max_completion_length": 128}, ("max_completion_length: 256 -> 128",)),
+        (
+            "bfloat16",
+            "bfloat16",
+            {"max_completion_length": None, "max_new_tokens": 128},
+            ("max_completion_length: 256 -> 128",),
+        ),  # a report written before the key was renamed
         ("float32", "float32", {"system_prompt": None}, ()),  # a key one report lacks is skipped
         ("float32", "float32", {"seed": 1}, ()),  # greedy: the seed draws nothing
         ("float32", "float32", {"seed": 1, "temperature": 1.0}, ("temperature: 0.0 -> 1.0", "seed: 0 -> 1")),

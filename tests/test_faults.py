@@ -104,7 +104,7 @@ def secret_run(tmp_path_factory):
         f"        - {{name: 'secret_reward_mod:make_reward', params: {{api_key: {SECRET}}}}}\n"
         "        - {name: xml_count}\n"
         "      trainer: {max_steps: 1, num_generations: 2, per_device_train_batch_size: 2, max_completion_length: 8}\n"
-        "eval: {limit: 2, max_new_tokens: 4, batch_size: 2}\n"
+        "eval: {limit: 2, max_completion_length: 4, batch_size: 2}\n"
         "tracking: {log_model: false}\n"
     )
     done = posttrain(
@@ -171,7 +171,7 @@ def test_runs_a_killed_run_left_running_are_closed_by_the_next_run_on_its_store(
     cfg_file.write_text(
         "model: {name: tiny-random, precision: fp32}\n"
         "data: {source: synthetic, synthetic: {num_examples: 16}, eval_size: 2, max_prompt_tokens: 1024}\n"
-        "eval: {limit: 1, max_new_tokens: 2, batch_size: 1}\n"
+        "eval: {limit: 1, max_completion_length: 2, batch_size: 1}\n"
         f"tracking: {{tracking_uri: '{uri}', log_model: false}}\n"
         f"orchestration: {{store: {tmp_path / 'store'}}}\n"
     )
@@ -199,11 +199,11 @@ KILLED_PIPELINE = f"""\
 name: killed
 model: {{name: tiny-random, precision: fp32, lora: {{r: 4, alpha: 8}}}}
 data: {{source: synthetic, synthetic: {{num_examples: 32}}, eval_size: 2, max_prompt_tokens: 1024}}
-sft: {{num_examples: 16, trainer: {{max_steps: {MAX_STEPS}, per_device_train_batch_size: 2, save_steps: 1}}}}
+sft: {{limit: 16, trainer: {{max_steps: {MAX_STEPS}, per_device_train_batch_size: 2, save_steps: 1}}}}
 dpo:
   num_prompts: 4
-  samples_per_prompt: 2
-  max_new_tokens: 8
+  num_generations: 2
+  max_completion_length: 8
   trainer: {{max_steps: {MAX_STEPS}, per_device_train_batch_size: 1, max_length: 256, save_steps: 1}}
 grpo:
   stages:
@@ -211,7 +211,7 @@ grpo:
       rewards: [{{name: xml_count}}]
       trainer: {{max_steps: {MAX_STEPS}, num_generations: 2, per_device_train_batch_size: 2,
                 max_completion_length: 8, save_steps: 1}}
-eval: {{baseline: false, after_each_stage: false, limit: 1, max_new_tokens: 2, batch_size: 1}}
+eval: {{baseline: false, after_each_stage: false, limit: 1, max_completion_length: 2, batch_size: 1}}
 tracking: {{log_model: false}}
 """
 
@@ -322,7 +322,7 @@ def test_two_stores_sharing_one_tracking_database_both_finish(tmp_path):
             f"name: {name}\n"
             "model: {name: tiny-random, precision: fp32}\n"
             "data: {source: synthetic, synthetic: {num_examples: 16}, eval_size: 2, max_prompt_tokens: 1024}\n"
-            "eval: {limit: 1, max_new_tokens: 2, batch_size: 1}\n"
+            "eval: {limit: 1, max_completion_length: 2, batch_size: 1}\n"
             f"tracking: {{tracking_uri: '{uri}', log_model: false}}\n"
             f"orchestration: {{store: {tmp_path / name}}}\n"
         )

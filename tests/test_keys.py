@@ -159,7 +159,7 @@ def test_eval_identity_depends_on_eval_section_precision_and_inputs():
     assert key == identity.key != eval_key(cfg, "eval-dpo", "model-fp", "eval-fp")
     assert eval_key(cfg, "eval-sft", "other", "eval-fp") != key
     assert eval_key(cfg, "eval-sft", "model-fp", "other") != key
-    assert eval_key(smoke("eval.max_new_tokens=12"), "eval-sft", "model-fp", "eval-fp") != key
+    assert eval_key(smoke("eval.max_completion_length=12"), "eval-sft", "model-fp", "eval-fp") != key
     assert eval_key(smoke("model.precision=bf16"), "eval-sft", "model-fp", "eval-fp") != key
     for unchanged in (smoke("sft.trainer.learning_rate=0.5"), smoke("model.lora.r=4")):  # weights say it
         assert eval_key(unchanged, "eval-sft", "model-fp", "eval-fp") == key
@@ -182,9 +182,9 @@ def test_a_stage_that_keeps_its_best_checkpoint_has_the_choice_in_its_key():
     assert key(*best) != key(*best, "grpo.stages.0.select_metric=format")
     assert key(*best) != key(*best, "grpo.stages.0.patience=2")
     assert key(*best) != key(*best[:-1], "grpo.stages.0.eval_every=3")
-    assert key(*best) == key(*best, "eval.max_new_tokens=9")  # GRPO evaluates at its completion length
+    assert key(*best) == key(*best, "eval.max_completion_length=9")  # GRPO evaluates at its completion length
     sft_best = [*base, "sft.keep=best", "sft.eval_every=2"]
-    assert key(*sft_best, stage="sft") != key(*sft_best, "eval.max_new_tokens=9", stage="sft")
+    assert key(*sft_best, stage="sft") != key(*sft_best, "eval.max_completion_length=9", stage="sft")
     assert key(*base, "sft.eval_every=2", stage="sft") != key(*base, stage="sft")  # a new setting
 
 

@@ -130,8 +130,8 @@ def test_dpo_on_two_processes_matches_one(tiny_model_dir, tmp_path, monkeypatch)
     def stage(batch):
         return {
             "num_prompts": 12,
-            "samples_per_prompt": 2,
-            "max_new_tokens": 8,
+            "num_generations": 2,
+            "max_completion_length": 8,
             "trainer": {"max_steps": STEPS, "per_device_train_batch_size": batch, "logging_steps": 1},
         }
 

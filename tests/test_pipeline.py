@@ -88,7 +88,7 @@ def test_force_reruns_the_stage_and_what_follows(first_run, workdir):
 def test_changing_eval_options_reruns_only_evaluation(first_run, workdir):
     from posttrain.flows.pipeline import posttrain_pipeline
 
-    got = statuses(posttrain_pipeline(smoke(workdir, "eval.max_new_tokens=12")))
+    got = statuses(posttrain_pipeline(smoke(workdir, "eval.max_completion_length=12")))
     assert {s for s, v in got.items() if v == "ran"} == {s for s in STEPS if s.startswith("eval-")}
 
 

@@ -269,7 +269,10 @@ EXTRA_SET_CASES = [
     ("[{name: synth, data: synthetic, limit: 3}]", True),  # a generated set: decontamination input
     ("[{name: synth, data: synthetic, limit: 4}]", True),  # more of its questions
     ("[{name: synth, data: synthetic, limit: 3, max_ops: 2}]", True),  # other questions
-    ("[{name: synth, data: synthetic, limit: 3, max_new_tokens: 5}]", True),  # generation only (vs none)
+    (
+        "[{name: synth, data: synthetic, limit: 3, max_completion_length: 5}]",
+        True,
+    ),  # generation only (vs none)
     ("[{name: held, data: heldout, limit: 3}]", False),  # a slice of the held-out data: nothing new
     ("[{name: held2, data: heldout, limit: 3}]", False),  # renamed: its metrics and folder change
 ]
@@ -308,14 +311,14 @@ def test_each_extra_set_gets_its_own_questions_and_generation_limit():
     cfg = load_config(
         SMOKE,
         [
-            "eval.extra_sets=[{name: hard, data: synthetic, limit: 6, min_ops: 3, max_ops: 3, max_new_tokens: 5},"
+            "eval.extra_sets=[{name: hard, data: synthetic, limit: 6, min_ops: 3, max_ops: 3, max_completion_length: 5},"
             " {name: mixed, data: synthetic, limit: 6}, {name: small, data: synthetic, limit: 4, numbers: small}]"
         ],
     )
     (primary_name, primary), (hard_name, hard), (_, mixed), (_, small) = cfg.eval.all_sets()
     assert (primary_name, hard_name) == (None, "hard")
-    assert primary.data == "heldout" and primary.extra_sets == [] and primary.max_new_tokens == 16
-    assert hard.max_new_tokens == 5 and mixed.max_new_tokens == 16  # the primary's unless given
+    assert primary.data == "heldout" and primary.extra_sets == [] and primary.max_completion_length == 16
+    assert hard.max_completion_length == 5 and mixed.max_completion_length == 16  # the primary's unless given
     assert {r["ops"] for r in _set_records(cfg, hard)} == {3}
     assert len(_set_records(cfg, mixed)) == 6 and {r["ops"] for r in _set_records(cfg, mixed)} <= {1, 2, 3, 4}
     small_ids = [r["id"] for r in _set_records(cfg, small)]

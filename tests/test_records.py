@@ -114,7 +114,7 @@ def tiny_cfg(tmp_path):
     cfg.write_text(
         "name: tiny\nmodel: {name: tiny-random, precision: fp32}\n"
         "data: {source: synthetic, synthetic: {num_examples: 24}, eval_size: 4, max_prompt_tokens: 1024}\n"
-        "eval: {limit: 2, max_new_tokens: 4, batch_size: 2}\n"
+        "eval: {limit: 2, max_completion_length: 4, batch_size: 2}\n"
         f"tracking: {{enabled: false}}\norchestration: {{store: {tmp_path / 'store'}}}\n"
         f"seed: 0\n"
     )

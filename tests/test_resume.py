@@ -42,13 +42,13 @@ def stage_runner(kind: str, tiny_model_dir: Path, data):
     if kind == "sft":
         from posttrain.training.sft import run_sft
 
-        cfg = SFTStageConfig(num_examples=12, trainer={**EVERY_STEP, "per_device_train_batch_size": 2})
+        cfg = SFTStageConfig(limit=12, trainer={**EVERY_STEP, "per_device_train_batch_size": 2})
         return lambda out: run_sft(cfg, model, tiny_model_dir, data, out)
     if kind == "dpo":
         from posttrain.training.dpo import run_dpo
 
         trainer = {**EVERY_STEP, "per_device_train_batch_size": 1, "max_length": 256}
-        cfg = DPOStageConfig(num_prompts=4, samples_per_prompt=2, max_new_tokens=8, trainer=trainer)
+        cfg = DPOStageConfig(num_prompts=4, num_generations=2, max_completion_length=8, trainer=trainer)
         return lambda out: run_dpo(cfg, model, tiny_model_dir, data, out)
     from posttrain.training.grpo import run_grpo_stage
 

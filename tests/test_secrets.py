@@ -68,7 +68,7 @@ grpo:
         - {{name: xml_count}}
       trainer: {{max_steps: 1, num_generations: 2, per_device_train_batch_size: 2, max_completion_length: 8,
                 save_strategy: "no"}}
-eval: {{limit: 2, max_new_tokens: 4, batch_size: 2}}
+eval: {{limit: 2, max_completion_length: 4, batch_size: 2}}
 tracking: {{log_model: false}}
 """
 

@@ -31,7 +31,7 @@ name: contents
 model: {name: tiny-random, precision: fp32, lora: {r: 4, alpha: 8, dropout: 0.0}, adapter_policy: adapter}
 data: {source: synthetic, synthetic: {num_examples: 24}, eval_size: 4, max_prompt_tokens: 1024}
 sft: {trainer: {max_steps: 1, per_device_train_batch_size: 2}}
-eval: {limit: 2, max_new_tokens: 4, batch_size: 2}
+eval: {limit: 2, max_completion_length: 4, batch_size: 2}
 tracking: {enabled: false}
 """
 

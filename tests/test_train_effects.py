@@ -91,7 +91,7 @@ def test_sft_moves_the_weights_and_lowers_the_loss_on_its_examples(tiny_model_di
     from posttrain.training.sft import run_sft, sft_dataset
 
     cfg = SFTStageConfig(
-        num_examples=8,
+        limit=8,
         trainer={"max_steps": 4, "per_device_train_batch_size": 4, "learning_rate": 3e-3},
     )
     result = run_sft(cfg, model_cfg(tiny_model_dir, mode), tiny_model_dir, data, tmp_path / "sft")
@@ -125,8 +125,8 @@ def test_dpo_moves_the_weights_and_widens_the_margin_of_its_pairs(tiny_model_dir
 
     cfg = DPOStageConfig(
         num_prompts=4,
-        samples_per_prompt=3,
-        max_new_tokens=12,
+        num_generations=3,
+        max_completion_length=12,
         trainer={"max_steps": 3, "per_device_train_batch_size": 2, "max_length": 256, "learning_rate": 3e-3},
     )
     result = run_dpo(cfg, model_cfg(tiny_model_dir, mode), tiny_model_dir, data, tmp_path / "dpo")

@@ -92,7 +92,7 @@ def generate_a_few_tokens(path: str | Path) -> None:
 def test_sft_merge_policy_writes_a_standalone_model(tiny_model_dir, data, tmp_path):
     from posttrain.training.sft import run_sft
 
-    cfg = SFTStageConfig(num_examples=16, trainer={"max_steps": 2, "per_device_train_batch_size": 4})
+    cfg = SFTStageConfig(limit=16, trainer={"max_steps": 2, "per_device_train_batch_size": 4})
     result = run_sft(
         cfg, ModelConfig(name=str(tiny_model_dir), lora=LORA), tiny_model_dir, data, tmp_path / "sft"
     )
@@ -107,7 +107,7 @@ def test_sft_full_finetune_ignores_adapter_policy(tiny_model_dir, data, tmp_path
     from posttrain.training.sft import run_sft
 
     model_cfg = ModelConfig(name=str(tiny_model_dir), lora=None, adapter_policy="adapter", precision="fp32")
-    cfg = SFTStageConfig(num_examples=8, trainer={"max_steps": 1, "per_device_train_batch_size": 4})
+    cfg = SFTStageConfig(limit=8, trainer={"max_steps": 1, "per_device_train_batch_size": 4})
     result = run_sft(cfg, model_cfg, tiny_model_dir, data, tmp_path / "sft")
     assert assert_stage_output(result, "sft", "full")["precision"] == "fp32"
 
@@ -118,8 +118,8 @@ def test_dpo_samples_on_policy_pairs_and_trains(tiny_model_dir, data, tmp_path, 
 
     cfg = DPOStageConfig(
         num_prompts=4,
-        samples_per_prompt=3,
-        max_new_tokens=12,
+        num_generations=3,
+        max_completion_length=12,
         trainer={"max_steps": 2, "per_device_train_batch_size": 2, "max_length": 256},
     )
     result = run_dpo(
@@ -139,8 +139,8 @@ def test_dpo_without_preferences_fails_clearly_and_writes_nothing(tiny_model_dir
     # A reward every sample earns equally and no reference solution to fall back on: all groups tie.
     cfg = DPOStageConfig(
         num_prompts=3,
-        samples_per_prompt=2,
-        max_new_tokens=4,
+        num_generations=2,
+        max_completion_length=4,
         rewards=[{"name": "length", "params": {"min_tokens": 0, "max_tokens": 1000}}],
     )
     with pytest.raises(StageError, match="no preference pairs"):
@@ -171,7 +171,7 @@ def test_two_grpo_stages_chain_in_adapter_mode(tiny_model_dir, data, tmp_path):
     assert first.alerts[0]["kind"] == "no_signal" and first.alerts[0]["step"] == 1
     assert "rewards/xml_count_reward/mean" in first.metrics and "reward" in first.metrics
 
-    second_cfg = grpo_stage("correct", {"min_ops": 2, "num_examples": 8}, max_steps=2, beta=0.05)
+    second_cfg = grpo_stage("correct", {"min_ops": 2, "limit": 8}, max_steps=2, beta=0.05)
     second = run_grpo_stage(second_cfg, model_cfg, first.output_dir, data, tmp_path / "g2")
     info = assert_stage_output(second, "grpo-correct", "adapter")
     assert info["adapter"]["base"] == first.output_dir and info["adapter"]["root"] == info["adapter"][

@@ -333,7 +333,7 @@ QUESTIONS = [("What is 40 plus 2?", 42), ("What is 5 plus 2?", 7), ("What is 21 
 def eval_config(tiny_model_dir, tmp_path, port: int, **eval_options):
     data = tmp_path / "test.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": f"#### {a}"}) + "\n" for q, a in QUESTIONS))
-    eval_cfg = {"data": "local", "path": str(data), "backend": "vllm_server", "max_new_tokens": 64}
+    eval_cfg = {"data": "local", "path": str(data), "backend": "vllm_server", "max_completion_length": 64}
     return parse_config(
         {
             "name": "x",
@@ -349,14 +349,14 @@ def requests_sent(tmp_path) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("max_new_tokens", "truncated"),
+    ("max_completion_length", "truncated"),
     [
         (64, False),  # the whole reply, ending in EOS
-        (3, True),  # cut by eval.max_new_tokens: the server must be asked for 3 tokens
+        (3, True),  # cut by eval.max_completion_length: the server must be asked for 3 tokens
     ],
 )
 def test_eval_step_generates_through_the_server_and_stops_it(
-    fake, tmp_path, tiny_model_dir, tiny_tokenizer, max_new_tokens, truncated
+    fake, tmp_path, tiny_model_dir, tiny_tokenizer, max_completion_length, truncated
 ):
     from posttrain.evaluation.report import EvalReport
     from posttrain.pipeline.steps import ModelRef, eval_step
@@ -366,7 +366,7 @@ def test_eval_step_generates_through_the_server_and_stops_it(
         *tiny_tokenizer("The answer is 42.", add_special_tokens=False)["input_ids"],
         tiny_tokenizer.eos_token_id,
     ]
-    cfg = eval_config(tiny_model_dir, tmp_path, server_cfg.port, max_new_tokens=max_new_tokens)
+    cfg = eval_config(tiny_model_dir, tmp_path, server_cfg.port, max_completion_length=max_completion_length)
     out = tmp_path / "eval-baseline"
     result = eval_step(
         cfg,
@@ -381,11 +381,11 @@ def test_eval_step_generates_through_the_server_and_stops_it(
     with pytest.raises(OSError):
         health(ServerAddress(server_cfg.host, server_cfg.port))
 
-    expected = tiny_tokenizer.decode(reply[:max_new_tokens], skip_special_tokens=True)
+    expected = tiny_tokenizer.decode(reply[:max_completion_length], skip_special_tokens=True)
     report = EvalReport.load(out)
     assert [r.completion for r in report.records] == [expected] * 3
     assert [r.truncated for r in report.records] == [truncated] * 3
-    assert [r.tokens for r in report.records] == [min(len(reply), max_new_tokens)] * 3
+    assert [r.tokens for r in report.records] == [min(len(reply), max_completion_length)] * 3
     assert [r.correct_flexible for r in report.records] == ([False] * 3 if truncated else [True, False, True])
     assert result.summary["accuracy_flexible"] == pytest.approx(0 if truncated else 2 / 3)
     assert "loading model weights" in (out / "vllm_server.log").read_text()
@@ -396,7 +396,7 @@ def test_eval_step_generates_through_the_server_and_stops_it(
         "served-model",
         1,
         0.0,
-        max_new_tokens,
+        max_completion_length,
     )
     assert tiny_tokenizer.eos_token_id in body["stop_token_ids"] and body["return_token_ids"] is True
     prompts = [tiny_tokenizer.decode(p) for p in body["prompt"]]
@@ -412,7 +412,7 @@ def test_samples_come_back_per_prompt_in_order(fake, tmp_path, tiny_model_dir, t
     words = ["The answer is 42.", "It is 7."]
     replies = [tiny_tokenizer(w, add_special_tokens=False)["input_ids"] for w in words]
     records = [{"id": str(i), "question": q, "answer": str(a)} for i, (q, a) in enumerate(QUESTIONS)]
-    cfg = EvalConfig(backend="vllm_server", pass_k=2, temperature=0.7, seed=5, max_new_tokens=32)
+    cfg = EvalConfig(backend="vllm_server", pass_k=2, temperature=0.7, seed=5, max_completion_length=32)
     with vllm_server(server_cfg, "m", tmp_path / "log", command=command(replies=replies)) as address:
         report = evaluate(str(tiny_model_dir), records, cfg, server=address)
     assert [[s.completion for s in r.samples] for r in report.records] == [words] * 3

@@ -487,7 +487,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _check_eval_paths(args)
     try:
         cfg = EvalConfig(
-            max_new_tokens=args.max_new_tokens,
+            max_completion_length=args.max_completion_length,
             batch_size=args.batch_size,
             backend=args.backend,
             limit=args.limit,
@@ -691,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="directory for report.json and examples.jsonl")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-completion-length", type=int, default=256)
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     p.add_argument(
         "--diff",

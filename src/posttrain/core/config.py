@@ -7,6 +7,17 @@ evaluation, tracking, orchestration). Every section forbids unknown keys, and ea
 deliberately *not* checked here: a GPU config must validate on a laptop; the stage checks the
 hardware when it starts.
 
+Names follow one rule per kind of value, so a key says what it counts. ``limit`` keeps the first N
+of something in a fixed order (null: all): ``data.limit``, ``sft.limit``, a GRPO stage's
+``data_filter.limit``, ``eval.limit`` and each extra set's, and ``eval_limit`` (a stage's
+in-training evaluation, ``eval_`` as in ``eval_every``). ``*_size`` is a slice set aside from the
+training records: ``data.eval_size``, ``data.selection_size``. ``num_*`` is how many posttrain
+generates or draws: ``data.synthetic.num_examples`` (problems), ``dpo.num_prompts`` (prompts drawn
+with the run's seed) and ``dpo.num_generations`` (completions per prompt, TRL's word). Completion
+length is TRL's ``max_completion_length`` wherever posttrain generates (DPO's samples, evaluation).
+A renamed key fails with its new name (``renamed_keys`` on each section), and cache keys hash it
+under its old one (:func:`cache_form`), so a rename reruns nothing.
+
 Secrets never leave a config through JSON: every section's JSON form (``model_dump(mode="json")``,
 which is what MLflow params, ``config.yaml``, ``stage.json``, config hashes and Prefect's stored
 flow-run parameters are built from) passes through :func:`posttrain.core.redact.redact`; the Python
@@ -457,13 +468,21 @@ class RewardSpec(StrictModel):
 _EVAL_KEYS = ("eval_every", "eval_limit")
 """In-training evaluation keys SFT and DPO gained after GRPO: left out of their hashes while unset."""
 
+# One word per kind of count (see the module docstring); the old spellings fail with the new one.
+_LIMIT = ("limit", "the first N: `limit`, as in data.limit and eval.limit")
+_COMPLETION_LENGTH = ("max_completion_length", "TRL's name for the completion length, as in trainer:")
+_NUM_GENERATIONS = ("num_generations", "TRL's name for completions per prompt, as in GRPO's trainer:")
+
 
 class SFTStageConfig(_StageWithTrainer):
     trl_kind: ClassVar[str] = "sft"
     step_name: ClassVar[str] = "sft"
     omit_when_default: ClassVar[tuple[str, ...]] = (*_StageWithTrainer.omit_when_default, *_EVAL_KEYS)
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {**_LAUNCH_RENAMED, "num_examples": _LIMIT}
+    cache_names: ClassVar[dict[str, str]] = {"limit": "num_examples"}
     enabled: bool = True
-    num_examples: int | None = Field(None, ge=1)
+    limit: int | None = Field(None, ge=1)
+    """Train on the first N prepared training examples (null: all)."""
     eval_every: int | None = Field(None, ge=1)
     """Evaluate greedily on the selection slice (else the held-out slice) at the start and every N
     steps (``eval/accuracy``, ...; what ``keep: best`` chooses by); null: no in-training evaluation."""
@@ -479,15 +498,27 @@ class DPOStageConfig(_StageWithTrainer):
     trl_kind: ClassVar[str] = "dpo"
     step_name: ClassVar[str] = "dpo"
     omit_when_default: ClassVar[tuple[str, ...]] = (*_StageWithTrainer.omit_when_default, *_EVAL_KEYS)
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {
+        **_LAUNCH_RENAMED,
+        "max_new_tokens": _COMPLETION_LENGTH,
+        "samples_per_prompt": _NUM_GENERATIONS,
+    }
+    cache_names: ClassVar[dict[str, str]] = {
+        "max_completion_length": "max_new_tokens",
+        "num_generations": "samples_per_prompt",
+    }
     enabled: bool = True
     eval_every: int | None = Field(None, ge=1)
     """As ``sft.eval_every``."""
     eval_limit: int = Field(64, ge=1)
     """Questions per in-training evaluation."""
     num_prompts: int = Field(64, ge=1)
-    samples_per_prompt: int = Field(4, ge=2)
+    """Training prompts drawn at random (with the run's ``seed``) to sample completions for."""
+    num_generations: int = Field(4, ge=2)
+    """Completions sampled per prompt; the best and worst scored become a preference pair."""
     temperature: float = Field(1.0, gt=0)
-    max_new_tokens: int = Field(256, ge=1)
+    max_completion_length: int = Field(256, ge=1)
+    """Most tokens per sampled completion."""
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="correctness"), RewardSpec(name="strict_format", weight=0.5)]
     )
@@ -524,8 +555,10 @@ class StageDataFilter(StrictModel):
 
     min_ops: int | None = Field(None, ge=1)
     max_ops: int | None = Field(None, ge=1)
-    num_examples: int | None = Field(None, ge=1)
-    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _OPS_RENAMES
+    limit: int | None = Field(None, ge=1)
+    """The first N examples in the ops range (null: all)."""
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {**_OPS_RENAMES, "num_examples": _LIMIT}
+    cache_names: ClassVar[dict[str, str]] = {"limit": "num_examples"}
 
 
 class GRPOStageConfig(_StageWithTrainer, _ToolFields):
@@ -641,8 +674,10 @@ class EvalSetConfig(_EvalSource):
     name: str
     """Names the set's report folder (`<set>/report.json`) and its metrics (`accuracy_strict/<set>`)."""
     data: Literal["heldout", "hub", "local", "synthetic"]  # required: an extra set names its source
-    max_new_tokens: int | None = Field(None, ge=1)
-    """Generation limit for this set (default: ``eval.max_new_tokens``)."""
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {"max_new_tokens": _COMPLETION_LENGTH}
+    cache_names: ClassVar[dict[str, str]] = {"max_completion_length": "max_new_tokens"}
+    max_completion_length: int | None = Field(None, ge=1)
+    """Most tokens per completion for this set (default: ``eval.max_completion_length``)."""
     tools: list[str] | None = None
     """Tools for this set, in ``eval.tool_protocol`` (default: ``eval.tools``); ``[]`` evaluates
     without any, e.g. beside a calculator-assisted primary set, so the two accuracies sit side by side."""
@@ -660,7 +695,10 @@ class EvalSetConfig(_EvalSource):
 
 class EvalConfig(_EvalSource, _ToolFields):
     omit_when_default: ClassVar[tuple[str, ...]] = _ToolFields.omit_when_default
-    max_new_tokens: int = Field(256, ge=1)
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {"max_new_tokens": _COMPLETION_LENGTH}
+    cache_names: ClassVar[dict[str, str]] = {"max_completion_length": "max_new_tokens"}
+    max_completion_length: int = Field(256, ge=1)
+    """Most tokens per completion (a completion that reaches it without a stop token is truncated)."""
     batch_size: int = Field(64, ge=1)
     """Rows decoded together. 64 is ~28% faster than 32 for SmolLM2 on 2 CPU cores (bf16)."""
     backend: Literal["hf", "vllm", "vllm_server"] = "hf"
@@ -713,7 +751,7 @@ class EvalConfig(_EvalSource, _ToolFields):
         """This config with ``extra``'s source (and generation limit) in place of the primary's: what
         one extra set is evaluated with (generation settings shared, no further sets)."""
         update: dict[str, Any] = {f: getattr(extra, f) for f in _EvalSource.model_fields}
-        update["max_new_tokens"] = extra.max_new_tokens or self.max_new_tokens
+        update["max_completion_length"] = extra.max_completion_length or self.max_completion_length
         update["tools"] = self.tools if extra.tools is None else extra.tools
         update["extra_sets"] = []
         return self.model_copy(update=update)

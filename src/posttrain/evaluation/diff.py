@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from posttrain.core.metric_names import interval_names, qualify_metrics
 from posttrain.core.stats import PairedDifference, paired_difference, paired_mean_difference
@@ -147,7 +148,7 @@ class ReportDiff:
 GENERATION_SETTINGS = (
     "system_prompt",
     "few_shot",
-    "max_new_tokens",
+    "max_completion_length",
     "temperature",
     "pass_k",
     "seed",
@@ -161,12 +162,23 @@ BATCH_SETTINGS = ("batch_size", "refill_at")
 and bf16 attention rounds differently with them (README, "bf16 against fp32")."""
 
 
+_OLD_SETTING_NAMES = {"max_completion_length": "max_new_tokens"}
+"""Report ``config`` keys under the name reports written before the config key was renamed use."""
+
+
+def _setting(report: EvalReport, key: str) -> Any:
+    value = report.config.get(key)
+    return (
+        report.config.get(_OLD_SETTING_NAMES[key]) if value is None and key in _OLD_SETTING_NAMES else value
+    )
+
+
 def setting_differences(a: EvalReport, b: EvalReport) -> tuple[str, ...]:
     """``key: A -> B`` for every generation setting two reports differ in, so a diff is not read as
     the model's doing when the settings alone moved the completions. Keys a report lacks are skipped."""
     dtype_a, dtype_b = a.meta.get("dtype"), b.meta.get("dtype")
     values = {"dtype": (dtype_a, dtype_b)}
-    values |= {key: (a.config.get(key), b.config.get(key)) for key in GENERATION_SETTINGS}
+    values |= {key: (_setting(a, key), _setting(b, key)) for key in GENERATION_SETTINGS}
     # a report without tools may predate the key: no key is no tool
     values["tools"] = (a.config.get("tools") or [], b.config.get("tools") or [])
     if not a.config.get("temperature") and not b.config.get("temperature"):

@@ -176,7 +176,7 @@ def _generate_hf(
         flat, stats = generate_continuous(
             model,
             requests,
-            max_new_tokens=cfg.max_new_tokens,
+            max_new_tokens=cfg.max_completion_length,
             stop_ids=stop_token_ids(model, tokenizer),
             pad_token_id=pad_token_id(tokenizer),
             batch_size=cfg.batch_size,
@@ -277,7 +277,7 @@ def evaluate(
         groups, stats = generate_via_server(
             server,
             prompts,
-            max_new_tokens=cfg.max_new_tokens,
+            max_new_tokens=cfg.max_completion_length,
             stop_ids=stop_token_ids(None, tokenizer),
             samples=samples,
             temperature=cfg.temperature,
@@ -290,7 +290,7 @@ def evaluate(
         groups, stats = generate_vllm(
             vllm_path,
             prompts,
-            max_new_tokens=cfg.max_new_tokens,
+            max_new_tokens=cfg.max_completion_length,
             stop_ids=stop,
             samples=samples,
             temperature=cfg.temperature,

@@ -93,12 +93,12 @@ def _folder_context(path: Path, key: str) -> int | None:
 def _generation_limits(cfg: PipelineConfig) -> Iterator[tuple[str, int]]:
     """(key, tokens) of every limit that must fit in the model's context."""
     yield "data.max_prompt_tokens", cfg.data.max_prompt_tokens
-    yield "eval.max_new_tokens", cfg.eval.max_new_tokens
+    yield "eval.max_completion_length", cfg.eval.max_completion_length
     for i, extra in enumerate(cfg.eval.extra_sets):
-        if extra.max_new_tokens is not None:
-            yield f"eval.extra_sets.{i}.max_new_tokens", extra.max_new_tokens
+        if extra.max_completion_length is not None:
+            yield f"eval.extra_sets.{i}.max_completion_length", extra.max_completion_length
     if cfg.dpo is not None:
-        yield "dpo.max_new_tokens", cfg.dpo.max_new_tokens
+        yield "dpo.max_completion_length", cfg.dpo.max_completion_length
     for where, section in cfg.stage_sections():
         options = section.trainer_options()
         for option in ("max_completion_length", "max_length"):
@@ -126,11 +126,11 @@ BOUNDS: tuple[tuple[str, int], ...] = (
     ("eval.limit", _COUNT),
     ("eval.batch_size", _BATCH),
     ("eval.pass_k", 1024),
-    ("sft.num_examples", _COUNT),
+    ("sft.limit", _COUNT),
     ("dpo.num_prompts", _COUNT),
-    ("dpo.samples_per_prompt", 1024),
-    ("dpo.max_new_tokens", 1 << 20),
-    ("eval.max_new_tokens", 1 << 20),
+    ("dpo.num_generations", 1024),
+    ("dpo.max_completion_length", 1 << 20),
+    ("eval.max_completion_length", 1 << 20),
     ("launch.num_processes", 4096),
 )
 """(attribute path, largest value) of the counts no run can use more of; GRPO stages and extra
@@ -151,7 +151,7 @@ def check_bounds(cfg: PipelineConfig, source: str) -> None:
     values = [(key, _get(cfg, key), most) for key, most in BOUNDS]
     for i, stage in enumerate(cfg.grpo.stages):
         values += [
-            (f"grpo.stages.{i}.data_filter.num_examples", stage.data_filter.num_examples, _COUNT),
+            (f"grpo.stages.{i}.data_filter.limit", stage.data_filter.limit, _COUNT),
             (f"grpo.stages.{i}.eval_limit", stage.eval_limit, _COUNT),
             (f"grpo.stages.{i}.zero_signal_max_rounds", stage.zero_signal_max_rounds, 1024),
         ]

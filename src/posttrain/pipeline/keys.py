@@ -9,6 +9,10 @@ content), the posttrain version and the fingerprint of the code the step runs
 reused across runs) and its INPUTS policy hashes a path string, not the files behind it, so keys are
 built here.
 
+Sections are hashed in their cache form (:func:`posttrain.core.config.cache_form`): a config key
+renamed without changing what the step does is hashed under its old name, so the rename reruns
+nothing.
+
 A :class:`StepIdentity` also has a *lineage*: the key without the code. Records remember the code
 of the key they were written under, so when a key is missing but its lineage has a record, the
 planner can say the code changed, and which files.
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import posttrain
-from posttrain.core.config import DPOStageConfig, GRPOStageConfig, PipelineConfig, SFTStageConfig
+from posttrain.core.config import DPOStageConfig, GRPOStageConfig, PipelineConfig, SFTStageConfig, cache_form
 from posttrain.core.hashing import sha256_file, stable_hash
 from posttrain.core.trainer_options import CHECKPOINT_OPTIONS
 from posttrain.pipeline.code import CodeFingerprint, code_fingerprint
@@ -118,7 +122,7 @@ def data_identity(cfg: PipelineConfig, model_fingerprint: str) -> StepIdentity:
     # The tokenizer decides which prompts are too long, so the model's identity is an input.
     return StepIdentity(
         "data",
-        stable_hash(cfg.data),
+        stable_hash(cache_form(cfg.data)),
         {"source": _source_fingerprint(cfg), "tokenizer": model_fingerprint, **_external_eval_sets(cfg)},
         code_fingerprint("data"),
     )
@@ -145,7 +149,7 @@ def train_identity(
 ) -> StepIdentity:
     """A training stage's identity. With ``keep: best`` its output is the checkpoint the selection
     slice preferred, so the slice's content (``selection_fingerprint``) is an input, and for SFT and
-    DPO, whose in-training evaluation generates up to ``eval.max_new_tokens``, that limit too; the
+    DPO, whose in-training evaluation generates up to ``eval.max_completion_length``, that limit too; the
     choice itself (``keep``, ``select_metric``, ``patience``, ``eval_every``) is in the section."""
     section = stage_section(cfg, stage)
     trainer = {k: v for k, v in section.trainer.items() if k not in CHECKPOINT_OPTIONS}
@@ -160,7 +164,7 @@ def train_identity(
                 _without_lora(section.model_copy(update={"trainer": trainer, "launch": None}))
             ),
             "trainer": {k: v for k, v in section.trainer_options().items() if k not in CHECKPOINT_OPTIONS},
-            "model": stable_hash(cfg.model_for(section)),  # the stage's own `lora:` included
+            "model": stable_hash(cache_form(cfg.model_for(section))),  # the stage's own `lora:` included
             "seed": cfg.seed,
             **({"processes": processes} if processes > 1 else {}),
             **_selection_settings(cfg, section),
@@ -179,13 +183,13 @@ def _selection_settings(
     """What else ``keep: best`` chooses by, outside the section: SFT's and DPO's evaluation length."""
     if section.keep != "best" or section.trl_kind == "grpo":
         return {}
-    return {"selection_max_new_tokens": cfg.eval.max_new_tokens}
+    return {"selection_max_new_tokens": cfg.eval.max_completion_length}  # named as first hashed
 
 
 def _without_lora(section: SFTStageConfig | DPOStageConfig | GRPOStageConfig) -> dict[str, object]:
     """A stage section's JSON without its ``lora:``, which enters the key as part of the model it trains
     (``cfg.model_for``): restating ``model.lora`` in a stage then changes nothing."""
-    data = section.model_dump(mode="json")
+    data = cache_form(section)
     data.pop("lora", None)
     return data
 
@@ -205,7 +209,7 @@ def eval_identity(
 ) -> StepIdentity:
     """Identity of the evaluation step ``step`` (``eval-<stage>``) of a model on the evaluation sets
     (``eval:``, extra sets included, and the content of their local files)."""
-    config_hash = stable_hash({"eval": stable_hash(cfg.eval), "precision": cfg.model.precision})
+    config_hash = stable_hash({"eval": stable_hash(cache_form(cfg.eval)), "precision": cfg.model.precision})
     inputs = {"model": model_fingerprint, "data": data_fingerprint, **_eval_files_fingerprint(cfg)}
     return StepIdentity(step, config_hash, inputs, code_fingerprint("eval"))
 

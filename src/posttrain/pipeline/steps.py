@@ -305,7 +305,7 @@ def _evaluation_inputs(cfg: PipelineConfig, section: Any, prepared: PreparedData
     """SFT's and DPO's in-training evaluation: its records and generation limit (the final evaluation's)."""
     return {
         "selection": in_training_records(prepared, section),
-        "eval_max_new_tokens": cfg.eval.max_new_tokens,
+        "eval_max_new_tokens": cfg.eval.max_completion_length,
     }
 
 

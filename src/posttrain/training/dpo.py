@@ -2,7 +2,7 @@
 
 Pairs come from the model being trained (not from a fixed preference set) so the loss pushes
 against the mistakes this model actually makes. For each of ``num_prompts`` prompts the input policy
-samples ``samples_per_prompt`` completions; each is scored with the stage's rewards (weighted sum,
+samples ``num_generations`` completions; each is scored with the stage's rewards (weighted sum,
 the same functions GRPO uses) and checked for a correct final answer with the evaluator's parser.
 ``data.builders.build_dpo_dataset`` then picks chosen = best and rejected = worst, falls back to the
 reference solution as chosen when no sample is correct, and drops groups whose scores all tie.
@@ -105,9 +105,9 @@ def _build_pairs(
         policy,
         tokenizer,
         [r["prompt"] for r in rows],
-        dpo_cfg.samples_per_prompt,
+        dpo_cfg.num_generations,
         temperature=dpo_cfg.temperature,
-        max_new_tokens=dpo_cfg.max_new_tokens,
+        max_new_tokens=dpo_cfg.max_completion_length,
         seed=seed,
         tools=dpo_cfg.tools,
     )
@@ -136,7 +136,7 @@ def _build_pairs(
     if len(pairs) == 0:
         raise StageError(
             f"DPO: no preference pairs from {len(rows)} prompts (every group tied on "
-            f"{[getattr(f, '__name__', '?') for f in reward_funcs]}); raise samples_per_prompt or "
+            f"{[getattr(f, '__name__', '?') for f in reward_funcs]}); raise num_generations or "
             "temperature, or add rewards that separate completions"
         )
     logger.info("DPO pairs: %s", stats)

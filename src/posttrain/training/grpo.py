@@ -126,12 +126,12 @@ def stage_vllm_server(
 
 
 def select_stage_data(dataset: Any, data_filter) -> Any:
-    """Apply a stage's ``data_filter``: operation range first, then the first ``num_examples`` rows."""
+    """Apply a stage's ``data_filter``: operation range first, then the first ``limit`` rows."""
     from posttrain.data.prepare import filter_by_ops
 
     ds = filter_by_ops(dataset, data_filter.min_ops, data_filter.max_ops)
-    if data_filter.num_examples is not None and data_filter.num_examples < len(ds):
-        ds = ds.select(range(data_filter.num_examples))
+    if data_filter.limit is not None and data_filter.limit < len(ds):
+        ds = ds.select(range(data_filter.limit))
     return ds
 
 

@@ -46,12 +46,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["make_sft_trainer", "run_sft", "sft_dataset"]
 
 
-def sft_dataset(train_dataset: Any, num_examples: int | None = None, *, calculator: bool = False):
+def sft_dataset(train_dataset: Any, limit: int | None = None, *, calculator: bool = False):
     """Prompt/completion conversational rows; prepared data (with ``solution``) is converted first,
     with each annotated step written for the inline calculator when ``calculator``."""
     ds = train_dataset
-    if num_examples is not None and num_examples < len(ds):
-        ds = ds.select(range(num_examples))
+    if limit is not None and limit < len(ds):
+        ds = ds.select(range(limit))
     if "completion" not in ds.column_names:
         ds = build_sft_dataset(ds, calculator=calculator)
     extra = [c for c in ds.column_names if c not in ("prompt", "completion")]
@@ -79,7 +79,7 @@ def make_sft_trainer(
 
     compact_fused_head_on_cpu()
     calculator = "calculator" in sft_cfg.tools
-    data = sft_dataset(train_dataset, sft_cfg.num_examples, calculator=calculator)
+    data = sft_dataset(train_dataset, sft_cfg.limit, calculator=calculator)
     model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
     options = sft_cfg.trainer_options()
     best = selection_trainer_options("sft", sft_cfg.keep, sft_cfg.eval_every, sft_cfg.select_metric, options)
@@ -128,7 +128,7 @@ def run_sft(
 ) -> StageResult:
     """Fine-tune ``model_path`` on ``train_dataset`` (prepared data or prompt/completion rows).
 
-    ``sft_cfg.num_examples`` keeps the first N examples; TRL options come from
+    ``sft_cfg.limit`` keeps the first N examples; TRL options come from
     ``sft_cfg.trainer_options()``. ``selection`` is what ``eval_every`` evaluates (and ``keep: best``
     chooses by). Returns the stage summary; the policy is in ``output_dir``.
     """
