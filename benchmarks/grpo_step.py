@@ -94,7 +94,7 @@ def build_data(model_path: str, num_examples: int):
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     cfg = DataConfig(
-        source="synthetic", synthetic=SyntheticConfig(num_examples=num_examples + 20, seed=1), eval_size=10
+        source="synthetic", synthetic=SyntheticConfig(num_examples=num_examples + 20), eval_size=10, seed=1
     )
     return prepare_data(cfg, tokenizer).train
 

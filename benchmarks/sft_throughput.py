@@ -189,8 +189,9 @@ def build_rows(model_path: str, data: str, num_examples: int, seed: int):
     if data == "synthetic":
         cfg = DataConfig(
             source="synthetic",
-            synthetic=SyntheticConfig(num_examples=num_examples + 10, seed=seed),
+            synthetic=SyntheticConfig(num_examples=num_examples + 10),
             eval_size=10,
+            seed=seed,
         )
     else:
         cfg = DataConfig(source="local", path=data, limit=num_examples + 10, eval_size=10, seed=seed)

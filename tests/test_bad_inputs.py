@@ -1275,7 +1275,8 @@ def test_there_are_at_least_thirty_cases():
 
 
 # (id, --set overrides, expected fragment): keys renamed by issue 32's pass over the schema fail with
-# the new name, where an old config or an old command line would otherwise meet "unknown key".
+# the new name, where an old config or an old command line would otherwise meet "unknown key"; and
+# the seeds that are not the run's (trainer:'s, a greedy evaluation's) point to the one that is.
 RENAMED_CASES = [
     (
         "top-level training: is launch:",
@@ -1316,6 +1317,26 @@ RENAMED_CASES = [
         "an extra set's max_new_tokens is max_completion_length",
         ["eval.extra_sets=[{name: more, data: heldout, max_new_tokens: 8}]"],
         "{cfg}: eval.extra_sets.0.max_new_tokens: renamed to 'max_completion_length'",
+    ),
+    (
+        "the generator's seed is data.seed",
+        ["data.synthetic.seed=1"],
+        "{cfg}: data.synthetic.seed: renamed to 'data.seed' (one seed for the generated problems and the split",
+    ),
+    (
+        "a trainer's seed is the run's seed",
+        ["grpo.stages.0.trainer.seed=1"],
+        "{cfg}: grpo.stages.0.trainer: 'seed' is managed by posttrain: the run's seed is the top-level `seed`",
+    ),
+    (
+        "a trainer's data_seed is the run's seed",
+        ["sft.trainer.data_seed=1"],
+        "{cfg}: sft.trainer: 'data_seed' is managed by posttrain: the run's seed is the top-level `seed`",
+    ),
+    (
+        "an evaluation seed without sampling",
+        ["eval.seed=1"],
+        "{cfg}: eval: seed 1 draws nothing at temperature 0 (greedy)",
     ),
 ]
 

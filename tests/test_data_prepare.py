@@ -123,6 +123,15 @@ def test_prepare_synthetic_columns_counts_and_prompts():
     assert stats["eval_fingerprint"] == prepared.eval._fingerprint
 
 
+def test_data_seed_seeds_the_synthetic_problems_too():
+    """One data seed (``data.synthetic.seed`` merged into it): the generator follows ``data.seed``."""
+    from posttrain.data.sources import load_records
+
+    questions = [[r["question"] for r in load_records(synthetic_cfg(20, seed=s)).records] for s in (0, 0, 1)]
+    assert questions[0] == questions[1] != questions[2]
+    assert questions[0] == [p["question"] for p in generate_problems(20, seed=0)]
+
+
 def test_prepare_is_reproducible_and_fingerprints_are_content_hashes():
     first, second = (
         prepare_data(synthetic_cfg(100, eval_size=10)),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import posttrain
-from posttrain.core.config import GRPOSection, GRPOStageConfig
+from posttrain.core.config import GRPOSection, GRPOStageConfig, cache_form
 from posttrain.core.hashing import stable_hash
 from posttrain.pipeline import load_config
 from posttrain.pipeline.keys import (
@@ -62,10 +62,12 @@ def test_stage_section_finds_each_training_stage_by_step_name():
 def test_data_identity_names_its_step_config_and_inputs():
     cfg = smoke()
     identity = data_identity(cfg, "tok")
-    assert identity.step == "data" and identity.config_hash == stable_hash(cfg.data)
+    assert identity.step == "data" and identity.config_hash == stable_hash(cache_form(cfg.data))
     assert identity.inputs == {"source": "-", "tokenizer": "tok"}  # synthetic data: no file to hash
     assert data_key(cfg, "tok") == identity.key != data_key(cfg, "other-tok")
     assert data_key(smoke("data.eval_size=4"), "tok") != identity.key
+    assert data_key(smoke("data.seed=1"), "tok") != identity.key  # the split and the generator
+    assert data_key(smoke("seed=1"), "tok") == identity.key  # a seed sweep shares the data step
     assert identity.code.files and identity.key != identity.lineage
 
 

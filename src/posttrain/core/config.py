@@ -405,14 +405,18 @@ _OPS_RENAMES = {
 
 
 class SyntheticConfig(StrictModel):
+    """``data.synthetic``: posttrain's problem generator, seeded by ``data.seed``."""
+
     num_examples: int = Field(1000, ge=1)
     min_ops: int = Field(1, ge=1)
     """Fewest arithmetic operations in a problem (1 = one operation)."""
     max_ops: int = Field(4, ge=1)
-    seed: int = 0
     numbers: Literal["default", "small"] = "default"
     """Size of the quantities: the default ranges (up to a few thousand) or ``small`` (below 120)."""
-    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _OPS_RENAMES
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {
+        **_OPS_RENAMES,
+        "seed": ("data.seed", "one seed for the generated problems and the split; see the top-level seed"),
+    }
 
     @model_validator(mode="after")
     def _ordered(self) -> SyntheticConfig:
@@ -431,6 +435,7 @@ class DataConfig(StrictModel):
     split: str = "train"
     synthetic: SyntheticConfig = SyntheticConfig()
     limit: int | None = Field(None, ge=1)
+    """Read the first N valid records of the source (file order; synthetic: at most N generated)."""
     eval_size: int = Field(100, ge=1)
     """Held-out validation slice taken from the training records."""
     selection_size: int = Field(0, ge=0)
@@ -438,6 +443,8 @@ class DataConfig(StrictModel):
     and for in-training evaluations: never trained on, never evaluated on at the end, decontaminated
     against every evaluation set. 0: none."""
     seed: int = 0
+    """The data step's seed (the held-out and selection slices, the synthetic problems): fixed, not
+    the run's; see the top-level ``seed``."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     few_shot: int = Field(0, ge=0, le=len(FEW_SHOT_EXAMPLES))
     """Built-in worked examples prepended to every prompt (there are as many as FEW_SHOT_EXAMPLES)."""
@@ -450,6 +457,13 @@ class DataConfig(StrictModel):
         if self.source == "local" and not self.path:
             raise ValueError("source: local needs `path` (a .jsonl file or folder)")
         return self
+
+    def _cache_form(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The generator's seed was ``data.synthetic.seed`` until it became ``data.seed``."""
+        data = super()._cache_form(data)
+        if isinstance(data.get("synthetic"), dict):
+            data["synthetic"] = {**data["synthetic"], "seed": data["seed"]}
+        return data
 
 
 class RewardSpec(StrictModel):
@@ -711,6 +725,8 @@ class EvalConfig(_EvalSource, _ToolFields):
     temperature: float = Field(0.0, ge=0)
     """0 = greedy; pass@k > 1 needs temperature > 0."""
     seed: int = 0
+    """The evaluation's sampling seed (``temperature > 0`` only): fixed, not the run's; see the
+    top-level ``seed``."""
     baseline: bool = True
     after_each_stage: bool = True
     extra_sets: list[EvalSetConfig] = Field(default_factory=list)
@@ -725,6 +741,10 @@ class EvalConfig(_EvalSource, _ToolFields):
     def _consistent(self) -> EvalConfig:
         if self.pass_k > 1 and self.temperature == 0:
             raise ValueError("pass_k > 1 needs sampling: set temperature > 0")
+        if self.seed != 0 and self.temperature == 0:
+            raise ValueError(
+                f"seed {self.seed} draws nothing at temperature 0 (greedy): set temperature > 0 or leave seed out"
+            )
         for extra in self.extra_sets:
             if extra.tools:
                 _check_tool_names(extra.tools, self.tool_protocol, None)
@@ -796,6 +816,21 @@ class PipelineConfig(StrictModel):
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _LAUNCH_RENAMED
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     seed: int = 0
+    """The run's seed, and the one a seed sweep varies (``posttrain sweep --seeds 0,1,2``). Every
+    training stage draws from it: TRL's ``seed`` (LoRA initialisation, data order, dropout, GRPO's
+    sampled completions), DPO's prompts and samples, and the fresh prompts of ``zero_signal:
+    resample``; a stage's ``trainer:`` refuses ``seed`` and ``data_seed``. Two steps have a seed of
+    their own instead, fixed (0) unless set, so that runs over several seeds answer the same
+    questions and share one data step and one baseline evaluation:
+
+    * ``data.seed``: the held-out slice, the selection slice and the synthetic problems (it was
+      ``data.synthetic.seed`` for the latter). Setting it changes the questions every evaluation asks.
+    * ``eval.seed``: the completions an evaluation samples when ``eval.temperature > 0`` (greedy
+      evaluation draws nothing and refuses it). Every model of a run is sampled with the same
+      draws, which keeps paired comparisons tight.
+
+    Synthetic evaluation sets (``eval.data: synthetic``) use a fixed seed of their own, so their
+    problems are never the training problems."""
     model: ModelConfig
     data: DataConfig = DataConfig()
     sft: SFTStageConfig | None = None

@@ -123,6 +123,9 @@ MANAGED_TRAINER_KEYS = {
     "bf16": "set model.precision (auto|fp32|bf16|fp16) instead",
     "fp16": "set model.precision (auto|fp32|bf16|fp16) instead",
     "use_cpu": "posttrain picks the device from the hardware",
+    "seed": "the run's seed is the top-level `seed`, which seeds TRL (see its entry in the config reference)",
+    "data_seed": "the run's seed is the top-level `seed`, which seeds TRL's data order too; the split's "
+    "seed is data.seed",
     "report_to": "tracking is configured in the `tracking:` section",
     "reward_weights": "give each reward a `weight` in the stage's `rewards:` list",
     "resume_from_checkpoint": "posttrain resumes a killed stage from its last checkpoint by itself: "

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 SYNTHETIC_EVAL_SEED = 1_000_003
-"""Seed of the synthetic eval set; training uses ``data.synthetic.seed`` (default 0)."""
+"""Seed of the synthetic eval set, apart from the training problems' (``data.seed``, default 0)."""
 SYNTHETIC_EVAL_SIZE = 200
 """How many synthetic problems to evaluate when no limit is given."""
 
