@@ -1274,9 +1274,10 @@ def test_there_are_at_least_thirty_cases():
     assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
 
 
-# (id, --set overrides, expected fragment): keys renamed by issue 32's pass over the schema fail with
-# the new name, where an old config or an old command line would otherwise meet "unknown key"; and
-# the seeds that are not the run's (trainer:'s, a greedy evaluation's) point to the one that is.
+# (id, --set overrides, expected fragment): issue 32's pass over the schema. Renamed keys fail with
+# the new name, where an old config or an old command line would otherwise meet "unknown key"; the
+# seeds that are not the run's (trainer:'s, a greedy evaluation's) point to the one that is; an error
+# in a key a GRPO stage took from grpo.defaults names the default.
 RENAMED_CASES = [
     (
         "top-level training: is launch:",
@@ -1338,12 +1339,35 @@ RENAMED_CASES = [
         ["eval.seed=1"],
         "{cfg}: eval: seed 1 draws nothing at temperature 0 (greedy)",
     ),
+    (
+        "a default's bad trainer option names the default",
+        ["grpo.defaults.trainer.learning_rate=-1"],
+        "{cfg}: grpo.defaults.trainer: option 'learning_rate' must be > 0",
+    ),
+    (
+        "a default beyond the bounds names the default",
+        ["grpo.defaults.eval_limit=100000000"],
+        "{cfg}: grpo.defaults.eval_limit: 100000000 is more than posttrain can use",
+    ),
+]
+
+_DEFAULT_REWARDS = BASE.replace(
+    "grpo:\n  stages:", "grpo:\n  defaults: {rewards: [{name: nope}]}\n  stages:"
+).replace("      rewards: [{name: xml_count}]\n", "")
+# (id, config text, expected fragment): a GRPO stage's keys from grpo.defaults, checked after the merge.
+DEFAULTS_TEXT_CASES = [
+    (
+        "an unknown reward among the defaults",
+        _DEFAULT_REWARDS,
+        "{cfg}: grpo.defaults.rewards.0: unknown reward 'nope'",
+    ),
 ]
 
 ALL_CASES = (
     [(*c[:5], None, c[5]) for c in CASES]
     + TRUST_CASES
     + [(name, sets, None, [], {}, None, fragment) for name, sets, fragment in RENAMED_CASES]
+    + [(name, None, text, [], {}, None, fragment) for name, text, fragment in DEFAULTS_TEXT_CASES]
 )
 
 

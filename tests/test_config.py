@@ -116,6 +116,43 @@ def test_every_shipped_config_validates(path):
             minimal(grpo={"stages": [{**grpo_stage(), "data_filter": {"max_steps": 2}}]}),
             "grpo.stages.0.data_filter.max_steps: renamed to 'max_ops'",
         ),  # renamed key in a stage
+        (
+            minimal(grpo={"defaults": {"trainer": {"learning_rate": -1}}, "stages": [grpo_stage()]}),
+            "grpo.defaults.trainer: option 'learning_rate' must be > 0",
+        ),  # an error in a default names the default, not the stage that inherited it
+        (
+            minimal(
+                grpo={
+                    "defaults": {"trainer": {"learning_rate": 1e-5}},
+                    "stages": [grpo_stage(learning_rate=-1)],
+                }
+            ),
+            "grpo.stages.0.trainer: option 'learning_rate' must be > 0",
+        ),  # the stage's own value: the stage
+        (
+            minimal(grpo={"defaults": {"monitor": {"window": 1}}, "stages": [grpo_stage()]}),
+            "grpo.defaults.monitor.window: Input should be greater than or equal to 2",
+        ),  # a nested default
+        (
+            minimal(grpo={"defaults": {"data_filter": {"num_examples": 2}}, "stages": [grpo_stage()]}),
+            "grpo.defaults.data_filter.num_examples: renamed to 'limit'",
+        ),  # a renamed key among the defaults
+        (
+            minimal(grpo={"defaults": {"tools": ["abacus"]}, "stages": [grpo_stage()]}),
+            "grpo.defaults: tools: unknown inline tool 'abacus'",
+        ),  # a stage-wide check about a default
+        (
+            minimal(grpo={"defaults": {"modle": 1}, "stages": [grpo_stage()]}),
+            "grpo.defaults.modle: unknown key",
+        ),
+        (
+            minimal(grpo={"defaults": {"name": "x"}, "stages": [grpo_stage()]}),
+            "grpo.defaults.name: each stage names itself",
+        ),  # a name is never shared
+        (
+            minimal(grpo={"defaults": {"keep": "best", "eval_every": 2}, "stages": [grpo_stage()]}),
+            "grpo.defaults.keep: best needs data.selection_size",
+        ),  # a check across sections after validation
     ],
 )
 def test_bad_configs_fail_in_one_line_naming_the_key(tmp_path, data, fragment):
@@ -125,6 +162,55 @@ def test_bad_configs_fail_in_one_line_naming_the_key(tmp_path, data, fragment):
     assert fragment in message
     assert "\n" not in message
     assert message.startswith(str(tmp_path / "cfg.yaml"))
+
+
+def test_grpo_defaults_merge_under_each_stage_as_if_written_out():
+    """Stage keys win; trainer/monitor/data_filter merge key by key; lists and lora are replaced
+    (lora: null included). The merged stage is the stage written out: same object, same hash."""
+    defaults = {
+        "rewards": [{"name": "correctness"}, {"name": "strict_format", "weight": 0.1}],
+        "trainer": {"learning_rate": 1e-4, "max_steps": 8},
+        "monitor": {"window": 5},
+        "lora": {"r": 4},
+        "tools": ["calculator"],
+        "eval_limit": 32,
+    }
+    stages = [
+        {"name": "a"},
+        {
+            "name": "b",
+            "rewards": [{"name": "xml_count"}],
+            "trainer": {"learning_rate": 5e-5},
+            "monitor": {"kl_threshold": 2.0},
+            "lora": None,
+            "tools": [],
+        },
+    ]
+    written_out = [
+        {"name": "a", **defaults},
+        {
+            **defaults,
+            "name": "b",
+            "rewards": [{"name": "xml_count"}],
+            "trainer": {"learning_rate": 5e-5, "max_steps": 8},
+            "monitor": {"window": 5, "kl_threshold": 2.0},
+            "lora": None,
+            "tools": [],
+        },
+    ]
+    cfg = parse_config(minimal(grpo={"defaults": defaults, "stages": stages}))
+    plain = parse_config(minimal(grpo={"stages": written_out}))
+    assert cfg.grpo.stages == plain.grpo.stages
+    for name in ("grpo-a", "grpo-b"):
+        assert stable_hash(stage_section(cfg, name)) == stable_hash(stage_section(plain, name))
+    b = cfg.grpo.stages[1]
+    assert b.trainer == {"learning_rate": 5e-5, "max_steps": 8} and b.lora is None and b.tools == []
+    assert (b.monitor.window, b.monitor.kl_threshold) == (5, 2.0)
+    assert "defaults" not in cfg.grpo.model_dump(mode="json")  # what ran: the resolved stages
+    assert (
+        parse_config(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))).grpo.stages
+        == cfg.grpo.stages
+    )
 
 
 def test_a_stage_lora_overrides_model_lora_for_that_stage_only():

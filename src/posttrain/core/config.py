@@ -36,9 +36,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SerializationInfo,
     SerializerFunctionWrapHandler,
     ValidationError,
+    ValidationInfo,
+    create_model,
     field_validator,
     model_serializer,
     model_validator,
@@ -57,6 +60,7 @@ from posttrain.core.peft_options import (
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, FEW_SHOT_EXAMPLES
 from posttrain.core.redact import redact
 from posttrain.core.selection import SelectMetric, check_selection
+from posttrain.core.stage_defaults import from_defaults, inherited_keys, merge_stage, written_location
 from posttrain.core.trainer_options import TRAINER_DEFAULTS, generation_blockers, validate_trainer_options
 
 __all__ = [
@@ -84,6 +88,14 @@ __all__ = [
 _CACHE_FORM = "posttrain.cache_form"
 
 
+class _KeyProblem(ValueError):
+    """A problem with one key of a section, raised by the section: the error is located at the key."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}")
+        self.key, self.problem = key, problem
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     omit_when_default: ClassVar[tuple[str, ...]] = ()
@@ -102,7 +114,7 @@ class StrictModel(BaseModel):
         if isinstance(value, dict):
             for old, (new, why) in cls.renamed_keys.items():
                 if old in value:
-                    raise ValueError(f"{old}: renamed to '{new}' ({why})")
+                    raise _KeyProblem(old, f"renamed to '{new}' ({why})")
         return value
 
     @model_serializer(mode="wrap", when_used="json")
@@ -633,14 +645,75 @@ def _unique(names: list[str], what: str) -> None:
         raise ValueError(f"{what} must be unique; repeated: {', '.join(dupes)}")
 
 
+class _StageDefaultsBase(StrictModel):
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = GRPOStageConfig.renamed_keys
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_name(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "name" in value:
+            raise _KeyProblem("name", "each stage names itself; defaults hold what stages share")
+        return value
+
+    def given(self) -> dict[str, Any]:
+        """The keys set, as written (validated once merged into each stage)."""
+        return {key: getattr(self, key) for key in self.model_fields_set}
+
+
+GRPOStageDefaults = create_model(
+    "GRPOStageDefaults",
+    __base__=_StageDefaultsBase,
+    __doc__="``grpo.defaults``: any GRPO stage key but ``name`` (see :mod:`posttrain.core.stage_defaults`).",
+    **{name: (Any, None) for name in GRPOStageConfig.model_fields if name != "name"},
+)
+
+
 class GRPOSection(StrictModel):
+    defaults: GRPOStageDefaults = Field(default_factory=GRPOStageDefaults, exclude=True)
+    """Keys every stage gets unless it sets them itself (any stage key but ``name``). Mappings of
+    options (``trainer``, ``monitor``, ``data_filter``, ``launch``) merge key by key under the
+    stage's own; lists (``rewards``, ``tools``) and ``lora`` are replaced whole. The resolved stages
+    are what runs, is logged and is hashed: moving a key into the defaults changes no cache key."""
     stages: list[GRPOStageConfig] = Field(default_factory=list)
+    _inherited: tuple[frozenset[str], ...] = PrivateAttr(default=())
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _merge_defaults(cls, stages: Any, info: ValidationInfo) -> Any:
+        defaults = info.data.get("defaults")
+        if not isinstance(defaults, _StageDefaultsBase) or not isinstance(stages, list):
+            return stages
+        given = defaults.given()
+        return [merge_stage(given, stage) if isinstance(stage, dict) else stage for stage in stages]
 
     @field_validator("stages")
     @classmethod
     def _unique_names(cls, stages: list[GRPOStageConfig]) -> list[GRPOStageConfig]:
         _unique([s.name for s in stages], "GRPO stage names")
         return stages
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_inherited(cls, value: Any, handler: Any) -> GRPOSection:
+        section = handler(value)
+        if isinstance(value, dict) and isinstance(value.get("defaults"), dict):
+            stages = value.get("stages") or []
+            section._inherited = tuple(
+                inherited_keys(value["defaults"], s if isinstance(s, dict) else {}) for s in stages
+            )
+        return section
+
+    def __eq__(self, other: object) -> bool:
+        """The stages are what the section is; the defaults are how they were written (a launched
+        child rebuilds the resolved stages without them and must equal its parent)."""
+        return isinstance(other, GRPOSection) and self.stages == other.stages
+
+    def written_key(self, index: int, path: str) -> str:
+        """``grpo.stages.<index>.<path>``, or ``grpo.defaults.<path>`` when the stage took it from there."""
+        inherited = self._inherited[index] if index < len(self._inherited) else frozenset()
+        if from_defaults(inherited, path.split(".")):
+            return f"grpo.defaults.{path}"
+        return f"grpo.stages.{index}.{path}"
 
 
 class _EvalSource(StrictModel):
@@ -851,7 +924,8 @@ class PipelineConfig(StrictModel):
         for key, section in self.stage_sections():
             full = "lora" in section.model_fields_set and section.lora is None
             if full and self.model.quantization == "4bit":
-                raise ValueError(f"{key}.lora: null (full fine-tuning) cannot train a 4bit model (QLoRA)")
+                where = self.written_key(key, "lora")
+                raise ValueError(f"{where}: null (full fine-tuning) cannot train a 4bit model (QLoRA)")
         return self
 
     @model_validator(mode="after")
@@ -859,10 +933,19 @@ class PipelineConfig(StrictModel):
         for key, section in self.stage_sections():
             if section.keep == "best" and self.data.selection_size == 0:
                 raise ValueError(
-                    f"{key}.keep: best needs data.selection_size (training records set aside to choose the "
-                    "checkpoint on; choosing on the evaluation set would overstate the gain)"
+                    f"{self.written_key(key, 'keep')}: best needs data.selection_size (training records set "
+                    "aside to choose the checkpoint on; choosing on the evaluation set would overstate the gain)"
                 )
         return self
+
+    def written_key(self, section_key: str, path: str) -> str:
+        """The dotted key of ``path`` in a stage section (``sft``, ``grpo.stages.1``) as the file has
+        it: a key a GRPO stage took from ``grpo.defaults`` is named there. For checks made after
+        validation, so that an error in a default names the default."""
+        prefix = "grpo.stages."
+        if section_key.startswith(prefix) and section_key[len(prefix) :].isdigit():
+            return self.grpo.written_key(int(section_key[len(prefix) :]), path)
+        return f"{section_key}.{path}"
 
     def stage_sections(self) -> list[tuple[str, _StageWithTrainer]]:
         """``(config key, section)`` of every training stage in the file (``sft``, ``grpo.stages.1``)."""
@@ -950,25 +1033,29 @@ def _parse_override_value(text: str, source: str = "override") -> Any:
     return value
 
 
-def format_validation_error(exc: ValidationError, source: str) -> str:
-    """One line: ``source: dotted.key: problem`` for the first error (``(+N more)`` if there are more)."""
+def format_validation_error(exc: ValidationError, source: str, raw: Any = None) -> str:
+    """One line: ``source: dotted.key: problem`` for the first error (``(+N more)`` if there are more).
+    With the config mapping as written (``raw``), a key a GRPO stage took from ``grpo.defaults`` is
+    named there."""
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
+    loc: tuple[str | int, ...] = tuple(err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
+    if isinstance(problem := (err.get("ctx") or {}).get("error"), _KeyProblem):
+        loc, msg = (*loc, problem.key), problem.problem  # a section's check about one of its keys
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
     elif not err["type"].startswith("bool"):
         msg += yaml_boolean_hint(err.get("input"))
+    if raw is not None:
+        loc = written_location(loc, msg, raw)
+    where = ".".join(str(p) for p in loc)
     more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-    if not loc and _KEYED_MESSAGE.match(msg):  # a check across sections names its key itself
+    if not where and _KEYED_MESSAGE.match(msg):  # a check across sections names its key itself
         return f"{source}: {msg}{more}"
-    if loc and _RENAMED_MESSAGE.match(msg):  # a section's renamed key: name the key the user wrote
-        return f"{source}: {loc}.{msg}{more}"
-    return f"{source}: {loc or '(top level)'}: {msg}{more}"
+    return f"{source}: {where or '(top level)'}: {msg}{more}"
 
 
 _KEYED_MESSAGE = re.compile(r"^[a-z_]+(\.[a-z0-9_]+)*: ")
-_RENAMED_MESSAGE = re.compile(r"^[a-z_]+(\.[a-z0-9_]+)*: renamed to ")
 
 
 def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
@@ -976,7 +1063,7 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfi
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source)) from None
+        raise ConfigError(format_validation_error(exc, source, raw)) from None
 
 
 def read_config_mapping(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:

@@ -103,7 +103,7 @@ def _generation_limits(cfg: PipelineConfig) -> Iterator[tuple[str, int]]:
         options = section.trainer_options()
         for option in ("max_completion_length", "max_length"):
             if isinstance(options.get(option), int):
-                yield f"{where}.trainer.{option}", options[option]
+                yield cfg.written_key(where, f"trainer.{option}"), options[option]
 
 
 def check_generation_lengths(cfg: PipelineConfig, context: int | None, source: str) -> None:
@@ -151,9 +151,13 @@ def check_bounds(cfg: PipelineConfig, source: str) -> None:
     values = [(key, _get(cfg, key), most) for key, most in BOUNDS]
     for i, stage in enumerate(cfg.grpo.stages):
         values += [
-            (f"grpo.stages.{i}.data_filter.limit", stage.data_filter.limit, _COUNT),
-            (f"grpo.stages.{i}.eval_limit", stage.eval_limit, _COUNT),
-            (f"grpo.stages.{i}.zero_signal_max_rounds", stage.zero_signal_max_rounds, 1024),
+            (cfg.written_key(f"grpo.stages.{i}", "data_filter.limit"), stage.data_filter.limit, _COUNT),
+            (cfg.written_key(f"grpo.stages.{i}", "eval_limit"), stage.eval_limit, _COUNT),
+            (
+                cfg.written_key(f"grpo.stages.{i}", "zero_signal_max_rounds"),
+                stage.zero_signal_max_rounds,
+                1024,
+            ),
         ]
     for i, extra in enumerate(cfg.eval.extra_sets):
         values.append((f"eval.extra_sets.{i}.limit", extra.limit, _COUNT))

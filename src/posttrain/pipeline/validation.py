@@ -53,7 +53,7 @@ def check_rewards(cfg: PipelineConfig, source: str = "<config>") -> None:
             try:
                 check_reward(spec.name, dict(spec.params))
             except ValueError as exc:
-                raise ConfigError(f"{source}: {where}.rewards.{j}: {exc}") from None
+                raise ConfigError(f"{source}: {cfg.written_key(where, 'rewards')}.{j}: {exc}") from None
 
 
 def check_paths(cfg: PipelineConfig, source: str = "<config>") -> None:
@@ -88,7 +88,7 @@ def check_launchers(cfg: PipelineConfig, source: str = "<config>") -> None:
         if launch.launcher != "accelerate":
             continue
         own = section.launch is not None and section.launch.accelerate_config is not None
-        key = f"{where}.launch.accelerate_config" if own else "launch.accelerate_config"
+        key = cfg.written_key(where, "launch.accelerate_config") if own else "launch.accelerate_config"
         try:
             accelerate_setup(launch, key)
         except ConfigError as exc:
@@ -130,18 +130,17 @@ def check_vllm_server(cfg: PipelineConfig, source: str = "<config>") -> None:
             "gpus, port, ...); add it or choose eval.backend: hf or vllm"
         )
     for i in managed_vllm_stages(cfg):
-        options = cfg.grpo.stages[i].trainer_options()
-        where = f"{source}: grpo.stages.{i}.trainer"
+        options, stage = cfg.grpo.stages[i].trainer_options(), f"grpo.stages.{i}"
         if options.get("vllm_server_base_url") is not None:
             raise ConfigError(
-                f"{where}.vllm_server_base_url: posttrain runs this stage's server (vllm_server:) and "
+                f"{source}: {cfg.written_key(stage, 'trainer.vllm_server_base_url')}: posttrain runs this stage's server (vllm_server:) and "
                 "points the trainer at it; remove the option, or the vllm_server section to use your own server"
             )
         for key, field in _SERVER_KEYS.items():
             own = getattr(cfg.vllm_server, field, None)
             if key in options and options[key] != own:
                 raise ConfigError(
-                    f"{where}.{key}: {options[key]!r} conflicts with vllm_server.{field} ({own!r}), where "
+                    f"{source}: {cfg.written_key(stage, f'trainer.{key}')}: {options[key]!r} conflicts with vllm_server.{field} ({own!r}), where "
                     "posttrain starts the server; remove the option"
                 )
 
@@ -169,15 +168,18 @@ def check_tools(cfg: PipelineConfig, source: str = "<config>") -> None:
             try:
                 get_json_schema(tool_functions([name])[0])
             except (ValueError, TypeError, ImportError) as exc:  # transformers' schema errors are plain ones
-                raise ConfigError(f"{source}: {where}.tools.{j}: {exc}") from None
+                raise ConfigError(f"{source}: {cfg.written_key(where, 'tools')}.{j}: {exc}") from None
         if section.environment_factory is not None:
             try:
                 factory = import_named(section.environment_factory, "environment factory")
             except ValueError as exc:
-                raise ConfigError(f"{source}: {where}.environment_factory: {exc}") from None
+                raise ConfigError(
+                    f"{source}: {cfg.written_key(where, 'environment_factory')}: {exc}"
+                ) from None
             if not callable(factory):
                 raise ConfigError(
-                    f"{source}: {where}.environment_factory: {section.environment_factory!r} is not callable"
+                    f"{source}: {cfg.written_key(where, 'environment_factory')}: "
+                    f"{section.environment_factory!r} is not callable"
                 )
     for i, stage in enumerate(cfg.grpo.stages):
         if stage.tool_protocol != "chat" or not stage.uses_tools():
