@@ -213,6 +213,17 @@ def test_grpo_defaults_merge_under_each_stage_as_if_written_out():
     )
 
 
+def test_overrides_reach_defaults_and_single_stages():
+    cfg = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml",
+        ["grpo.defaults.trainer.learning_rate=2e-5", "grpo.stages.1.trainer.max_steps=3"],
+    )
+    first, second = cfg.grpo.stages
+    assert first.trainer["learning_rate"] == second.trainer["learning_rate"] == 2e-5
+    assert (first.trainer["max_steps"], second.trainer["max_steps"]) == (2, 3)
+    assert second.trainer["num_generations"] == 4  # the default's other options stay
+
+
 def test_a_stage_lora_overrides_model_lora_for_that_stage_only():
     """Unset follows model.lora; a mapping is that stage's adapter; null is its full model, which under
     adapter_policy: adapter saves the whole model like any full fine-tuning (not refused)."""
