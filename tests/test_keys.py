@@ -13,6 +13,7 @@ import pytest
 import posttrain
 from posttrain.core.config import GRPOSection, GRPOStageConfig, cache_form
 from posttrain.core.hashing import stable_hash
+from posttrain.core.sweep import seed_group
 from posttrain.pipeline import load_config
 from posttrain.pipeline.keys import (
     cache_key,
@@ -191,10 +192,14 @@ def test_a_stage_that_keeps_its_best_checkpoint_has_the_choice_in_its_key():
 
 
 # The config part of every step's cache identity for every shipped config (`config_hash`, not the
-# code fingerprint, which changes with any code change), computed before the config schema was
+# code fingerprint, which changes with any code change), and the seed group MLflow runs are grouped
+# by (posttrain.core.sweep.seed_group), computed before the config schema was
 # renamed (issue 32: `training:` -> `launch:`, one seed, one word for counts and for completion
 # length, `grpo.defaults:`). A rename that leaves what a step does as it was must leave these as
 # they were, or every user's cached steps would rerun; a deliberate change of behaviour updates them.
+# They hold because keys hash each section's cache form (posttrain.core.config.cache_form: a renamed
+# key under the name it had when first hashed, data.seed also as the generator's old seed), and
+# grpo.defaults is merged into the stages before anything is hashed.
 PINNED_CONFIG_HASHES = {
     "qwen2.5-0.5b-gsm8k-gpu.yaml": {
         "data": "355cc3c99f732817",
@@ -203,6 +208,7 @@ PINNED_CONFIG_HASHES = {
         "grpo-format": "fce4e1dcd70ff2dd",
         "grpo-correctness": "29313b631031db8b",
         "eval": "5a44f84a3b093a27",
+        "seed_group": "259c62322758",
     },
     "smoke.yaml": {
         "data": "fbbd3151facf95c0",
@@ -211,6 +217,7 @@ PINNED_CONFIG_HASHES = {
         "grpo-format": "b63d4cfe5f87f8a5",
         "grpo-correctness": "24fdb1ecbd83ee66",
         "eval": "03f0a046e815ec7a",
+        "seed_group": "84c69318d4fd",
     },
     "smollm2-arith-calc-cpu.yaml": {
         "data": "70b390f9d4f7484b",
@@ -219,6 +226,7 @@ PINNED_CONFIG_HASHES = {
         "grpo-ops1-2": "f2ec266dfe0f6f54",
         "grpo-ops1-3": "94caeb1420a447dc",
         "eval": "4e0aa49d1f42474a",
+        "seed_group": "c210a5ec2277",
     },
     "smollm2-arith-cpu.yaml": {
         "data": "70b390f9d4f7484b",
@@ -227,6 +235,7 @@ PINNED_CONFIG_HASHES = {
         "grpo-ops1-2": "91ef00bb2310a7d3",
         "grpo-ops1-3": "64eec3e4ea9e80ce",
         "eval": "17049e760e7d5234",
+        "seed_group": "3dcf97db2205",
     },
     "smollm2-gsm8k-calc-cpu.yaml": {
         "data": "096ef504868a3ebe",
@@ -235,6 +244,7 @@ PINNED_CONFIG_HASHES = {
         "grpo-format": "84b0c1cae3fac215",
         "grpo-correctness": "e316ed0ea022b74a",
         "eval": "6f961ec14b24deb5",
+        "seed_group": "249430b412af",
     },
     "smollm2-gsm8k-cpu.yaml": {
         "data": "096ef504868a3ebe",
@@ -243,6 +253,7 @@ PINNED_CONFIG_HASHES = {
         "grpo-format": "c00ec9ef3e57cc7a",
         "grpo-correctness": "53ab954b7742d2c4",
         "eval": "5cd2ae9b1d8f8000",
+        "seed_group": "a372506a050a",
     },
 }
 
@@ -253,4 +264,5 @@ def test_shipped_configs_keep_the_config_hashes_they_had_before_the_renames(name
     found = {"data": data_identity(cfg, "m").config_hash}
     found |= {step: train_identity(cfg, step, "m", "d").config_hash for step in cfg.stage_names()}
     found["eval"] = eval_identity(cfg, "eval-baseline", "m", "d").config_hash
+    found["seed_group"] = seed_group(cfg)  # runs of the config before and after still group by seed
     assert found == PINNED_CONFIG_HASHES[name]

@@ -887,6 +887,7 @@ class OrchestrationConfig(StrictModel):
 
 class PipelineConfig(StrictModel):
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _LAUNCH_RENAMED
+    cache_names: ClassVar[dict[str, str]] = {"launch": "training"}
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     seed: int = 0
     """The run's seed, and the one a seed sweep varies (``posttrain sweep --seeds 0,1,2``). Every

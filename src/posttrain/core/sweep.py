@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from posttrain.core.config import cache_form
 from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import stable_hash
 
@@ -83,6 +84,6 @@ def seed_group(config: BaseModel | Mapping[str, Any]) -> str:
     >>> seed_group({"name": "x", "seed": 0}) == seed_group({"name": "y", "seed": 0})
     False
     """
-    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
+    data = cache_form(config) if isinstance(config, BaseModel) else dict(config)
     data.pop("seed", None)
     return stable_hash(data)[:12]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.config import PipelineConfig, dump_config
+from posttrain.core.config import PipelineConfig, cache_form, dump_config
 from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import package_versions, stable_hash
 from posttrain.core.metric_names import is_interval_metric, parse_metric_name
@@ -412,7 +412,7 @@ def start_pipeline_run(
         ROLE_TAG: "pipeline",
         SEED_GROUP_TAG: seed_group(cfg),
         "posttrain.config_name": cfg.name,
-        "posttrain.config_hash": stable_hash(cfg),
+        "posttrain.config_hash": stable_hash(cache_form(cfg)),
         **{
             f"posttrain.version.{k}": v
             for k, v in package_versions(TRACKED_PACKAGES, include_missing=False).items()
