@@ -27,7 +27,7 @@ with a selection slice (``data.selection_size``) it is cut from that instead, so
 watches, and chooses its checkpoint by (``keep: best``), is never what the final evaluation reports.
 
 SFT and DPO stages evaluate the same way (their ``eval_every``), generating up to the final
-evaluation's ``max_new_tokens``. With ``keep: best`` the trainer decides when to evaluate
+evaluation's ``max_completion_length``. With ``keep: best`` the trainer decides when to evaluate
 (``eval_strategy``): :meth:`HeldoutEval.evaluate` stands in for ``Trainer.evaluate`` and returns
 ``eval_accuracy``, ... for ``metric_for_best_model`` (see :mod:`posttrain.training.selection`).
 """
