@@ -266,6 +266,23 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    from posttrain.core.config_reference import config_sections, render_markdown, render_text, select
+
+    sections = config_sections()
+    if args.section:
+        chosen = select(sections, args.section)
+        if not chosen:
+            names = ", ".join(s.path for s in sections if s.path and "." not in s.path)
+            raise CLIError(f"config: no section or key {args.section!r}; sections: {names}")
+        sections = chosen
+    if args.markdown:
+        print(render_markdown(sections), end="")
+    else:
+        print(render_text(sections, shutil.get_terminal_size(fallback=(100, 24)).columns - 1), end="")
+    return 0
+
+
 def cmd_rewards_list(args: argparse.Namespace) -> int:
     print("\n".join(reward_names()))
     return 0
@@ -624,6 +641,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("configs", nargs="+")
     with_set(p)
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("config", help="the config reference: every key with its type, default and meaning")
+    p.add_argument(
+        "section", nargs="?", help="a section or key, e.g. grpo.stages, eval.extra_sets, model.precision"
+    )
+    p.add_argument("--markdown", action="store_true", help="markdown, as in docs/config.md")
+    p.set_defaults(func=cmd_config)
 
     data = sub.add_parser("data", help="dataset preparation").add_subparsers(
         dest="data_command", required=True
