@@ -266,6 +266,25 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_fetch(args: argparse.Namespace) -> int:
+    from posttrain.data.sources import save_hub_split
+
+    output = Path(args.output)
+    if output.exists() and not args.force:
+        raise CLIError(f"{output}: already exists; pass --force to replace it")
+    if output.exists() and (problem := path_problem(output, "file")):
+        raise CLIError(f"{output} {problem}")
+    hub_id, hub_config = FETCHABLE[args.dataset]
+    count = save_hub_split(output, hub_id, hub_config, args.split)
+    print(f"wrote {count} records of {hub_id} ({hub_config}, {args.split}) to {output}")
+    print(f"train on it offline with  data: {{source: local, path: {output}}}")
+    return 0
+
+
+FETCHABLE = {"gsm8k": ("openai/gsm8k", "main")}
+"""Datasets ``posttrain data fetch`` saves: name -> (hub id, hub config)."""
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from posttrain.core.config_reference import config_sections, render_markdown, render_text, select
 
@@ -649,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="markdown, as in docs/config.md")
     p.set_defaults(func=cmd_config)
 
-    data = sub.add_parser("data", help="dataset preparation").add_subparsers(
+    data = sub.add_parser("data", help="datasets: save one from the hub, preview prompts").add_subparsers(
         dest="data_command", required=True
     )
     p = data.add_parser(
@@ -664,6 +683,16 @@ def build_parser() -> argparse.ArgumentParser:
     rewards = sub.add_parser("rewards", help="reward functions").add_subparsers(
         dest="rewards_command", required=True
     )
+    p = data.add_parser(
+        "fetch",
+        help="save a dataset split from the Hugging Face Hub as a local .jsonl (for data.source: local)",
+    )
+    p.add_argument("dataset", choices=sorted(FETCHABLE), help="dataset to save")
+    p.add_argument("--split", default="train", help="train or test (default: train)")
+    p.add_argument("--output", required=True, metavar="PATH", help="the .jsonl file to write")
+    p.add_argument("--force", action="store_true", help="replace PATH if it exists")
+    p.set_defaults(func=cmd_data_fetch)
+
     p = rewards.add_parser("list", help="registered reward names")
     p.set_defaults(func=cmd_rewards_list)
     p = rewards.add_parser("check", help="score example completions with every configured reward")
