@@ -631,9 +631,30 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 
+DESCRIPTION = """\
+Post-train small language models for verifiable reasoning (GSM8K) from one YAML file: data
+preparation, optional SFT and DPO, staged GRPO with composable rewards (TRL), and an evaluation
+after each stage. Every step is cached (an unchanged config reruns nothing), every run is tracked
+in MLflow, and a killed run resumes where it stopped."""
+
+EPILOG = """\
+start here:
+  posttrain run configs/smoke.yaml            the whole pipeline on a tiny model
+  posttrain run CONFIG --dry-run              which steps would run or come from cache, and why
+  posttrain validate CONFIG                   check a config without running anything
+  posttrain config grpo.stages                what each key of a section means
+  posttrain compare --last 3                  compare the latest runs in MLflow
+
+'posttrain COMMAND --help' describes a command."""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="posttrain",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     parser.add_argument(
