@@ -229,7 +229,11 @@ def _plain_text(text: str) -> str:
 
 
 def _plain(path: str) -> str:
-    """A dotted path without list markers or indices: ``grpo.stages.0.x`` and ``grpo.stages[].x`` alike."""
+    """A dotted path without list markers or indices, so every spelling of a key compares equal.
+
+    >>> _plain("grpo.stages.0.monitor"), _plain("grpo.stages[].monitor"), _plain("grpo.stages")
+    ('grpo.stages.monitor', 'grpo.stages.monitor', 'grpo.stages')
+    """
     return ".".join(p for p in path.replace("[]", "").split(".") if p and not p.isdigit())
 
 
