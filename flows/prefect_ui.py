@@ -11,7 +11,7 @@ Records from threads outside any run are left out instead of warning.
 ``kl_blowup``, ...) is emitted as a Prefect event named ``posttrain.health.<kind>``, whose resource
 is the stage (``posttrain.stage.<config>.<step>``) and whose related resources are the flow run,
 the task run and the MLflow run, so an automation can notify someone, cancel the flow run or run a
-deployment again (README, "Health alerts as Prefect events"). The library never imports Prefect:
+deployment again (docs/tracking.md, "Health alerts as Prefect events"). The library never imports Prefect:
 alerts come back in the stage's result and the flow emits them.
 """
 

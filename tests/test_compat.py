@@ -201,6 +201,24 @@ def test_compact_fused_head_patch_is_reversible():
     assert trl_utils._use_triton is original
 
 
+def test_completion_tables_leave_the_console_and_come_back(capsys):
+    """TRL prints its rich table through the module's own name; with the switch on it prints nothing."""
+    import trl.trainer.grpo_trainer as grpo_module
+
+    trl_compat.no_completion_tables(False)
+    original = grpo_module.print_prompt_completions_sample
+    table = (["prompt"], ["completion"], {"reward": [1.0]}, [0.5], 1)
+    try:
+        assert trl_compat.no_completion_tables(True)
+        grpo_module.print_prompt_completions_sample(*table)
+        assert capsys.readouterr().out == ""
+    finally:
+        trl_compat.no_completion_tables(False)
+    assert grpo_module.print_prompt_completions_sample is original
+    original(*table)
+    assert "completion" in capsys.readouterr().out  # TRL's own printer, for contrast
+
+
 # --------------------------------------------------------------------------- transformers
 
 

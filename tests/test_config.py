@@ -335,24 +335,51 @@ def test_cli_validate_exit_codes(tmp_path, capsys):
     assert err.count("\n") == 0 and "kl_coef" in err
 
 
-def _field_names(model_cls, seen=None) -> set[str]:
+DOCS_CONFIG = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+
+
+def _schema_keys(model_cls, path: str = "") -> dict[str, object]:
+    """Every key of the schema as a dotted path (``[]`` after a list of mappings) -> its field,
+    walked here rather than by the generator under test."""
+    import types
+    import typing
+
     from pydantic import BaseModel
 
-    names = set()
+    keys: dict[str, object] = {}
     for name, field in model_cls.model_fields.items():
-        names.add(name)
-        for arg in (field.annotation, *getattr(field.annotation, "__args__", ())):
-            inner = getattr(arg, "__args__", (arg,))
-            for cls in (arg, *inner):
-                if isinstance(cls, type) and issubclass(cls, BaseModel) and cls is not model_cls:
-                    names |= _field_names(cls)
-    return names
+        key = f"{path}.{name}" if path else name
+        keys[key] = field
+        annotation = field.annotation
+        is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        for arg in typing.get_args(annotation) if is_union else (annotation,):
+            is_list = typing.get_origin(arg) is list
+            for cls in typing.get_args(arg) if is_list else (arg,):
+                if isinstance(cls, type) and issubclass(cls, BaseModel):
+                    keys |= _schema_keys(cls, key + ("[]" if is_list else ""))
+    return keys
 
 
-def test_readme_config_reference_mentions_every_field():
+def test_docs_config_reference_is_current():
+    from posttrain.core.config_reference import config_sections, render_markdown
+
+    assert DOCS_CONFIG.read_text() == render_markdown(config_sections()), (
+        "docs/config.md is stale: regenerate it with `posttrain config --markdown > docs/config.md`"
+    )
+
+
+def test_docs_config_reference_names_every_key():
     from posttrain.core.config import PipelineConfig
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    reference = readme[readme.index("## Config reference") :]
-    missing = sorted(n for n in _field_names(PipelineConfig) if n not in reference)
-    assert not missing, f"README config reference does not mention: {missing}"
+    reference = DOCS_CONFIG.read_text()
+    keys = _schema_keys(PipelineConfig)
+    assert {"grpo.stages[].rewards[].weight", "eval.extra_sets[].name", "model.lora.r"} <= set(keys)
+    missing = sorted(k for k in keys if f"**`{k}`**" not in reference)
+    assert not missing, f"docs/config.md does not describe: {missing}"
+
+
+def test_every_config_key_has_a_docstring():
+    from posttrain.core.config import PipelineConfig
+
+    bare = sorted(k for k, field in _schema_keys(PipelineConfig).items() if not field.description)
+    assert not bare, f"config keys without a docstring (say what the key does and why): {bare}"

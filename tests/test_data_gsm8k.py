@@ -214,3 +214,83 @@ def test_a_blank_question_is_named_exactly():
     with pytest.raises(DataError) as error:
         make_record({"question": " ", "answer": "#### 1"}, record_id="r", source="s")
     assert str(error.value) == "field 'question' is empty"
+
+
+# `posttrain data fetch gsm8k`: the hub split saved as a local file, with the loader stubbed (no network).
+
+
+def _fake_split(rows, split):
+    def load_dataset(path, name=None, split=None, **kwargs):
+        assert (path, name) == ("openai/gsm8k", "main")
+        assert split == want
+        return datasets.Dataset.from_list(rows)
+
+    want = split
+    return load_dataset
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_data_fetch_writes_a_local_file_a_run_reads(tmp_path, monkeypatch, capsys, split):
+    from posttrain.cli import main
+
+    rows = [GOOD, {"question": "What is 6 times 7?", "answer": "6*7 = <<6*7=42>>42\n#### 42"}]
+    monkeypatch.setattr(datasets, "load_dataset", _fake_split(rows, split))
+    output = tmp_path / "gsm8k" / f"{split}.jsonl"
+    assert main(["data", "fetch", "gsm8k", "--split", split, "--output", str(output)]) == 0
+    assert [json.loads(line) for line in output.read_text().splitlines()] == rows
+    loaded = load_records(DataConfig(source="local", path=str(output)))
+    assert [r["answer"] for r in loaded.records] == ["5", "42"]
+    assert "wrote 2 records" in capsys.readouterr().out
+    assert [p.name for p in output.parent.iterdir()] == [output.name]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    ("rows", "exists", "fragment"),
+    [
+        pytest.param(
+            [GOOD, {"question": "q", "answer": "none"}],
+            False,
+            "openai/gsm8k[train]:1: answer has no",
+            id="bad answer",
+        ),
+        pytest.param(
+            [GOOD, {"question": "q"}], False, "[train]:1: field 'answer' must be a string", id="no answer"
+        ),
+        pytest.param([], False, "openai/gsm8k[train]: the split has no rows", id="empty split"),
+        pytest.param([GOOD], True, "already exists; pass --force to replace it", id="file exists"),
+        pytest.param(
+            ConnectionError("Couldn't reach the Hub"), False, "posttrain data fetch", id="hub unreachable"
+        ),
+    ],
+)
+def test_data_fetch_failures_are_one_line_and_write_nothing(
+    tmp_path, monkeypatch, capsys, rows, exists, fragment
+):
+    from posttrain.cli import main
+
+    if isinstance(rows, Exception):
+
+        def unreachable(*args, **kwargs):
+            raise rows
+
+        monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    else:
+        monkeypatch.setattr(datasets, "load_dataset", _fake_split(rows, "train"))
+    output = tmp_path / "train.jsonl"
+    if exists:
+        output.write_text("earlier\n")
+    assert main(["data", "fetch", "gsm8k", "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err
+    assert (output.read_text() == "earlier\n") if exists else not output.exists()
+    assert [p.name for p in tmp_path.iterdir()] == (["train.jsonl"] if exists else [])
+
+
+def test_data_fetch_force_replaces_a_file(tmp_path, monkeypatch):
+    from posttrain.cli import main
+
+    monkeypatch.setattr(datasets, "load_dataset", _fake_split([GOOD], "train"))
+    output = tmp_path / "train.jsonl"
+    output.write_text("earlier\n")
+    assert main(["data", "fetch", "gsm8k", "--output", str(output), "--force"]) == 0
+    assert json.loads(output.read_text()) == GOOD

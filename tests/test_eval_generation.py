@@ -382,3 +382,40 @@ def test_a_finished_row_moves_only_the_rows_after_it():
     assert layer.values[:, 0, 0, 0].tolist() == [100.0, 102.0, 104.0]
     assert torch.equal(layer._k[0], first_row)
     assert layer.get_seq_length() == 3 and layer.keys.shape == (3, 2, 3, 4)
+
+
+SYSTEM = "You are a careful math tutor. Think step by step, check every calculation, then answer."
+
+
+@pytest.mark.parametrize(("batch_size", "refill_at"), [(7, 0.5), (3, 0.5), (3, 1.0)])
+def test_shared_system_prompt_is_prefilled_once_and_changes_no_token(
+    lively_model, tiny_tokenizer, stops, batch_size, refill_at
+):
+    """Prompts that start alike have that prefix run once; greedy tokens still equal ``generate``'s."""
+    from posttrain.generation.engine import SHARED_PREFIX_MIN, _shared_prefix
+
+    conversations = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS
+    ]
+    shared_prompts = encode_prompts(tiny_tokenizer, conversations)
+    assert _shared_prefix(shared_prompts) >= SHARED_PREFIX_MIN  # the test exercises the shared path
+    expected = _reference(lively_model, tiny_tokenizer, shared_prompts, stops)
+    completions, stats = generate_continuous(
+        lively_model,
+        shared_prompts,
+        max_new_tokens=MAX_NEW,
+        stop_ids=stops,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+        batch_size=batch_size,
+        refill_at=refill_at,
+    )
+    assert [list(c.token_ids) for c in completions] == expected
+    assert stats.shared_prefix_tokens >= _shared_prefix(shared_prompts) * (batch_size - 1)
+
+
+def test_shared_prefix_leaves_every_prompt_a_token_of_its_own():
+    from posttrain.generation.engine import _shared_prefix
+
+    assert _shared_prefix([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 3, 4, 5]]) == 3
+    assert _shared_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shorter one keeps its last token
+    assert _shared_prefix([[7, 2], [1, 2]]) == 0

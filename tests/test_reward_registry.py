@@ -43,6 +43,7 @@ POSTTRAIN_NAMES = [
     "length",
     "reasoning_steps",
     "repetition",
+    "setup",
     "soft_format",
     "strict_format",
     "xml_count",

@@ -544,3 +544,36 @@ def test_adaptive_scaler_names_and_refuses_async_callables_in_any_wrapping():
     length = make_adaptive_scaler(make_length_reward(min_tokens=1, max_tokens=2))  # a callable object
     assert length.__name__ == "length_reward_scaled"
     assert length(["a", "a b c d"]) == pytest.approx([1.0, -1.0], rel=1e-4)
+
+
+SOLUTION = "Sofia has 7*5 = <<7*5=35>>35 pencils.\nEach gets 35/5 = <<35/5=7>>7.\n#### 7"
+
+
+@pytest.mark.parametrize(
+    ("completion", "solution", "score"),
+    [
+        (
+            "<reasoning>\n7*5 = 35\n35/5 = 7\n</reasoning>\n<answer>\n7\n</answer>",
+            SOLUTION,
+            1.0,
+        ),  # set up right
+        ("<reasoning>\n7*5 = 35\n35-5 = 30\n</reasoning>", SOLUTION, 0.5),  # first step right
+        ("<reasoning>\n7+5 = 12\n12/5 = 2.4\n</reasoning>", SOLUTION, 0.0),  # wrong operation first
+        ("The answer is 35 and then 7.", SOLUTION, 0.0),  # values not computed after '=' earn nothing
+        ("7*5 = 35, 7*5 = 35", SOLUTION, 0.5),  # a value computed twice counts once
+        ("2+2 = 4", "She has 4 apples.\n#### 4", None),  # no annotated step: nothing to compare
+        ([{"role": "assistant", "content": "7*5 = $35\n35/5 = 7"}], SOLUTION, 1.0),  # conversational, dollars
+        ("1,200/4 = 300", "It is 1200/4 = <<1200/4=300>>300.\n#### 300", 1.0),  # thousands comma
+    ],
+)
+def test_setup_reward_pays_for_each_reference_step_computed(completion, solution, score):
+    from posttrain.rewards.accuracy import setup_reward
+
+    assert setup_reward([completion], solution=[solution]) == [score]
+
+
+def test_setup_reward_refuses_mismatched_columns():
+    from posttrain.rewards.accuracy import setup_reward
+
+    with pytest.raises(ValueError, match="2 completions but 1 solutions"):
+        setup_reward(["a", "b"], solution=[SOLUTION])

@@ -154,11 +154,15 @@ def test_dpo_without_preferences_fails_clearly_and_writes_nothing(tiny_model_dir
     assert list(tmp_path.iterdir()) == []
 
 
-def test_two_grpo_stages_chain_in_adapter_mode(tiny_model_dir, data, tmp_path):
+def test_two_grpo_stages_chain_in_adapter_mode(tiny_model_dir, data, tmp_path, capfd):
     from posttrain.training.grpo import run_grpo_stage
 
     model_cfg = ModelConfig(name=str(tiny_model_dir), lora=LORA, adapter_policy="adapter")
+    capfd.readouterr()
     first = run_grpo_stage(grpo_stage("format"), model_cfg, tiny_model_dir, data, tmp_path / "g1", seed=1)
+    console = "".join(capfd.readouterr())
+    # a progress bar, not a metrics line or a completion table per step (those go to MLflow)
+    assert "'loss'" not in console and "{'" not in console and "\u2500\u2500\u2500" not in console
     info = assert_stage_output(first, "grpo-format", "adapter")
     assert info["adapter"]["base"] == str(Path(tiny_model_dir).resolve())
     assert first.samples == (

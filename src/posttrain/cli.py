@@ -266,6 +266,42 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_fetch(args: argparse.Namespace) -> int:
+    from posttrain.data.sources import save_hub_split
+
+    output = Path(args.output)
+    if output.exists() and not args.force:
+        raise CLIError(f"{output}: already exists; pass --force to replace it")
+    if output.exists() and (problem := path_problem(output, "file")):
+        raise CLIError(f"{output} {problem}")
+    hub_id, hub_config = FETCHABLE[args.dataset]
+    count = save_hub_split(output, hub_id, hub_config, args.split)
+    print(f"wrote {count} records of {hub_id} ({hub_config}, {args.split}) to {output}")
+    print(f"train on it offline with  data: {{source: local, path: {output}}}")
+    return 0
+
+
+FETCHABLE = {"gsm8k": ("openai/gsm8k", "main")}
+"""Datasets ``posttrain data fetch`` saves: name -> (hub id, hub config)."""
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from posttrain.core.config_reference import config_sections, render_markdown, render_text, select
+
+    sections = config_sections()
+    if args.section:
+        chosen = select(sections, args.section)
+        if not chosen:
+            names = ", ".join(s.path for s in sections if s.path and "." not in s.path)
+            raise CLIError(f"config: no section or key {args.section!r}; sections: {names}")
+        sections = chosen
+    if args.markdown:
+        print(render_markdown(sections), end="")
+    else:
+        print(render_text(sections, shutil.get_terminal_size(fallback=(100, 24)).columns - 1), end="")
+    return 0
+
+
 def cmd_rewards_list(args: argparse.Namespace) -> int:
     print("\n".join(reward_names()))
     return 0
@@ -595,9 +631,30 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 
+DESCRIPTION = """\
+Post-train small language models for verifiable reasoning (GSM8K) from one YAML file: data
+preparation, optional SFT and DPO, staged GRPO with composable rewards (TRL), and an evaluation
+after each stage. Every step is cached (an unchanged config reruns nothing), every run is tracked
+in MLflow, and a killed run resumes where it stopped."""
+
+EPILOG = """\
+start here:
+  posttrain run configs/smoke.yaml            the whole pipeline on a tiny model
+  posttrain run CONFIG --dry-run              which steps would run or come from cache, and why
+  posttrain validate CONFIG                   check a config without running anything
+  posttrain config grpo.stages                what each key of a section means
+  posttrain compare --last 3                  compare the latest runs in MLflow
+
+'posttrain COMMAND --help' describes a command."""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="posttrain",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     parser.add_argument(
@@ -625,7 +682,14 @@ def build_parser() -> argparse.ArgumentParser:
     with_set(p)
     p.set_defaults(func=cmd_validate)
 
-    data = sub.add_parser("data", help="dataset preparation").add_subparsers(
+    p = sub.add_parser("config", help="the config reference: every key with its type, default and meaning")
+    p.add_argument(
+        "section", nargs="?", help="a section or key, e.g. grpo.stages, eval.extra_sets, model.precision"
+    )
+    p.add_argument("--markdown", action="store_true", help="markdown, as in docs/config.md")
+    p.set_defaults(func=cmd_config)
+
+    data = sub.add_parser("data", help="datasets: save one from the hub, preview prompts").add_subparsers(
         dest="data_command", required=True
     )
     p = data.add_parser(
@@ -640,6 +704,16 @@ def build_parser() -> argparse.ArgumentParser:
     rewards = sub.add_parser("rewards", help="reward functions").add_subparsers(
         dest="rewards_command", required=True
     )
+    p = data.add_parser(
+        "fetch",
+        help="save a dataset split from the Hugging Face Hub as a local .jsonl (for data.source: local)",
+    )
+    p.add_argument("dataset", choices=sorted(FETCHABLE), help="dataset to save")
+    p.add_argument("--split", default="train", help="train or test (default: train)")
+    p.add_argument("--output", required=True, metavar="PATH", help="the .jsonl file to write")
+    p.add_argument("--force", action="store_true", help="replace PATH if it exists")
+    p.set_defaults(func=cmd_data_fetch)
+
     p = rewards.add_parser("list", help="registered reward names")
     p.set_defaults(func=cmd_rewards_list)
     p = rewards.add_parser("check", help="score example completions with every configured reward")

@@ -97,7 +97,7 @@ class _KeyProblem(ValueError):
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
     omit_when_default: ClassVar[tuple[str, ...]] = ()
     """Keys left out of the JSON form while they hold their default: a key added to a section
     leaves the config hashes (cache keys) of configs that do not use it as they were."""
@@ -215,8 +215,11 @@ class LaunchOverride(StrictModel):
     keys fall back to the top-level section)."""
 
     launcher: Literal["inprocess", "accelerate"] | None = None
+    """``inprocess`` or ``accelerate`` for this stage (default: ``launch.launcher``)."""
     accelerate_config: str | None = None
+    """An accelerate config file for this stage (default: ``launch.accelerate_config``)."""
     num_processes: int | None = Field(None, ge=1)
+    """World size for this stage (default: ``launch.num_processes``)."""
 
 
 class LaunchConfig(StrictModel):
@@ -229,6 +232,8 @@ class LaunchConfig(StrictModel):
     """
 
     launcher: Literal["inprocess", "accelerate"] = "inprocess"
+    """``inprocess``: stages train in the pipeline's own process; ``accelerate``: each stage runs
+    under ``accelerate launch`` in processes of its own, whose memory is gone when it ends."""
     accelerate_config: str | None = None
     """An accelerate config file (relative to the working directory). Default:
     ``configs/accelerate/ddp.yaml`` on a machine with CUDA, ``configs/accelerate/cpu.yaml``
@@ -261,6 +266,7 @@ class VLLMServerConfig(StrictModel):
     host: str = "127.0.0.1"
     """Address the server binds and the trainer connects to; loopback keeps it off the network."""
     port: int = Field(8000, ge=1, le=65535)
+    """Port the server listens on and the trainer connects to."""
     timeout_s: float = Field(600.0, gt=0)
     """How long to wait for the server's health check (loading and compiling a model takes minutes)."""
     extra_args: list[str] = Field(default_factory=list)
@@ -296,6 +302,7 @@ class LoraConfig(StrictModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
     r: int = Field(16, ge=1)
+    """Rank of the adapter matrices: its capacity, and its size."""
     alpha: int = Field(32, ge=1)
     """peft's ``lora_alpha`` (either name is accepted)."""
     dropout: float = Field(0.05, ge=0, lt=1)
@@ -385,9 +392,15 @@ class ModelConfig(StrictModel):
     name: str
     """Hub id, local HF directory, local .gguf file, or a built-in (`smollm2-135m-instruct`, `tiny-random`)."""
     revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub model; null: the default branch."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """``auto``: bf16 on GPUs that support it and on CPUs with AMX or AVX512-BF16, else fp32.
+    Evaluations compare only at the same precision (bf16 flips greedy near-ties)."""
     quantization: Literal["none", "4bit"] = "none"
+    """``4bit``: bitsandbytes NF4 with double quantization, for QLoRA (needs CUDA and ``lora``)."""
     attn_implementation: str | None = None
+    """Passed to transformers (``sdpa``, ``eager``, ``flash_attention_2``); null: its default.
+    Hub kernels are refused unless custom code is allowed."""
     lora: LoraConfig | None = None
     """LoRA settings; null means full fine-tuning."""
     adapter_policy: Literal["merge", "adapter"] = "merge"
@@ -420,9 +433,11 @@ class SyntheticConfig(StrictModel):
     """``data.synthetic``: posttrain's problem generator, seeded by ``data.seed``."""
 
     num_examples: int = Field(1000, ge=1)
+    """Problems generated."""
     min_ops: int = Field(1, ge=1)
     """Fewest arithmetic operations in a problem (1 = one operation)."""
     max_ops: int = Field(4, ge=1)
+    """Most arithmetic operations in a problem."""
     numbers: Literal["default", "small"] = "default"
     """Size of the quantities: the default ranges (up to a few thousand) or ``small`` (below 120)."""
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {
@@ -440,14 +455,21 @@ class SyntheticConfig(StrictModel):
 class DataConfig(StrictModel):
     omit_when_default: ClassVar[tuple[str, ...]] = ("selection_size",)
     source: Literal["hub", "local", "synthetic"] = "synthetic"
+    """``hub`` (a GSM8K-format dataset on the Hugging Face Hub), ``local`` (``path``) or
+    ``synthetic`` (posttrain's generator of multi-step word problems)."""
     path: str | None = None
     """local: a .jsonl file or a folder of *.jsonl in the official GSM8K format."""
     hub_id: str = "openai/gsm8k"
+    """Dataset repository of the ``hub`` source."""
     hub_config: str = "main"
+    """Dataset configuration of the ``hub`` source (GSM8K's is ``main``)."""
     split: str = "train"
+    """Split of the ``hub`` source that training (and the held-out slice) reads."""
     synthetic: SyntheticConfig = SyntheticConfig()
+    """Generator settings of the ``synthetic`` source."""
     limit: int | None = Field(None, ge=1)
-    """Read the first N valid records of the source (file order; synthetic: at most N generated)."""
+    """Read the first N valid records of the source, in file order (synthetic: at most N generated);
+    null: all."""
     eval_size: int = Field(100, ge=1)
     """Held-out validation slice taken from the training records."""
     selection_size: int = Field(0, ge=0)
@@ -458,11 +480,17 @@ class DataConfig(StrictModel):
     """The data step's seed (the held-out and selection slices, the synthetic problems): fixed, not
     the run's; see the top-level ``seed``."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    """System message of every prompt; the default asks for the ``<reasoning>``/``<answer>`` format
+    that the format rewards and strict accuracy read."""
     few_shot: int = Field(0, ge=0, le=len(FEW_SHOT_EXAMPLES))
     """Built-in worked examples prepended to every prompt (there are as many as FEW_SHOT_EXAMPLES)."""
     max_prompt_tokens: int = Field(512, ge=8)
+    """Prompts longer than this are dropped and counted: TRL never truncates prompts."""
     decontamination_ngram: int | None = Field(8, ge=3)
+    """Training records sharing an n-gram of this length with an evaluation question are
+    dropped (decontamination); null disables it."""
     on_bad_record: Literal["error", "skip"] = "error"
+    """``error`` stops at the bad record (``file:line: problem``); ``skip`` skips and counts it."""
 
     @model_validator(mode="after")
     def _local_needs_path(self) -> DataConfig:
@@ -485,7 +513,10 @@ class RewardSpec(StrictModel):
     name: str
     """A registered reward (see `posttrain rewards list`) or `package.module:function`."""
     weight: float = 1.0
+    """Multiplier of this reward in the stage's total (TRL's ``reward_weights``)."""
     params: dict[str, Any] = Field(default_factory=dict)
+    """Settings of a reward factory (``length``: ``{min_tokens, max_tokens}``) or of the adaptive
+    scaler; see ``posttrain.rewards.registry.build_reward``."""
     on_error: Literal["fail", "zero", "skip"] = "fail"
     """When the reward raises on an example: stop the stage naming it (fail), score it 0.0 (zero),
     or leave it unscored like a None (skip). See posttrain.rewards.guard."""
@@ -507,8 +538,9 @@ class SFTStageConfig(_StageWithTrainer):
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {**_LAUNCH_RENAMED, "num_examples": _LIMIT}
     cache_names: ClassVar[dict[str, str]] = {"limit": "num_examples"}
     enabled: bool = True
+    """false skips the stage and keeps its settings in the file."""
     limit: int | None = Field(None, ge=1)
-    """Train on the first N prepared training examples (null: all)."""
+    """Train on the first N prepared examples; null: all of them."""
     eval_every: int | None = Field(None, ge=1)
     """Evaluate greedily on the selection slice (else the held-out slice) at the start and every N
     steps (``eval/accuracy``, ...; what ``keep: best`` chooses by); null: no in-training evaluation."""
@@ -534,20 +566,26 @@ class DPOStageConfig(_StageWithTrainer):
         "num_generations": "samples_per_prompt",
     }
     enabled: bool = True
+    """false skips the stage and keeps its settings in the file."""
     eval_every: int | None = Field(None, ge=1)
     """As ``sft.eval_every``."""
     eval_limit: int = Field(64, ge=1)
     """Questions per in-training evaluation."""
     num_prompts: int = Field(64, ge=1)
-    """Training prompts drawn at random (with the run's ``seed``) to sample completions for."""
+    """Training prompts drawn at random (with the run's ``seed``) and sampled on-policy to build
+    preference pairs."""
     num_generations: int = Field(4, ge=2)
-    """Completions sampled per prompt; the best and worst scored become a preference pair."""
+    """Completions sampled per prompt: the pair's chosen text is the best-scoring one (the reference
+    solution when none is correct), its rejected text the worst."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the on-policy samples; a low one samples the loops greedy decoding
+    falls into, so DPO can unlearn them."""
     max_completion_length: int = Field(256, ge=1)
-    """Most tokens per sampled completion."""
+    """Token limit of each on-policy sample."""
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="correctness"), RewardSpec(name="strict_format", weight=0.5)]
     )
+    """Rewards that rank a prompt's samples to choose the preferred and the rejected completion."""
     tools: list[ToolName] = Field(default_factory=list)
     """``[calculator]``: on-policy samples are generated with the inline calculator, and a reference
     solution chosen in their place is written for it (as ``sft.tools``). The tool's tokens are part
@@ -558,11 +596,19 @@ class MonitorConfig(StrictModel):
     """Thresholds of the GRPO health monitor; see training/health.py for what each alert means."""
 
     on_alert: Literal["warn", "stop"] = "warn"
+    """``warn`` logs each alert and carries on; ``stop`` ends training at the first one."""
     window: int = Field(10, ge=2)
+    """Reward steps the ``no_signal`` mean and the ``flat_reward`` trend are taken over."""
     zero_std_threshold: float = Field(0.9, gt=0, le=1)
+    """Share of prompt groups without signal (all completions scored alike) at or above which
+    the stage alerts ``no_signal``: GRPO learns nothing from such groups."""
     kl_threshold: float = Field(1.0, gt=0)
+    """KL to the reference policy above which the stage alerts ``kl_blowup`` (needs ``beta`` > 0)."""
     min_entropy: float = Field(0.05, ge=0)
+    """Token entropy below which the stage alerts ``entropy``: generations are collapsing."""
     flat_reward_tolerance: float = Field(0.01, ge=0)
+    """Fitted reward change over ``window`` reward steps at or below which the stage alerts
+    ``flat_reward``."""
     max_invalid_rewards: float = Field(0.5, ge=0, le=1)
     """Fraction of one reward's scores in a logged step that may be NaN/None (any is an alert);
     above it the stage fails: a reward that mostly cannot score gives GRPO nothing to learn from."""
@@ -580,9 +626,11 @@ class StageDataFilter(StrictModel):
     (``ops``: the synthetic generator's count, GSM8K's calculator annotations), then the first N."""
 
     min_ops: int | None = Field(None, ge=1)
+    """Fewest arithmetic operations of a problem the stage trains on."""
     max_ops: int | None = Field(None, ge=1)
+    """Most arithmetic operations of a problem the stage trains on."""
     limit: int | None = Field(None, ge=1)
-    """The first N examples in the ops range (null: all)."""
+    """Train on the first N examples left after the operations filter; null: all."""
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {**_OPS_RENAMES, "num_examples": _LIMIT}
     cache_names: ClassVar[dict[str, str]] = {"limit": "num_examples"}
 
@@ -591,9 +639,13 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     trl_kind: ClassVar[str] = "grpo"
     omit_when_default: ClassVar[tuple[str, ...]] = (*_ToolFields.omit_when_default, *_SELECTION_KEYS)
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    """Lowercase and unique: the stage's step is ``grpo-<name>`` (``--force``, runs, store folders)."""
     rewards: list[RewardSpec] = Field(min_length=1)
+    """The rewards the stage is paid with, by name, with weights (see ``posttrain rewards list``)."""
     data_filter: StageDataFilter = StageDataFilter()
+    """Which prepared examples the stage trains on (a curriculum by operations per problem)."""
     monitor: MonitorConfig = MonitorConfig()
+    """Thresholds of the health monitor's alerts for this stage."""
     sample_every: int = Field(5, ge=1)
     """Keep sample completions with per-reward scores every N steps."""
     zero_signal: Literal["keep", "drop", "resample"] = "keep"
@@ -645,7 +697,7 @@ def _unique(names: list[str], what: str) -> None:
         raise ValueError(f"{what} must be unique; repeated: {', '.join(dupes)}")
 
 
-class _StageDefaultsBase(StrictModel):
+class _StageDefaultsKeys(StrictModel):
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = GRPOStageConfig.renamed_keys
 
     @model_validator(mode="before")
@@ -655,36 +707,39 @@ class _StageDefaultsBase(StrictModel):
             raise _KeyProblem("name", "each stage names itself; defaults hold what stages share")
         return value
 
-    def given(self) -> dict[str, Any]:
-        """The keys set, as written (validated once merged into each stage)."""
-        return {key: getattr(self, key) for key in self.model_fields_set}
 
-
-GRPOStageDefaults = create_model(
-    "GRPOStageDefaults",
-    __base__=_StageDefaultsBase,
-    __doc__="``grpo.defaults``: any GRPO stage key but ``name`` (see :mod:`posttrain.core.stage_defaults`).",
+_StageDefaults = create_model(
+    "_StageDefaults",
+    __base__=_StageDefaultsKeys,
     **{name: (Any, None) for name in GRPOStageConfig.model_fields if name != "name"},
 )
+"""The keys ``grpo.defaults`` may hold: a GRPO stage's, but ``name`` (values are checked once merged)."""
 
 
 class GRPOSection(StrictModel):
-    defaults: GRPOStageDefaults = Field(default_factory=GRPOStageDefaults, exclude=True)
+    defaults: dict[str, Any] = Field(default_factory=dict, exclude=True)
     """Keys every stage gets unless it sets them itself (any stage key but ``name``). Mappings of
     options (``trainer``, ``monitor``, ``data_filter``, ``launch``) merge key by key under the
     stage's own; lists (``rewards``, ``tools``) and ``lora`` are replaced whole. The resolved stages
     are what runs, is logged and is hashed: moving a key into the defaults changes no cache key."""
     stages: list[GRPOStageConfig] = Field(default_factory=list)
+    """Ordered GRPO stages; each starts from the previous stage's output."""
     _inherited: tuple[frozenset[str], ...] = PrivateAttr(default=())
+
+    @field_validator("defaults", mode="before")
+    @classmethod
+    def _stage_keys_only(cls, defaults: Any) -> Any:
+        if isinstance(defaults, dict):
+            _StageDefaults.model_validate(defaults)  # unknown and renamed keys, located under defaults
+        return defaults
 
     @field_validator("stages", mode="before")
     @classmethod
     def _merge_defaults(cls, stages: Any, info: ValidationInfo) -> Any:
         defaults = info.data.get("defaults")
-        if not isinstance(defaults, _StageDefaultsBase) or not isinstance(stages, list):
+        if not defaults or not isinstance(stages, list):
             return stages
-        given = defaults.given()
-        return [merge_stage(given, stage) if isinstance(stage, dict) else stage for stage in stages]
+        return [merge_stage(defaults, stage) if isinstance(stage, dict) else stage for stage in stages]
 
     @field_validator("stages")
     @classmethod
@@ -722,7 +777,9 @@ class _EvalSource(StrictModel):
     data: Literal["heldout", "hub", "local", "synthetic"] = "heldout"
     """heldout: the validation slice of `data`; hub: GSM8K test; local: `path`; synthetic: generated."""
     path: str | None = None
+    """``local``: a GSM8K-format .jsonl file or folder."""
     hub_split: str = "test"
+    """``hub``: the GSM8K split evaluated on."""
     limit: int | None = Field(100, ge=1)
     """The first N questions in the source's fixed order (synthetic: N generated), so numbers compare."""
     min_ops: int | None = Field(None, ge=1)
@@ -761,10 +818,11 @@ class EvalSetConfig(_EvalSource):
     name: str
     """Names the set's report folder (`<set>/report.json`) and its metrics (`accuracy_strict/<set>`)."""
     data: Literal["heldout", "hub", "local", "synthetic"]  # required: an extra set names its source
+    """Where the set's questions come from, as ``eval.data`` (required: an extra set names its source)."""
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {"max_new_tokens": _COMPLETION_LENGTH}
     cache_names: ClassVar[dict[str, str]] = {"max_completion_length": "max_new_tokens"}
     max_completion_length: int | None = Field(None, ge=1)
-    """Most tokens per completion for this set (default: ``eval.max_completion_length``)."""
+    """Token limit of each completion for this set (default: ``eval.max_completion_length``)."""
     tools: list[str] | None = None
     """Tools for this set, in ``eval.tool_protocol`` (default: ``eval.tools``); ``[]`` evaluates
     without any, e.g. beside a calculator-assisted primary set, so the two accuracies sit side by side."""
@@ -785,7 +843,7 @@ class EvalConfig(_EvalSource, _ToolFields):
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {"max_new_tokens": _COMPLETION_LENGTH}
     cache_names: ClassVar[dict[str, str]] = {"max_completion_length": "max_new_tokens"}
     max_completion_length: int = Field(256, ge=1)
-    """Most tokens per completion (a completion that reaches it without a stop token is truncated)."""
+    """Token limit of each completion; a completion that reaches it counts as truncated."""
     batch_size: int = Field(64, ge=1)
     """Rows decoded together. 64 is ~28% faster than 32 for SmolLM2 on 2 CPU cores (bf16)."""
     backend: Literal["hf", "vllm", "vllm_server"] = "hf"
@@ -795,13 +853,16 @@ class EvalConfig(_EvalSource, _ToolFields):
     is then required, started for each evaluation step on the evaluated model and stopped after;
     CUDA + vLLM). All three use the same sampling settings and the same scoring."""
     pass_k: int = Field(1, ge=1)
+    """Samples per question; above 1, reports pass@k (and needs ``temperature`` > 0)."""
     temperature: float = Field(0.0, ge=0)
     """0 = greedy; pass@k > 1 needs temperature > 0."""
     seed: int = 0
-    """The evaluation's sampling seed (``temperature > 0`` only): fixed, not the run's; see the
-    top-level ``seed``."""
+    """The evaluation's sampling seed (``temperature`` > 0 only; each sample's seed derives from it
+    and the question): fixed, not the run's; see the top-level ``seed``."""
     baseline: bool = True
+    """Evaluate the input model before any training stage."""
     after_each_stage: bool = True
+    """Evaluate after every training stage; false: after the last only."""
     extra_sets: list[EvalSetConfig] = Field(default_factory=list)
     """More evaluation sets, each with its own report and metrics (`accuracy_strict/<name>`); the
     fields above (the primary set) keep their metric names."""
@@ -852,6 +913,7 @@ class EvalConfig(_EvalSource, _ToolFields):
 
 class TrackingConfig(StrictModel):
     enabled: bool = True
+    """Log runs, models and evaluations to MLflow; false: nothing is logged."""
     experiment: str | None = None
     """Defaults to $MLFLOW_EXPERIMENT_NAME (or $MLFLOW_EXPERIMENT_ID), else the config's `name`."""
     tracking_uri: str | None = None
@@ -868,6 +930,7 @@ class OrchestrationConfig(StrictModel):
     store: str = ".posttrain"
     """Stage outputs, cache records and the embedded Prefect home live here."""
     cache: bool = True
+    """Serve unchanged steps from the store; false: every step runs again."""
     shared_store: str | None = None
     """An fsspec URL (``file:///mnt/shared/posttrain``, ``s3://bucket/posttrain``) where finished step
     outputs are shared between workers: pulled into ``store`` when missing, pushed when finished
@@ -889,31 +952,39 @@ class PipelineConfig(StrictModel):
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _LAUNCH_RENAMED
     cache_names: ClassVar[dict[str, str]] = {"launch": "training"}
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """Run name (default: the config file's stem): names the MLflow experiment unless
+    ``tracking.experiment`` is set, and the registered model ``compare --promote`` writes."""
     seed: int = 0
     """The run's seed, and the one a seed sweep varies (``posttrain sweep --seeds 0,1,2``). Every
     training stage draws from it: TRL's ``seed`` (LoRA initialisation, data order, dropout, GRPO's
     sampled completions), DPO's prompts and samples, and the fresh prompts of ``zero_signal:
     resample``; a stage's ``trainer:`` refuses ``seed`` and ``data_seed``. Two steps have a seed of
     their own instead, fixed (0) unless set, so that runs over several seeds answer the same
-    questions and share one data step and one baseline evaluation:
-
-    * ``data.seed``: the held-out slice, the selection slice and the synthetic problems (it was
-      ``data.synthetic.seed`` for the latter). Setting it changes the questions every evaluation asks.
-    * ``eval.seed``: the completions an evaluation samples when ``eval.temperature > 0`` (greedy
-      evaluation draws nothing and refuses it). Every model of a run is sampled with the same
-      draws, which keeps paired comparisons tight.
-
-    Synthetic evaluation sets (``eval.data: synthetic``) use a fixed seed of their own, so their
-    problems are never the training problems."""
+    questions and share one data step and one baseline evaluation. ``data.seed`` draws the held-out
+    slice, the selection slice and the synthetic problems (it replaces ``data.synthetic.seed``);
+    setting it changes the questions every evaluation asks. ``eval.seed`` draws an evaluation's
+    samples when ``eval.temperature`` > 0 (a greedy evaluation draws nothing and refuses it); every
+    model of a run is sampled with the same draws, which keeps paired comparisons tight. Synthetic
+    evaluation sets (``eval.data: synthetic``) have a fixed seed of their own, so their problems are
+    never the training problems."""
     model: ModelConfig
+    """The model the pipeline starts from, and how every stage loads and trains it."""
     data: DataConfig = DataConfig()
+    """Where training questions come from and how they become prompts, held-out and selection slices."""
     sft: SFTStageConfig | None = None
+    """Supervised fine-tuning on worked solutions (TRL's ``SFTTrainer``); null: no SFT stage."""
     dpo: DPOStageConfig | None = None
+    """DPO on on-policy preference pairs (TRL's ``DPOTrainer``); null: no DPO stage."""
     grpo: GRPOSection = GRPOSection()
+    """GRPO stages (TRL's ``GRPOTrainer``), run in order after SFT and DPO."""
     eval: EvalConfig = EvalConfig()
+    """GSM8K-style evaluation before training and after each stage."""
     tracking: TrackingConfig = TrackingConfig()
+    """MLflow tracking: experiment, tracking store, what is logged."""
     orchestration: OrchestrationConfig = OrchestrationConfig()
+    """Where outputs and cache records live, and how steps share a machine or a cluster."""
     launch: LaunchConfig = LaunchConfig()
+    """How training stages are started: in the pipeline's process, or under ``accelerate launch``."""
     vllm_server: VLLMServerConfig | None = None
     """A managed vLLM server for GRPO stages in ``vllm_mode: server``; null: none (a stage in server
     mode then connects to a server you run, at its own ``vllm_server_host``/``port``)."""

@@ -1,4 +1,5 @@
-"""Reading GSM8K-format records from their sources: the hub, local JSONL files, the synthetic generator.
+"""Reading GSM8K-format records from their sources: the hub, local JSONL files, the synthetic generator;
+and saving a hub split as a local JSONL file, so a machine without network can train on real data.
 
 Each raw row goes through :func:`posttrain.core.gsm8k.make_record`; a bad row stops the load with
 ``file:line: problem`` or, with ``on_bad_record: skip``, is counted and reported, so a run that
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +24,7 @@ from posttrain.data.synthetic import generate_problems
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadResult", "load_hub", "load_jsonl", "load_records"]
+__all__ = ["LoadResult", "load_hub", "load_jsonl", "load_records", "save_hub_split"]
 
 OnBad = Literal["error", "skip"]
 
@@ -150,24 +153,63 @@ def load_hub(
     offline alternatives: the usual cause is a machine without network, where the raw traceback is
     long and unhelpful.
     """
-    import datasets  # heavy: deferred until needed
-
-    try:
-        ds = datasets.load_dataset(hub_id, config, split=split)
-    except Exception as exc:  # connection errors, offline mode, missing repo/split: all fail the same way
-        raise DataError(
-            f"cannot load {hub_id!r} (config {config!r}, split {split!r}) from the Hugging Face Hub: "
-            f"{type(exc).__name__}: {exc}. The hub may be unreachable from this machine; set "
-            "`data.source: local` with `data.path` pointing at a GSM8K .jsonl, or `data.source: synthetic`."
-        ) from exc
     name = hub_id.rstrip("/").split("/")[-1]
     where = f"{hub_id}[{split}]"
     collector = _Collector(on_bad_record, limit)
-    for index, row in enumerate(ds):
+    for index, row in enumerate(_hub_rows(hub_id, config, split)):
         if collector.full:
             break
         collector.add(row, where=where, line_no=index, record_id=f"{name}-{split}-{index:05d}", source=hub_id)
     return collector.result(where)
+
+
+def save_hub_split(
+    output: str | Path, hub_id: str = "openai/gsm8k", config: str | None = "main", split: str = "train"
+) -> int:
+    """Save a GSM8K-format hub split as a JSONL file in the official format (``question``,
+    ``answer``), for ``data.source: local`` on machines that cannot reach the hub. Returns the rows
+    written.
+
+    Every row is checked as a run would read it (a bad row stops with ``openai/gsm8k[train]:42:
+    problem``), and the file is written beside its name and renamed into place, so a config that
+    names it never reads half a download.
+    """
+    output = Path(output)
+    where = f"{hub_id}[{split}]"
+    lines = []
+    for index, row in enumerate(_hub_rows(hub_id, config, split)):
+        try:
+            make_record(row, record_id=str(index), source=hub_id)
+        except DataError as exc:
+            raise DataError(f"{where}:{index}: {exc}") from None
+        lines.append(json.dumps({"question": row["question"], "answer": row["answer"]}, ensure_ascii=False))
+    if not lines:
+        raise DataError(f"{where}: the split has no rows")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        tmp.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(lines)
+
+
+def _hub_rows(hub_id: str, config: str | None, split: str) -> Any:
+    """The split as ``datasets`` loads it (or finds it in its cache). Any failure to fetch becomes a
+    :class:`DataError` pointing at the offline alternatives: the usual cause is a machine without
+    network, where the raw traceback is long and unhelpful."""
+    import datasets  # heavy: deferred until needed
+
+    try:
+        return datasets.load_dataset(hub_id, config, split=split)
+    except Exception as exc:  # connection errors, offline mode, missing repo/split: all fail the same way
+        raise DataError(
+            f"cannot load {hub_id!r} (config {config!r}, split {split!r}) from the Hugging Face Hub: "
+            f"{type(exc).__name__}: {exc}. The hub may be unreachable from this machine; save the split "
+            "where it is reachable (`posttrain data fetch gsm8k --split train --output FILE`) and set "
+            "`data.source: local` with `data.path: FILE`, or use `data.source: synthetic`."
+        ) from exc
 
 
 def load_records(cfg: DataConfig) -> LoadResult:

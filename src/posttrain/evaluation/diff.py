@@ -159,7 +159,7 @@ GENERATION_SETTINGS = (
 
 BATCH_SETTINGS = ("batch_size", "refill_at")
 """Keys that change completions only below fp32: the batch decides each prompt's padding and row,
-and bf16 attention rounds differently with them (README, "bf16 against fp32")."""
+and bf16 attention rounds differently with them (docs/evaluation.md, "Precision and batch size")."""
 
 
 _OLD_SETTING_NAMES = {"max_completion_length": "max_new_tokens"}

@@ -19,6 +19,7 @@ from typing import Any
 
 from posttrain.core.calculator import evaluate_arithmetic
 from posttrain.core.parsing import (
+    ANNOTATION_RE,
     answer_block,
     completion_text,
     normalize_gold,
@@ -29,7 +30,7 @@ from posttrain.core.parsing import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["arithmetic_reward", "correctness_reward", "int_answer_reward"]
+__all__ = ["arithmetic_reward", "correctness_reward", "int_answer_reward", "setup_reward"]
 
 
 def correctness_reward(
@@ -132,4 +133,58 @@ def arithmetic_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
             if got is not None and claimed is not None:
                 checks.append(got == Fraction(claimed))
         scores.append(sum(checks) / len(checks) if checks else 0.0)
+    return scores
+
+
+_RESULT_RE = re.compile(rf"=\s*\$?\s*(-?{_NUMBER})")
+
+
+def _reference_results(solution: Any) -> list[str]:
+    """The values of a worked solution's calculator annotations (``<<48/2=24>>`` -> ``24``), normalized."""
+    values = []
+    for annotation in ANNOTATION_RE.findall(solution if isinstance(solution, str) else ""):
+        value = normalize_number(annotation[2:-2].rpartition("=")[2])
+        if value is not None:
+            values.append(value)
+    return values
+
+
+def setup_reward(
+    completions: Sequence[Any], solution: Sequence[Any] | None = None, **kwargs: Any
+) -> list[float | None]:
+    """The share of the reference solution's intermediate results the completion computes.
+
+    A problem set up right computes the same intermediate values as the worked solution, whatever
+    the words around them: ``48/2 = 24`` then ``48+24 = 72`` for Natalia's clips. With the inline
+    calculator every computed value is exact, so a matching value means that step's numbers and
+    operation were chosen right; the score gives partial credit to a three-step solution with two
+    right steps, where the correctness reward gives 0 to both it and a blank. Values are read after
+    each ``=`` of the reasoning and matched to the ``<<a*b=c>>`` annotations of the dataset's
+    ``solution`` column as multisets (a value computed twice counts once unless the reference has it
+    twice). None where the solution has no annotation: nothing to compare with (TRL skips it).
+
+    >>> reference = "She sold 48/2 = <<48/2=24>>24 clips.\\nIn all 48+24 = <<48+24=72>>72.\\n#### 72"
+    >>> setup_reward(["<reasoning>\\n48/2 = 24\\n48+24 = 72\\n</reasoning>", "48/2 = 24, 24+24 = 48",
+    ...               "no work shown"], solution=[reference] * 3)
+    [1.0, 0.5, 0.0]
+    >>> setup_reward(["1+1 = 2"], solution=["#### 2"])
+    [None]
+    """
+    solutions = list(solution) if solution is not None else [None] * len(completions)
+    if len(solutions) != len(completions):
+        raise ValueError(f"{len(completions)} completions but {len(solutions)} solutions")
+    scores: list[float | None] = []
+    for completion, reference in zip(completions, solutions, strict=True):
+        wanted = _reference_results(reference)
+        if not wanted:
+            scores.append(None)
+            continue
+        text = reasoning_block(completion) or completion_text(completion)
+        computed = [v for v in (normalize_number(m) for m in _RESULT_RE.findall(text)) if v is not None]
+        matched = 0
+        for value in wanted:
+            if value in computed:
+                computed.remove(value)
+                matched += 1
+        scores.append(matched / len(wanted))
     return scores

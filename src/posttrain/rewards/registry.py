@@ -6,7 +6,7 @@ handled here: TRL applies them through ``GRPOConfig.reward_weights``.
 
 ``build_reward(name, params)``:
 
-* plain rewards (``correctness``, ``int_answer``, ``arithmetic``, ``strict_format``, ``soft_format``,
+* plain rewards (``correctness``, ``int_answer``, ``arithmetic``, ``setup``, ``strict_format``, ``soft_format``,
   ``xml_count``, ``reasoning_steps``) take no params;
 * factories (``length``, ``repetition``) are called with ``params`` as keyword arguments;
 * TRL's own rewards by their names in ``trl.rewards`` (``accuracy_reward``, ``think_format_reward``,
@@ -50,7 +50,7 @@ from posttrain.core.library_policy import (
     import_named,
     is_custom,
 )
-from posttrain.rewards.accuracy import arithmetic_reward, correctness_reward, int_answer_reward
+from posttrain.rewards.accuracy import arithmetic_reward, correctness_reward, int_answer_reward, setup_reward
 from posttrain.rewards.format import soft_format_reward, strict_format_reward, xml_count_reward
 from posttrain.rewards.scaling import make_adaptive_scaler, reward_name
 from posttrain.rewards.shaping import make_length_reward, make_repetition_penalty, reasoning_steps_reward
@@ -78,6 +78,7 @@ PLAIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "correctness": correctness_reward,
     "int_answer": int_answer_reward,
     "arithmetic": arithmetic_reward,
+    "setup": setup_reward,
     "strict_format": strict_format_reward,
     "soft_format": soft_format_reward,
     "xml_count": xml_count_reward,
@@ -353,7 +354,7 @@ def build_reward(name: str, params: Mapping[str, Any] | None = None) -> Callable
     ...
     ValueError: unknown reward 'nope'; valid rewards: accuracy_reward, arithmetic, correctness, \
 get_cosine_scaled_reward, get_repetition_penalty_reward, get_soft_overlong_punishment, int_answer, \
-length, reasoning_accuracy_reward, reasoning_steps, repetition, soft_format, strict_format, \
+length, reasoning_accuracy_reward, reasoning_steps, repetition, setup, soft_format, strict_format, \
 think_format_reward, xml_count (or a custom 'package.module:function')
     """
     name, params, scaler = _split_params(name, params)

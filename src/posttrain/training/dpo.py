@@ -198,6 +198,7 @@ def run_dpo(
     def train(ctx: StageContext) -> TrainOutcome:
         from trl import DPOConfig, DPOTrainer
 
+        from posttrain.training.console import quiet_console
         from posttrain.training.trl_compat import carry_token_count, compact_fused_head_on_cpu
 
         compact_fused_head_on_cpu()
@@ -232,6 +233,7 @@ def run_dpo(
                 **ref,
                 **placeholder,
             )
+            quiet_console(trainer)
         if records is not None:
             attach_evaluation(trainer, dpo_cfg, records, stage="dpo", max_new_tokens=eval_max_new_tokens)
         carry_token_count(trainer, ctx.resume_from)

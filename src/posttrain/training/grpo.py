@@ -179,9 +179,15 @@ def make_grpo_trainer(
     from posttrain.generation.rollout import ShadowRollout, shadow_rollout_blockers
     from posttrain.generation.tools import tool_functions
     from posttrain.models.hardware import resolve_dtype
-    from posttrain.training.trl_compat import compact_fused_head_on_cpu, new_grpo_trainer
+    from posttrain.training.console import quiet_console
+    from posttrain.training.trl_compat import (
+        compact_fused_head_on_cpu,
+        new_grpo_trainer,
+        no_completion_tables,
+    )
 
     compact_fused_head_on_cpu()
+    no_completion_tables()
     stage = f"grpo-{stage_cfg.name}"
     data = select_stage_data(train_dataset, stage_cfg.data_filter)
     reward_funcs, weights = build_reward_funcs(stage_cfg.rewards)
@@ -240,6 +246,7 @@ def make_grpo_trainer(
         **trl_tools,
         **(eval_dataset_kwargs(stage_cfg, records_dataset(records)) if records else {}),
     )
+    quiet_console(trainer)
     evaluation = "off"
     if records:
         attach_evaluation(trainer, stage_cfg, records, stage=stage)

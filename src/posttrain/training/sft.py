@@ -77,6 +77,8 @@ def make_sft_trainer(
     ``eval_every`` evaluation, generating up to ``eval_max_new_tokens``."""
     from trl import SFTConfig, SFTTrainer  # heavy: deferred until needed
 
+    from posttrain.training.console import quiet_console
+
     compact_fused_head_on_cpu()
     calculator = "calculator" in sft_cfg.tools
     data = sft_dataset(train_dataset, sft_cfg.limit, calculator=calculator)
@@ -97,6 +99,7 @@ def make_sft_trainer(
         peft_config=peft_config,
         callbacks=list(callbacks),
     )
+    quiet_console(trainer)
     if records is not None:
         attach_evaluation(trainer, sft_cfg, records, stage="sft", max_new_tokens=eval_max_new_tokens)
     return trainer, tokenizer, data

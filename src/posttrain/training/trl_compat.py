@@ -35,6 +35,10 @@ leaves that range or when a hooked name below changes, so lifting the pin means 
    hook also reads ``reward_weights``, ``num_generations``, ``multi_objective_aggregation`` and
    appends its counts to ``_metrics["train"]``, the lists ``GRPOTrainer.log`` averages into each
    logged row (so they reach MLflow next to ``reward``). Nothing else of TRL's loop changes.
+5. ``trl.trainer.grpo_trainer.print_prompt_completions_sample`` (the module's own reference to a
+   utility), replaced by :func:`no_completion_tables`: with ``log_completions`` and rich installed,
+   ``GRPOTrainer.log`` prints a table of sample completions on every logged step. posttrain keeps
+   ``log_completions`` for the parquet files it logs to MLflow and takes the tables off the console.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ __all__ = [
     "TRL_VERSIONS",
     "carry_token_count",
     "compact_fused_head_on_cpu",
+    "no_completion_tables",
     "new_grpo_trainer",
     "trl_metric",
 ]
@@ -91,6 +96,34 @@ def compact_fused_head_on_cpu(enabled: bool = True) -> bool:
 
     setattr(compact_positions, _MARK, current)
     trl_utils._use_triton = compact_positions
+    return True
+
+
+def no_completion_tables(enabled: bool = True) -> bool:
+    """Keep GRPO's sample-completion tables off the console (``enabled=False`` puts TRL's printer
+    back); returns whether they are off. A TRL without the hooked name is left untouched."""
+    try:
+        import trl.trainer.grpo_trainer as grpo_module
+    except ImportError:
+        return False
+    current = getattr(grpo_module, "print_prompt_completions_sample", None)
+    if current is None:
+        logger.debug(
+            "trl.trainer.grpo_trainer.print_prompt_completions_sample not found; tables left as they are"
+        )
+        return False
+    original = getattr(current, _MARK, None)
+    if not enabled:
+        if original is not None:
+            grpo_module.print_prompt_completions_sample = original
+        return False
+    if original is None:
+
+        def no_table(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        setattr(no_table, _MARK, current)
+        grpo_module.print_prompt_completions_sample = no_table
     return True
 
 
