@@ -86,3 +86,10 @@ def test_cli_unknown_section_is_one_line_exit_2(capsys):
     assert main(["config", "grpo.stage"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'grpo.stage'" in err and "grpo, eval" in err
+
+
+def test_a_section_is_introduced_by_its_own_docstring_not_its_last_keys():
+    top = SECTIONS[0]
+    assert top.path == "" and top.doc.startswith("One whole run")
+    (launch,) = select(SECTIONS, "grpo.stages.0.launch")
+    assert launch.doc.startswith("How this stage is launched") and launch.keys[-1].doc not in launch.doc

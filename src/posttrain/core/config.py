@@ -949,6 +949,14 @@ class OrchestrationConfig(StrictModel):
 
 
 class PipelineConfig(StrictModel):
+    """One whole run. Counts follow one rule: ``limit`` keeps the first N of something in a fixed
+    order (null: all); ``*_size`` is a slice set aside from the training records (``eval_size``,
+    ``selection_size``); ``num_*`` is how many posttrain generates or draws
+    (``data.synthetic.num_examples``, ``dpo.num_prompts``, ``dpo.num_generations``). Completion
+    length is TRL's ``max_completion_length`` everywhere. A key renamed to follow them (``training``,
+    ``num_examples`` of ``sft`` and ``data_filter``, ``samples_per_prompt``, ``max_new_tokens``,
+    ``data.synthetic.seed``) fails with "renamed to" and its new name."""
+
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _LAUNCH_RENAMED
     cache_names: ClassVar[dict[str, str]] = {"launch": "training"}
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

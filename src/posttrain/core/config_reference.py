@@ -60,12 +60,12 @@ def config_sections(root: type[BaseModel] = PipelineConfig) -> list[ConfigSectio
         for name, field in model.model_fields.items():
             key = f"{path}.{name}" if path else name
             sub, is_list = _section_type(field.annotation)
-            doc = _doc(field)
+            key_doc = _doc(field)  # not `doc`: that is the section's own, appended below
             if sub is not None:
                 sub_path = key + ("[]" if is_list else "")
                 children.append((sub, sub_path, _section_doc(field, sub)))
-                doc = f"{doc} Keys: see `{sub_path}`.".strip()
-            keys.append(_key(model, name, field, key, doc))
+                key_doc = f"{key_doc} Keys: see `{sub_path}`.".strip()
+            keys.append(_key(model, name, field, key, key_doc))
         sections.append(ConfigSection(path, doc, tuple(keys)))
         for sub, sub_path, sub_doc in children:
             visit(sub, sub_path, sub_doc)
