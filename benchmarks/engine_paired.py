@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", default="synthetic", help="synthetic, a GSM8K .jsonl, hub[:split]")
     parser.add_argument("--limit", type=int, default=500)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="max_completion_length")
     parser.add_argument("--system-prompt", default=None)
     parser.add_argument("--tools", default="", help="comma-separated engine tools (calculator)")
     parser.add_argument("--a", default="plain")
@@ -59,7 +59,7 @@ def main() -> None:
     name, records = eval_records_for(args.data, args.limit, "test")
     model, tokenizer = load_model_and_tokenizer(args.model, "bf16")
     cfg = EvalConfig(
-        limit=args.limit, max_new_tokens=args.max_new_tokens, tools=[t for t in args.tools.split(",") if t]
+        limit=args.limit, max_completion_length=args.max_new_tokens, tools=[t for t in args.tools.split(",") if t]
     )
     prompt = {"system_prompt": args.system_prompt} if args.system_prompt else {}
     print(f"model {args.model}; {name}, {len(records)} questions; bf16 greedy; CPU {cpu_kind()}")
