@@ -7,9 +7,8 @@ evaluator twice in one process on the same questions, greedy, once per variant, 
 accuracy with its Wilson interval, the paired difference B - A with Newcombe's interval, McNemar's
 exact p, the flips each way and how many completions are identical.
 
-Variants are switches of the engine (``--a`` / ``--b``): ``plain`` (no shared-prefix prefill),
-``shared-prefix`` (the prefix a prefill's prompts share run once), ``compiled`` (torch.compile'd
-decode pieces, where available).
+Variants are switches of the engine (``--a`` / ``--b``): ``plain`` (no shared-prefix prefill) and
+``shared-prefix`` (the prefix a prefill's prompts share run once).
 
     .venv/bin/python benchmarks/engine_paired.py --model PATH --data synthetic --limit 500
 """
@@ -59,7 +58,9 @@ def main() -> None:
     name, records = eval_records_for(args.data, args.limit, "test")
     model, tokenizer = load_model_and_tokenizer(args.model, "bf16")
     cfg = EvalConfig(
-        limit=args.limit, max_completion_length=args.max_new_tokens, tools=[t for t in args.tools.split(",") if t]
+        limit=args.limit,
+        max_completion_length=args.max_new_tokens,
+        tools=[t for t in args.tools.split(",") if t],
     )
     prompt = {"system_prompt": args.system_prompt} if args.system_prompt else {}
     print(f"model {args.model}; {name}, {len(records)} questions; bf16 greedy; CPU {cpu_kind()}")

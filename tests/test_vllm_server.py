@@ -30,6 +30,7 @@ FAKE_SERVER = textwrap.dedent(
     with open(pids, "w") as fh:
         fh.write(f"{child.pid}\\n")
     print("loading model weights", flush=True)
+    print("VLLM_SERVER_DEV_MODE=" + str(__import__("os").environ.get("VLLM_SERVER_DEV_MODE")), flush=True)
     if mode == "crash":
         print("torch.OutOfMemoryError: CUDA out of memory", flush=True)
         sys.exit(3)
@@ -194,22 +195,44 @@ def test_a_port_already_in_use_is_refused_before_starting(fake, tmp_path):
     assert not pids.exists()  # nothing was started
 
 
-def test_serve_command_is_trl_vllm_serve_with_posttrains_address():
-    cfg = VLLMServerConfig(gpus=[2, 3], host="127.0.0.1", port=8123, extra_args=["--data_parallel_size", "2"])
+def test_serve_command_is_vllm_serve_with_trls_flags_and_posttrains_address(monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_ALLOW_CUSTOM_CODE", "1")  # --max-num-seqs is off the allow list
+    cfg = VLLMServerConfig(
+        gpus=[2, 3],
+        host="127.0.0.1",
+        port=8123,
+        extra_args=["--data_parallel_size", "2", "--enforce_eager", "--max-num-seqs", "64"],
+    )
     cmd = serve_command(cfg, "/models/base", revision="abc")
-    assert cmd[:4] == [sys.executable, "-m", "trl.cli.main", "vllm-serve"]
-    assert cmd[4:] == [
-        "--model",
-        "/models/base",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "8123",
-        "--revision",
-        "abc",
-        "--data_parallel_size",
-        "2",
-    ]  # no tensor parallel: extra_args chose data parallel
+    # vLLM's own CLI, not TRL's deprecated wrapper, with this interpreter
+    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/models/base"]
+    assert "vllm-serve" not in cmd and "trl.cli.main" not in cmd
+
+    def value(flag):
+        return cmd[cmd.index(flag) + 1]
+
+    assert (value("--host"), value("--port"), value("--revision")) == ("127.0.0.1", "8123", "abc")
+    # data parallel from extra_args, so no tensor parallel over the two GPUs
+    assert (value("--data-parallel-size"), value("--tensor-parallel-size")) == ("2", "1")
+    assert "--enforce-eager" in cmd
+    # what TRL's trainers need from the server (TRL's build_command adds it)
+    assert value("--weight-transfer-config") == '{"backend": "nccl"}'
+    assert value("--logprobs-mode") == "processed_logprobs"
+    # a flag trl vllm-serve does not know is forwarded to vllm serve as written
+    assert cmd[-2:] == ["--max-num-seqs", "64"]
+
+
+def test_two_gpus_without_a_parallel_flag_serve_tensor_parallel():
+    cmd = serve_command(VLLMServerConfig(gpus=[0, 1], port=8124), "m")
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_the_server_runs_in_vllms_dev_mode(fake, tmp_path):
+    cfg, command, pids = fake
+    with vllm_server(cfg, "m", tmp_path / "log", command=command()):
+        pass
+    # the fake server writes its environment's VLLM_SERVER_DEV_MODE into the log
+    assert "VLLM_SERVER_DEV_MODE=1" in (tmp_path / "log").read_text()
 
 
 # --------------------------------------------------------------------------- the GRPO stage

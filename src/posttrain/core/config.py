@@ -252,7 +252,7 @@ class VLLMServerConfig(StrictModel):
     """``vllm_server:``: a vLLM generation server that posttrain starts and stops itself.
 
     GRPO stages whose ``trainer:`` sets ``use_vllm: true, vllm_mode: server`` get one for the length
-    of the stage: ``trl vllm-serve`` on ``gpus``, serving the stage's input model; posttrain waits
+    of the stage: ``vllm serve`` with TRL's flags on ``gpus``, serving the stage's input model; posttrain waits
     for its ``/health`` answer, sets the stage's ``vllm_server_host``/``vllm_server_port``, and stops
     the server's whole process group when the stage ends or fails. See
     posttrain.generation.vllm_server.
@@ -270,9 +270,10 @@ class VLLMServerConfig(StrictModel):
     timeout_s: float = Field(600.0, gt=0)
     """How long to wait for the server's health check (loading and compiling a model takes minutes)."""
     extra_args: list[str] = Field(default_factory=list)
-    """More ``trl vllm-serve`` arguments (``--gpu_memory_utilization``, ``0.9``), spelled in full and
-    from an allow list unless custom code is allowed (:mod:`posttrain.core.library_policy`).
-    ``--model``, ``--host``, ``--port`` and ``--revision`` are posttrain's."""
+    """More server options, in ``trl vllm-serve``'s words (``--gpu_memory_utilization``, ``0.9``),
+    which TRL turns into ``vllm serve`` flags; spelled in full and from an allow list unless custom
+    code is allowed (:mod:`posttrain.core.library_policy`), which also lets other ``vllm serve``
+    flags through as written. ``--model``, ``--host``, ``--port`` and ``--revision`` are posttrain's."""
 
     @field_validator("gpus")
     @classmethod
@@ -849,7 +850,7 @@ class EvalConfig(_EvalSource, _ToolFields):
     backend: Literal["hf", "vllm", "vllm_server"] = "hf"
     """How completions are generated: ``hf`` (posttrain's continuous-batching engine on the model
     in memory; CPU or GPU), ``vllm`` (an offline vLLM engine in the evaluation's own process; CUDA +
-    vLLM) or ``vllm_server`` (the managed ``trl vllm-serve`` of the ``vllm_server:`` section, which
+    vLLM) or ``vllm_server`` (the managed ``vllm serve`` of the ``vllm_server:`` section, which
     is then required, started for each evaluation step on the evaluated model and stopped after;
     CUDA + vLLM). All three use the same sampling settings and the same scoring."""
     pass_k: int = Field(1, ge=1)

@@ -2,7 +2,7 @@
 
 A config passes options through to other libraries (a stage's ``trainer:`` to TRL's config class,
 ``model.lora`` to ``peft.LoraConfig``, ``model.attn_implementation`` to transformers,
-``vllm_server.extra_args`` to ``trl vllm-serve``). Some of those options make the library load or
+``vllm_server.extra_args`` to ``vllm serve``, in ``trl vllm-serve``'s words). Some of those options make the library load or
 run code: a model repository's own modules (``trust_remote_code``), an attention kernel downloaded
 from the hub (an ``org/repo`` attention implementation, ``use_kernels``), a module by name
 (peft's ``megatron_core``), a generation loop from the hub (``custom_generate``), or a server flag

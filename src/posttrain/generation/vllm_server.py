@@ -1,12 +1,15 @@
-"""A managed vLLM generation server (``vllm_server:``): TRL's ``trl vllm-serve`` for one GRPO stage.
+"""A managed vLLM generation server (``vllm_server:``): ``vllm serve`` as TRL's trainers expect it, for one
+GRPO stage.
 
 In TRL's server mode (``use_vllm: true, vllm_mode: server``) the trainer generates through an HTTP
 server on GPUs of its own and pushes its weights into it (NCCL) before each generation step. TRL
 leaves starting that server to the user; :func:`vllm_server` does it for a stage:
 
 1. refuse a port something already answers on (the health check would pass against it);
-2. start ``trl vllm-serve --model M --host H --port P ...`` in its own process group, with
-   ``CUDA_VISIBLE_DEVICES`` set to the configured GPUs and its output in a log file;
+2. start ``vllm serve M --host H --port P ...`` with the flags TRL's trainers rely on (weight transfer,
+   processed logprobs: TRL's own ``build_command``, which the deprecated ``trl vllm-serve`` runs too)
+   and ``VLLM_SERVER_DEV_MODE=1`` (the weight-transfer endpoints live behind it), in its own process
+   group, with ``CUDA_VISIBLE_DEVICES`` set to the configured GPUs and its output in a log file;
 3. poll ``http://H:P/health`` (what TRL's ``VLLMClient.check_server`` polls) until it answers 200,
    failing with one line and the log's last lines if the server exits first or takes longer than
    ``timeout_s``;
@@ -28,7 +31,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -76,7 +78,7 @@ class ServerAddress:
 
 
 def check_vllm_server() -> None:
-    """Raise :class:`HardwareError` (one line) unless ``trl vllm-serve`` can run here: CUDA and vLLM."""
+    """Raise :class:`HardwareError` (one line) unless ``vllm serve`` can run here: CUDA and vLLM."""
     if not cuda_available():
         raise HardwareError(
             "vllm_server: a managed vLLM server needs a CUDA GPU and this machine has none; "
@@ -87,22 +89,32 @@ def check_vllm_server() -> None:
 
 
 def serve_command(cfg: VLLMServerConfig, model: str, *, revision: str | None = None) -> list[str]:
-    """The ``trl vllm-serve`` command line for ``model`` (run with this interpreter, so the server
-    uses the same TRL and vLLM as the trainer).
+    """The ``vllm serve`` command line for ``model``, built by TRL's own ``build_command`` from
+    ``trl vllm-serve``'s options (``extra_args`` keep that vocabulary; flags it does not know are
+    forwarded to ``vllm serve``), run with this interpreter so the server uses the same vLLM.
 
     >>> cfg = VLLMServerConfig(gpus=[1, 2], port=8001, extra_args=["--gpu_memory_utilization", "0.8"])
-    >>> serve_command(cfg, "Qwen/Qwen2.5-0.5B-Instruct")[3:]  # doctest: +NORMALIZE_WHITESPACE
-    ['vllm-serve', '--model', 'Qwen/Qwen2.5-0.5B-Instruct', '--host', '127.0.0.1', '--port', '8001',
-     '--tensor_parallel_size', '2', '--gpu_memory_utilization', '0.8']
+    >>> cmd = serve_command(cfg, "Qwen/Qwen2.5-0.5B-Instruct")
+    >>> cmd[1:8]
+    ['-m', 'vllm.entrypoints.cli.main', 'serve', 'Qwen/Qwen2.5-0.5B-Instruct', '--host', '127.0.0.1', '--port']
+    >>> cmd[cmd.index("--tensor-parallel-size") + 1], cmd[cmd.index("--gpu-memory-utilization") + 1]
+    ('2', '0.8')
     """
-    cmd = [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model", model]
-    cmd += ["--host", cfg.host, "--port", str(cfg.port)]
+    from trl.scripts.utils import TrlParser
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    args = ["--model", model, "--host", cfg.host, "--port", str(cfg.port)]
     if revision is not None:
-        cmd += ["--revision", revision]
+        args += ["--revision", revision]
     flags = {arg.split("=", 1)[0].replace("-", "_") for arg in cfg.extra_args}
     if len(cfg.gpus) > 1 and not flags & {"__tensor_parallel_size", "__data_parallel_size"}:
-        cmd += ["--tensor_parallel_size", str(len(cfg.gpus))]
-    return cmd + list(cfg.extra_args)
+        args += ["--tensor_parallel_size", str(len(cfg.gpus))]
+    # The flags were checked against the allow list (posttrain.core.library_policy) at validation;
+    # TRL's parser reads them as `trl vllm-serve` would, and what it does not know goes to vLLM.
+    script_args, forwarded = TrlParser(ScriptArguments).parse_args_into_dataclasses(
+        args + list(cfg.extra_args), return_remaining_strings=True
+    )
+    return build_command(script_args, forwarded)
 
 
 @contextlib.contextmanager
@@ -117,7 +129,7 @@ def vllm_server(
 ) -> Iterator[ServerAddress]:
     """Run a vLLM server for ``model`` on ``cfg.gpus`` while the block runs; yield its address.
 
-    ``command`` replaces ``trl vllm-serve`` (and the CUDA/vLLM check), for tests; it must serve
+    ``command`` replaces ``vllm serve`` (and the CUDA/vLLM check), for tests; it must serve
     ``cfg.host:cfg.port``. The server's output goes to ``log_path`` (appended).
     """
     if command is None:
@@ -131,7 +143,11 @@ def vllm_server(
         )
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in cfg.gpus)}
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in cfg.gpus),
+        "VLLM_SERVER_DEV_MODE": "1",  # TRL's weight-transfer endpoints are dev-mode routes of vLLM's server
+    }
     logger.info(
         "vllm_server: starting on GPU(s) %s: %s (log %s)",
         env["CUDA_VISIBLE_DEVICES"],
@@ -139,7 +155,7 @@ def vllm_server(
         log_path,
     )
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(  # noqa: S603 - our own interpreter and TRL's CLI (or a test's), no shell
+        proc = subprocess.Popen(  # noqa: S603 - our own interpreter and vLLM's CLI (or a test's), no shell
             list(command),
             stdin=subprocess.DEVNULL,
             stdout=log,
