@@ -119,8 +119,8 @@ def test_sft_targets_in_calculator_form_keep_the_expressions():
 
 def test_nearly_every_gsm8k_step_reads_as_the_calculator_completes_it(gsm8k_train_path):
     """On the real train split, each annotated step of a rendered solution is a call whose value the
-    calculator writes exactly where the solution has it (99 % measured; degenerate annotations such
-    as ``<<60=60>>`` are no calculation)."""
+    calculator writes exactly where the solution has it: at least 98 % of the steps of the first 1,000
+    solutions (degenerate annotations such as ``<<60=60>>`` are no calculation)."""
     annotation = re.compile(r"<<[^<>]*>>")
     steps = reproduced = 0
     with open(gsm8k_train_path) as fh:

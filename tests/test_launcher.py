@@ -87,7 +87,7 @@ def test_the_launch_command_takes_a_free_port_unless_the_file_names_one(tmp_path
 def test_sharding_on_a_cpu_is_refused_not_run_as_ddp(name, tmp_path, monkeypatch):
     """accelerate 1.x picks MULTI_CPU (DDP) for a CPU run whatever the file's FSDP or DeepSpeed
     settings (its state.py turns them on without ``cpu`` only): an FSDP2 file with use_cpu: true
-    trained 2 processes as DDP (its reducer's warning in the log, 2026-12-01)."""
+    would train 2 processes as DDP (its reducer's warning shows it in the log)."""
     monkeypatch.chdir(REPO)
     on_cpu = tmp_path / f"cpu-{name}"
     on_cpu.write_text(

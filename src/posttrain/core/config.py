@@ -846,7 +846,8 @@ class EvalConfig(_EvalSource, _ToolFields):
     max_completion_length: int = Field(256, ge=1)
     """Token limit of each completion; a completion that reaches it counts as truncated."""
     batch_size: int = Field(64, ge=1)
-    """Rows decoded together. 64 is ~28% faster than 32 for SmolLM2 on 2 CPU cores (bf16)."""
+    """Rows decoded together: more rows share each decode step's weight reads, up to where the
+    step's cost grows with the rows (docs/results/2026-12-01-decode-experiments.md)."""
     backend: Literal["hf", "vllm", "vllm_server"] = "hf"
     """How completions are generated: ``hf`` (posttrain's continuous-batching engine on the model
     in memory; CPU or GPU), ``vllm`` (an offline vLLM engine in the evaluation's own process; CUDA +

@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_REFILL_AT", "evaluate", "run_eval"]
 
 DEFAULT_REFILL_AT = 0.5
-"""Admit waiting prompts once the batch is down to half its rows (see generation/engine.py; measured)."""
+"""Admit waiting prompts once the batch is down to half its rows: a prefill costs about as much for
+few rows as for many, so waiting for half the rows to finish pays it less often while the batch
+stays full enough (docs/results/2026-12-01-decode-experiments.md has the ``--refill-at`` runs)."""
 
 
 def _records(dataset: Any, limit: int | None) -> list[dict[str, Any]]:

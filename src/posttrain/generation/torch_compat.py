@@ -8,13 +8,12 @@ this file first.
 ``torch.ops.mkldnn._reorder_linear_weight`` (the weight laid out once in oneDNN's blocked format) and
 ``torch.ops.mkldnn._linear_pointwise`` (the matmul on that layout), the pair ``torch.compile``'s
 inductor emits for a frozen bf16 linear on the CPU (``torch/_inductor/fx_passes/mkldnn_fusion.py``).
-Why: a plain bf16 ``F.linear`` makes oneDNN reorder the weight on every call. In a decode step of
-SmolLM2 at 64 rows on a 2-core EPYC with ``avx512_bf16`` the model's matmuls ran at about half the
-speed of the same shapes timed alone, and the prepacked pair took 20.5 ms against 34.0 ms for the
-30 layers' seven projections. Evaluation then went from ~463 to ~540 useful tokens/s with the same
-tokens (measured: 64 GSM8K prompts, 128 new tokens, greedy). Packing the 135M weights takes ~40 ms,
-so it is done on entry to each generation call, which also keeps it current while training changes
-the weights between calls. Only inference uses it: the packed op has no autograd.
+Why: a plain bf16 ``F.linear`` makes oneDNN reorder the weight on every call, so a decode step's
+small matmuls run far below the rate of the same shapes with the weight laid out once, and the
+tokens do not change (docs/results/2026-12-01-decode-experiments.md has the timings). Packing is
+cheap next to a generation call, so it is done on entry to each one, which also keeps it current
+while training changes the weights between calls. Only inference uses it: the packed op has no
+autograd.
 """
 
 from __future__ import annotations

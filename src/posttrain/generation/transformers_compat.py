@@ -28,10 +28,10 @@ re-checking this file first.
    ``transformers.integrations.sdpa_attention.sdpa_attention_forward``. Why: for one query token
    without a mask (every row of the batch starts at the same column: GRPO's G completions of one
    prompt, or a batch whose padding has been trimmed) transformers 5.24 calls SDPA with
-   ``enable_gqa=True``, and torch 2.13's CPU flash kernel takes ~340 us per layer for 8 rows of
-   SmolLM2 (3 KV heads, 130 positions) against ~60 us when the query heads of one KV head are packed
-   as rows of a length-3 query, which is what transformers itself does when a mask is present
-   (``pack_gqa``). The result is the same attention (bit-identical in the measured bf16 cases).
+   ``enable_gqa=True``, and torch 2.13's CPU flash kernel is several times slower on that path than
+   when the query heads of one KV head are packed as rows of a longer query, which is what
+   transformers itself does when a mask is present (``pack_gqa``). The result is the same attention
+   (the engine's fp32 equality tests hold with it).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ __all__ = ["EVAL_METRICS", "HeldoutEval", "heldout_slice", "score_answers"]
 
 EVAL_METRICS = ("eval/accuracy", "eval/accuracy_flexible", "eval/format", "eval/truncated")
 BATCH_SIZE = 64
-"""Rows decoded together (the evaluator's measured best for SmolLM2 on 2 CPU cores)."""
+"""Rows decoded together: the evaluator's default (``eval.batch_size``)."""
 
 
 def heldout_slice(heldout: Any, data_filter: Any, limit: int) -> list[dict[str, Any]]:

@@ -69,7 +69,7 @@ __all__ = [
 SAMPLES_DIR = "completions"
 # Under the stage's trainer options (YAML and TRAINER_DEFAULTS win). Dropout is off because GRPO's
 # importance ratio compares log-probabilities of the training forward with those of the sampling
-# policy, which runs without dropout; on a CPU LoRA dropout also costs ~9 ms per adapted layer call.
+# policy, which runs without dropout; on a CPU LoRA dropout is also a costly extra op per adapted layer.
 GRPO_BASE_OPTIONS = {"disable_dropout": True}
 _SAMPLE_RE = re.compile(r"completions_(\d+)\.parquet$")
 
@@ -166,8 +166,8 @@ def make_grpo_trainer(
 
     With ``fast_generation`` on a CPU, rollouts come from a shadow copy of the policy in the stage's
     precision through posttrain's generation engine (TRL's public ``rollout_func``): finished rows
-    leave the batch, which saves most on short, uneven completions (measured by
-    benchmarks/grpo_step.py: 0.62x TRL's CPU time per step in fp32 on a CPU without AMX). Settings
+    leave the batch, which saves most on short, uneven completions (benchmarks/grpo_step.py compares
+    it with TRL's own generation). Settings
     the engine does not reproduce leave TRL's own generation in place (see posttrain.generation.rollout).
     ``heldout`` (the prepared data's selection slice, else its held-out records) feeds the stage's
     ``eval_every`` evaluation, which ``keep: best`` chooses the output checkpoint by.

@@ -3,7 +3,7 @@
 GRPO learns only from differences between the completions of one prompt. When every completion of
 every prompt earns the same reward the advantages are all zero, the loss is 0 and the gradient is
 0: the run burns CPU for nothing while the logs look normal. From an untrained SmolLM2 with format
-rewards this happens on the very first step (measured: ``frac_reward_zero_std`` = 1), so that check
+rewards this happens on the very first step (``frac_reward_zero_std`` = 1), so that check
 fires on the first logged step instead of waiting for a window. The other checks:
 
 ==============  =======================================  ========================================
