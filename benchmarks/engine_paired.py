@@ -59,7 +59,9 @@ def main() -> None:
     name, records = eval_records_for(args.data, args.limit, "test")
     model, tokenizer = load_model_and_tokenizer(args.model, "bf16")
     cfg = EvalConfig(
-        limit=args.limit, max_completion_length=args.max_new_tokens, tools=[t for t in args.tools.split(",") if t]
+        limit=args.limit,
+        max_completion_length=args.max_new_tokens,
+        tools=[t for t in args.tools.split(",") if t],
     )
     prompt = {"system_prompt": args.system_prompt} if args.system_prompt else {}
     print(f"model {args.model}; {name}, {len(records)} questions; bf16 greedy; CPU {cpu_kind()}")

@@ -61,7 +61,7 @@ def kind_files(kind: str, root: Path) -> dict[str, str]:
         ("core/parsing.py", set(KINDS)),  # THE parser: GSM8K records, evaluation, rewards
         ("evaluation/scoring.py", {"eval"}),
         ("training/health.py", {"grpo"}),
-        ("training/runner.py", {"sft", "dpo", "grpo"}),
+        ("training/stage_run.py", {"sft", "dpo", "grpo"}),
         ("data/synthetic.py", set(KINDS)),  # synthetic problems: data, eval sets, stage data filters
         ("cli.py", set()),  # the command line is no step's code
     ],

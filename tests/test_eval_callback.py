@@ -162,7 +162,7 @@ def by_length(completions, **kwargs):
 
 def train(tiny_model_dir, prepared, tmp_path, monkeypatch, **options):
     from posttrain.training import grpo
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
 
     monkeypatch.setattr(grpo, "build_reward_funcs", lambda specs: ([by_length], [1.0]))
     stage = GRPOStageConfig(

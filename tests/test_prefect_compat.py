@@ -133,7 +133,7 @@ def test_the_watchdog_ends_its_process_when_the_parent_is_killed(tmp_path):
 
 
 def test_run_config_keeps_secrets_out_of_prefects_parameters():
-    from posttrain.flows.pipeline import run_config
+    from posttrain.flows.pipeline_flow import run_config
 
     stored = run_config.serialize_parameters(
         {
@@ -157,7 +157,7 @@ def test_a_flow_run_created_with_secrets_has_them_replaced_as_it_starts():
     from prefect import flow, get_client
     from prefect.context import FlowRunContext
 
-    from posttrain.flows.pipeline import redact_run_parameters
+    from posttrain.flows.pipeline_flow import redact_run_parameters
 
     @flow
     def triggered(config: str, overrides: list[str]) -> str:
@@ -272,7 +272,7 @@ def test_a_gpu_limit_set_right_after_unlimited_task_runs_holds_at_once(monkeypat
     from prefect.concurrency import services
     from prefect.exceptions import ObjectNotFound
 
-    from posttrain.flows.pipeline import set_gpu_slots
+    from posttrain.flows.pipeline_flow import set_gpu_slots
 
     assert isinstance(services._no_limits_cache, cachetools.TTLCache)
     monkeypatch.setattr(services, "_no_limits_cache", cachetools.TTLCache(maxsize=1000, ttl=300.0))

@@ -123,7 +123,7 @@ def tiny_cfg(tmp_path):
 
 @pytest.mark.parametrize("how", ["pickle", "prefect-record"])
 def test_a_planted_record_is_not_unpickled_by_dry_run_or_run(how, tiny_cfg, tmp_path):
-    from posttrain.flows.pipeline import posttrain_pipeline, preview
+    from posttrain.flows.pipeline_flow import posttrain_pipeline, preview
     from posttrain.pipeline.plan import StepInputs, build_plan
     from posttrain.pipeline.steps import base_model
 

@@ -40,7 +40,7 @@ def statuses(summary) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def shared_run(tmp_path_factory):
     """One run into store A that fills the shared store."""
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     tmp = tmp_path_factory.mktemp("shared")
     summary = posttrain_pipeline(smoke(tmp, "store-a", tmp / "shared"))
@@ -48,7 +48,7 @@ def shared_run(tmp_path_factory):
 
 
 def test_a_fresh_store_reuses_every_step_from_the_shared_store(shared_run, step_calls):
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     tmp, first = shared_run
     assert statuses(first) == dict.fromkeys(STEPS, "ran")
@@ -68,7 +68,7 @@ def test_a_fresh_store_reuses_every_step_from_the_shared_store(shared_run, step_
 
 
 def test_a_tampered_shared_output_is_verified_and_recomputed(shared_run, step_calls):
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     tmp, first = shared_run
     sft_key = next(o["key"] for o in first["outcomes"] if o["step"] == "sft")

@@ -65,7 +65,7 @@ class Made:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     tmp = tmp_path_factory.mktemp("contents")
     (tmp / "c.yaml").write_text(CONFIG)
@@ -344,7 +344,7 @@ def test_an_upload_with_a_damaged_result_is_a_miss_and_leaves_nothing_half_pulle
 
 def test_a_run_over_planted_and_damaged_contents_recomputes_them_and_touches_nothing_outside(store):
     from posttrain.core.hashing import fingerprint_tree
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     store.rewrite("data", data_dir=str(store.outside / "data"))  # points outside
     folder = store.output("eval-baseline")

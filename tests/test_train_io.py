@@ -12,7 +12,7 @@ from posttrain.core.errors import StageError
 from posttrain.models import artifacts
 from posttrain.models.artifacts import fingerprint_dir
 from posttrain.training.grpo import prune_samples
-from posttrain.training.runner import precision_flags, summarize_history
+from posttrain.training.stage_run import precision_flags, summarize_history
 
 
 def write(path, text="x"):
@@ -177,7 +177,7 @@ def test_two_stages_in_one_process_train_one_at_a_time(tiny_model_dir, tmp_path)
     import datasets
 
     from posttrain.core.config import ModelConfig, SFTStageConfig
-    from posttrain.training.runner import execute_stage
+    from posttrain.training.stage_run import execute_stage
 
     first_in, second_in = threading.Event(), threading.Event()
     overlapped: list[bool] = []

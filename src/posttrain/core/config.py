@@ -49,6 +49,7 @@ from pydantic import (
 
 from posttrain.core.errors import ConfigError, yaml_boolean_hint
 from posttrain.core.inputs import YAMLLimitError, check_config_values, load_yaml_bounded, path_problem
+from posttrain.core.keep_best import SelectMetric, check_selection
 from posttrain.core.library_policy import check_attn_implementation, check_server_args
 from posttrain.core.metric_names import is_ops_slice
 from posttrain.core.peft_options import (
@@ -59,7 +60,6 @@ from posttrain.core.peft_options import (
 )
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, FEW_SHOT_EXAMPLES
 from posttrain.core.redact import redact
-from posttrain.core.selection import SelectMetric, check_selection
 from posttrain.core.stage_defaults import from_defaults, inherited_keys, merge_stage, written_location
 from posttrain.core.trainer_options import TRAINER_DEFAULTS, generation_blockers, validate_trainer_options
 
@@ -336,7 +336,7 @@ class LoraConfig(StrictModel):
 
 
 _SELECTION_KEYS = ("keep", "select_metric", "patience")
-"""Every stage's checkpoint selection (posttrain.core.selection): left out of its hash while unset."""
+"""Every stage's checkpoint selection (posttrain.core.keep_best): left out of its hash while unset."""
 
 
 class _StageWithTrainer(StrictModel):
@@ -353,7 +353,7 @@ class _StageWithTrainer(StrictModel):
     keep: Literal["last", "best"] = "last"
     """The stage's output: its last step's policy, or (``best``) the checkpoint that scored highest on
     ``select_metric`` in the in-training evaluations (``eval_every``) of the selection slice
-    (``data.selection_size``). See posttrain.core.selection."""
+    (``data.selection_size``). See posttrain.core.keep_best."""
     select_metric: SelectMetric = "accuracy"
     """What ``keep: best`` maximises: strict ``accuracy``, ``accuracy_flexible`` or ``format``."""
     patience: int | None = Field(None, ge=1)

@@ -49,7 +49,7 @@ STEP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "grpo": ("grpo_step", "load_data"),
 }
 NOT_CALLED: dict[str, tuple[str, ...]] = {"sft": ("posttrain.rewards",)}
-"""Packages a kind's closure leaves out although a shared module imports them: ``training/runner.py``
+"""Packages a kind's closure leaves out although a shared module imports them: ``training/stage_run.py``
 imports the reward registry for ``build_reward_funcs``, which only GRPO and DPO call (a test checks
 that SFT's own module never names rewards)."""
 LIBRARIES: dict[str, tuple[str, ...]] = {

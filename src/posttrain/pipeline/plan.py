@@ -2,7 +2,7 @@
 
 :func:`build_plan` turns a config into an ordered tuple of :class:`Step` objects: prepare the data,
 evaluate the base model, then each training stage followed by its evaluation. Everything that
-needs the pipeline's shape reads this one object: the Prefect flow runs it (``flows/pipeline.py``),
+needs the pipeline's shape reads this one object: the Prefect flow runs it (``flows/pipeline_flow.py``),
 ``--dry-run`` prints it (:func:`dry_run`), tracking names its nested runs after ``Step.name`` and
 tags them with ``Step.kind``, and ``--force`` checks its step names. Adding a kind of training stage
 is one :class:`TrainStep` entry in :data:`TRAIN_KINDS` plus its stage function.

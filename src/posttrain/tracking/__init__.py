@@ -33,6 +33,15 @@ from posttrain.tracking.compare import (
     format_comparison,
     plot_comparison,
 )
+from posttrain.tracking.logged_models import (
+    CHAMPION_ALIAS,
+    MODEL_ID_TAG,
+    Promotion,
+    StageModel,
+    models_of_runs,
+    promote_champion,
+    stage_models,
+)
 from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
     DEFAULT_TRACKING_URI,
@@ -43,16 +52,7 @@ from posttrain.tracking.mlflow_io import (
     resolve_tracking_uri,
     tracking_problem,
 )
-from posttrain.tracking.models import (
-    CHAMPION_ALIAS,
-    MODEL_ID_TAG,
-    Promotion,
-    StageModel,
-    models_of_runs,
-    promote_champion,
-    stage_models,
-)
-from posttrain.tracking.pipeline import (
+from posttrain.tracking.parent_run import (
     Tracker,
     model_requirements,
     open_tracking_store,

@@ -28,15 +28,16 @@ from typing import Any
 
 from posttrain.core.config import DPOStageConfig, ModelConfig
 from posttrain.core.errors import StageError
+from posttrain.core.keep_best import selection_trainer_options
 from posttrain.core.parsing import answers_match, parse_strict
 from posttrain.core.prompts import format_sft_target
-from posttrain.core.selection import selection_trainer_options
 from posttrain.generation.sampling import Samples, sample_completions
 from posttrain.models.artifacts import StageResult
 from posttrain.models.building import building_models
 from posttrain.models.loading import load_stage_model
 from posttrain.training import distributed
-from posttrain.training.runner import (
+from posttrain.training.selection import attach_evaluation, evaluation_records, selection_record
+from posttrain.training.stage_run import (
     StageContext,
     TrainOutcome,
     build_reward_funcs,
@@ -45,7 +46,6 @@ from posttrain.training.runner import (
     load_policy,
     trainer_arguments,
 )
-from posttrain.training.selection import attach_evaluation, evaluation_records, selection_record
 
 logger = logging.getLogger(__name__)
 

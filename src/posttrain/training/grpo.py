@@ -30,8 +30,8 @@ from typing import Any
 
 from posttrain.core.config import GRPOStageConfig, ModelConfig, VLLMServerConfig
 from posttrain.core.errors import StageError
+from posttrain.core.keep_best import selection_trainer_options
 from posttrain.core.net import free_port
-from posttrain.core.selection import selection_trainer_options
 from posttrain.generation.vllm_server import ServerAddress, vllm_server
 from posttrain.models.artifacts import StageResult, adapter_root
 from posttrain.models.building import building_models
@@ -39,19 +39,19 @@ from posttrain.models.resolve import resolve_model_path
 from posttrain.training import distributed
 from posttrain.training.eval_callback import heldout_slice
 from posttrain.training.health import HealthCallback, HealthMonitor
-from posttrain.training.runner import (
+from posttrain.training.selection import (
+    attach_evaluation,
+    eval_dataset_kwargs,
+    records_dataset,
+    selection_record,
+)
+from posttrain.training.stage_run import (
     StageContext,
     TrainOutcome,
     build_reward_funcs,
     execute_stage,
     load_policy,
     trainer_arguments,
-)
-from posttrain.training.selection import (
-    attach_evaluation,
-    eval_dataset_kwargs,
-    records_dataset,
-    selection_record,
 )
 
 logger = logging.getLogger(__name__)

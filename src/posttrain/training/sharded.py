@@ -5,7 +5,7 @@ parameters are empty placeholders and the engine keeps the slices. The trained m
 on no rank, and putting it together is a collective: every rank has to take part, and a rank 0
 that tries alone (``save_pretrained`` on its shards) waits forever for the others. So each stage
 calls :func:`policy_to_save` on every rank right after training
-(:meth:`posttrain.training.runner.TrainOutcome.from_trainer`); rank 0 gets a plain model rebuilt
+(:meth:`posttrain.training.stage_run.TrainOutcome.from_trainer`); rank 0 gets a plain model rebuilt
 from the gathered weights, which :func:`posttrain.models.artifacts.save_policy` writes exactly as
 in process (merged, adapter or full model, same files, same ``stage.json``).
 

@@ -22,20 +22,20 @@ from posttrain.core.hashing import remembered_digests
 from posttrain.core.metric_names import slices_of
 from posttrain.core.redact import redact, redact_override
 from posttrain.evaluation.report import rate_text
+from posttrain.flows.plan_walker import PipelineSummary, PlanRunner, StepOutcome, run_plan
 from posttrain.flows.prefect_compat import (
     forget_absent_limits,
     redact_stored_parameters,
     store_parameters_redacted,
 )
 from posttrain.flows.prefect_ui import emit_health_alerts, posttrain_logs_to_prefect
-from posttrain.flows.runner import PipelineSummary, PlanRunner, StepOutcome, run_plan
 from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import EvalStep, Step, TrainStep, build_plan, dry_run
 from posttrain.pipeline.records import StoreRecords
 from posttrain.pipeline.steps import base_model, import_step_libraries
 from posttrain.pipeline.store import Store
 from posttrain.pipeline.validation import check_rewards
-from posttrain.tasks.steps import GPU_TAG, task_for
+from posttrain.tasks.step_task import GPU_TAG, task_for
 from posttrain.tracking import StageRun
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 :class:`PlanRunner` holds everything a pipeline run does around its steps (the refresh decision,
 the cache record, the nested MLflow run, the stage's LoggedModel, the shared store) and imports no
-Prefect: the ``posttrain-pipeline`` flow (:mod:`posttrain.flows.pipeline`) runs each step that must
+Prefect: the ``posttrain-pipeline`` flow (:mod:`posttrain.flows.pipeline_flow`) runs each step that must
 run as a Prefect task through a subclass, and :func:`run_cached` serves a run whose every step is
 cached without Prefect at all (no server to start: seconds instead of tens of seconds), logging to
 MLflow exactly what the flow logs for the same run.

@@ -19,6 +19,7 @@ from posttrain.core.redact import redact_text
 from posttrain.core.sweep import seed_group
 from posttrain.models.building import building_models
 from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
+from posttrain.tracking.logged_models import create_stage_model, find_stage_model
 from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
     ROLE_TAG,
@@ -42,7 +43,6 @@ from posttrain.tracking.mlflow_io import (
     send_params,
     sqlite_path,
 )
-from posttrain.tracking.models import create_stage_model, find_stage_model
 from posttrain.tracking.stage import StageRun
 
 logger = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ class Tracker:
     ) -> str | None:
         """A lightweight LoggedModel for a stage output: tags naming it and ``stage.json``; returns its id.
 
-        See :mod:`posttrain.tracking.models`. None when tracking is off.
+        See :mod:`posttrain.tracking.logged_models`. None when tracking is off.
         """
         if not (self.enabled and stage.enabled):
             return None

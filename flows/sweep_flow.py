@@ -10,14 +10,14 @@ leftovers, closing its MLflow runs) is done here, once, before the points start.
 """
 
 # No `from __future__ import annotations`: Prefect builds the flow's parameter model from the real
-# annotation objects (see posttrain.flows.pipeline).
+# annotation objects (see posttrain.flows.pipeline_flow).
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from posttrain.core.config import PipelineConfig
-from posttrain.flows.pipeline import posttrain_pipeline
-from posttrain.flows.runner import side_by_side
+from posttrain.flows.pipeline_flow import posttrain_pipeline
+from posttrain.flows.plan_walker import side_by_side
 from posttrain.pipeline.steps import import_step_libraries
 from posttrain.pipeline.store import Store
 from posttrain.tracking import side_by_side_runs
