@@ -23,13 +23,14 @@ from posttrain.core.atomic import discard_checkpoints
 from posttrain.core.config import PipelineConfig
 from posttrain.core.hashing import remembered_digests
 from posttrain.core.metric_names import qualify_metrics
+from posttrain.core.results import DataResult, EvalResult
 from posttrain.evaluation.diff import stage_delta_metrics
 from posttrain.evaluation.report import EvalReport
 from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_log_history, read_stage_json
 from posttrain.pipeline.plan import EvalStep, Plan, Planner, Step, StepInputs, TrainStep, build_plan, preview
 from posttrain.pipeline.records import StoreRecords
 from posttrain.pipeline.shared import SharedStore, open_shared
-from posttrain.pipeline.steps import DataResult, EvalResult, base_model, load_data
+from posttrain.pipeline.steps import base_model, load_data
 from posttrain.pipeline.store import StepLock, Store
 from posttrain.pipeline.validation import check_rewards
 from posttrain.tracking import MODEL_ID_TAG, StageRun, Tracker, flatten_params, start_pipeline_run

@@ -90,9 +90,10 @@ def test_a_custom_rewards_source_is_part_of_the_key(tmp_path, monkeypatch):
 
 
 def test_the_keys_of_a_plan_include_the_code(monkeypatch):
+    from posttrain.core.results import DataResult
     from posttrain.pipeline import keys, load_config
     from posttrain.pipeline.plan import StepInputs, build_plan
-    from posttrain.pipeline.steps import DataResult, ModelRef
+    from posttrain.pipeline.steps import ModelRef
 
     smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
     plan = build_plan(load_config(smoke))

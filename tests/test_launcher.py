@@ -9,6 +9,7 @@ import pytest
 
 from posttrain.core.config import LaunchConfig, PipelineConfig
 from posttrain.core.errors import ConfigError, HardwareError
+from posttrain.core.results import DataResult
 from posttrain.models.hardware import cuda_available
 from posttrain.pipeline import keys
 from posttrain.pipeline.launcher import (
@@ -19,7 +20,7 @@ from posttrain.pipeline.launcher import (
     launch_stage,
 )
 from posttrain.pipeline.plan import StepInputs
-from posttrain.pipeline.steps import DataResult, ModelRef
+from posttrain.pipeline.steps import ModelRef
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))

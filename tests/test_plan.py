@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.core.config import ConfigError
+from posttrain.core.results import DataResult
 from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import (
     DataStep,
@@ -20,7 +21,7 @@ from posttrain.pipeline.plan import (
     StepInputs,
     build_plan,
 )
-from posttrain.pipeline.steps import DataResult, ModelRef
+from posttrain.pipeline.steps import ModelRef
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
@@ -80,7 +81,7 @@ def _data(fp: str = "d") -> DataResult:
 
 
 def test_walk_threads_model_and_data_through_the_steps(monkeypatch):
-    from posttrain.models.artifacts import StageResult
+    from posttrain.core.results import StageResult
 
     plan = plan_for("eval.after_each_stage=false", "eval.baseline=false")
     seen = []
@@ -197,9 +198,9 @@ NOT_ADOPTED = ("run", "output without a cache record failed verification: recomp
 def test_an_output_without_its_record_is_adopted_only_if_it_verifies(tmp_path, change, model_fp, expected):
     from posttrain.core.atomic import write_result
     from posttrain.core.hashing import fingerprint_tree
+    from posttrain.core.results import EvalResult
     from posttrain.pipeline.plan import Planner
     from posttrain.pipeline.records import StoreRecords
-    from posttrain.pipeline.steps import EvalResult
     from posttrain.pipeline.store import Store
 
     plan = plan_for(f"orchestration.store={tmp_path / 'store'}")
@@ -235,7 +236,8 @@ def test_a_stage_or_data_output_without_its_record_is_adopted_only_if_made_from_
 ):
     from posttrain.core.atomic import write_result
     from posttrain.core.hashing import fingerprint_tree
-    from posttrain.models.artifacts import StageResult, fingerprint_dir
+    from posttrain.core.results import StageResult
+    from posttrain.models.artifacts import fingerprint_dir
     from posttrain.pipeline.plan import dry_run
     from posttrain.pipeline.records import StoreRecords
     from posttrain.pipeline.store import Store
@@ -364,7 +366,8 @@ def data_output(root: Path) -> DataResult:
 
 
 def stage_output(root: Path, name: str):
-    from posttrain.models.artifacts import StageResult, fingerprint_dir
+    from posttrain.core.results import StageResult
+    from posttrain.models.artifacts import fingerprint_dir
 
     folder = _folder(root / name, "config.json", "model.safetensors", "stage.json")
     return StageResult(
@@ -374,7 +377,7 @@ def stage_output(root: Path, name: str):
 
 def eval_output(root: Path, stage: str):
     from posttrain.core.hashing import fingerprint_tree
-    from posttrain.pipeline.steps import EvalResult
+    from posttrain.core.results import EvalResult
 
     folder = _report(root / f"eval-{stage}")
     return EvalResult(stage, str(folder), {"accuracy_strict": 0.5}, {}, "fp", fingerprint_tree(folder))

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.models.artifacts import StageResult
+from posttrain.core.results import DataResult, EvalResult, StageResult
 from posttrain.pipeline.records import RecordError, StoreRecords, decode_result, encode_result
-from posttrain.pipeline.steps import DataResult, EvalResult
 from posttrain.pipeline.store import Store
 
 KEY = "0123456789abcdef01234567"

@@ -87,8 +87,8 @@ def test_a_tampered_shared_output_is_verified_and_recomputed(shared_run, step_ca
 
 
 def test_an_interrupted_upload_leaves_no_record(tmp_path, monkeypatch):
+    from posttrain.core.results import DataResult
     from posttrain.pipeline.shared import SharedStore
-    from posttrain.pipeline.steps import DataResult
 
     out = tmp_path / "data" / "x"
     out.mkdir(parents=True)
@@ -137,7 +137,7 @@ def test_records_that_are_not_ours_are_ignored(tmp_path, record):
 
 
 def test_adapter_outputs_are_not_shared(tmp_path):
-    from posttrain.models.artifacts import StageResult
+    from posttrain.core.results import StageResult
     from posttrain.pipeline.shared import SharedStore
 
     out = tmp_path / "stages" / "sft-x"

@@ -24,14 +24,15 @@ from typing import Any, ClassVar, Protocol
 from posttrain.core.config import PipelineConfig
 from posttrain.core.errors import ConfigError, PosttrainError
 from posttrain.core.hashing import fingerprint_tree, remembered_digests
+from posttrain.core.results import DataResult, EvalResult, StageResult
 from posttrain.core.untrusted import note_unreadable
 from posttrain.evaluation.report import EvalReport
-from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete_stage, read_stage_json
+from posttrain.models.artifacts import fingerprint_dir, is_complete_stage, read_stage_json
 from posttrain.pipeline import keys, steps
 from posttrain.pipeline.launcher import launch_stage
 from posttrain.pipeline.records import RecordError, StoreRecords, path_outside, read_output_result
 from posttrain.pipeline.shared import SharedStore
-from posttrain.pipeline.steps import DataResult, EvalResult, ModelRef
+from posttrain.pipeline.steps import ModelRef
 from posttrain.pipeline.store import Store
 
 logger = logging.getLogger(__name__)

@@ -33,9 +33,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from posttrain.core.atomic import RESULT_FILE
 from posttrain.core.errors import PosttrainError
+from posttrain.core.results import DataResult, EvalResult, StageResult
 from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
-from posttrain.models.artifacts import StageResult
-from posttrain.pipeline.steps import DataResult, EvalResult
 from posttrain.pipeline.store import Store
 
 __all__ = [

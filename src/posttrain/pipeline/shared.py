@@ -42,10 +42,9 @@ from typing import Any
 from posttrain.core.atomic import RESULT_FILE, staging_dir, write_result
 from posttrain.core.errors import PosttrainError
 from posttrain.core.redact import redact_text
+from posttrain.core.results import DataResult, EvalResult, StageResult
 from posttrain.core.untrusted import UntrustedContentError, loads_bounded, note_unreadable
-from posttrain.models.artifacts import StageResult
 from posttrain.pipeline.records import RecordError, read_output_result
-from posttrain.pipeline.steps import DataResult, EvalResult
 
 logger = logging.getLogger(__name__)
 

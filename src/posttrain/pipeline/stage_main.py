@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from posttrain.core.config import PipelineConfig
+from posttrain.core.results import DataResult
 from posttrain.pipeline.plan import TrainStep, build_plan
-from posttrain.pipeline.steps import DataResult, ModelRef
+from posttrain.pipeline.steps import ModelRef
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Each step takes the resolved config, its inputs as paths/fingerprints, and the directory to write,
 and returns a small frozen result (:class:`DataResult`, :class:`EvalResult` or the stage's
-:class:`~posttrain.models.artifacts.StageResult`). Which step runs when, and under which cache
+:class:`~posttrain.core.results.StageResult`). Which step runs when, and under which cache
 key, is the plan's business (:mod:`posttrain.pipeline.plan`).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +21,9 @@ from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import fingerprint_tree
 from posttrain.core.metric_names import qualify_metrics
 from posttrain.core.prompts import select_few_shot
+from posttrain.core.results import DataResult, EvalResult, StageResult
 from posttrain.data.eval_sets import load_eval_records
-from posttrain.models.artifacts import StageResult, fingerprint_model
+from posttrain.models.artifacts import fingerprint_model
 from posttrain.models.loading import load_stage_model, load_tokenizer
 from posttrain.models.resolve import resolve_model_path
 
@@ -42,48 +43,6 @@ class ModelRef:
 
     path: str
     fingerprint: str
-
-
-@dataclass(frozen=True)
-class DataResult:
-    data_dir: str
-    train_fingerprint: str
-    eval_fingerprint: str
-    stats: dict[str, Any] = field(default_factory=dict)
-    output_fingerprint: str = ""
-    """Content hash of ``data_dir`` when written (:func:`~posttrain.core.hashing.fingerprint_tree`)."""
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    stage: str
-    """The stage whose output was evaluated (`baseline`, `sft`, `grpo-format`, ...)."""
-    report_dir: str
-    summary: dict[str, float]
-    """The primary set's metrics: its report's summary plus accuracy per number of operations."""
-    timings: dict[str, float]
-    model_fingerprint: str
-    output_fingerprint: str = ""
-    """Content hash of ``report_dir`` (extra sets' reports included) when written
-    (:func:`~posttrain.core.hashing.fingerprint_tree`)."""
-    sets: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Extra set name → its metrics, named as the primary's are; its report is ``report_dir/<name>``."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def metrics(self) -> dict[str, float]:
-        """Every set's metrics under their final names: ``accuracy_strict``, ``accuracy_strict/ops_1``,
-        ``accuracy_strict/<set>``, ... (see :mod:`posttrain.core.metric_names`)."""
-        out = {}
-        for name, _, metrics in self.reports():
-            out.update(qualify_metrics(metrics, name))
-        return out
-
-    def reports(self) -> list[tuple[str | None, str, dict[str, float]]]:
-        """(set name, None for the primary; its report folder; its metrics) of every evaluation set."""
-        extra = [(name, str(Path(self.report_dir) / name), m) for name, m in self.sets.items()]
-        return [(None, self.report_dir, self.summary), *extra]
 
 
 # --------------------------------------------------------------------------- steps

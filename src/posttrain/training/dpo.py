@@ -31,8 +31,8 @@ from posttrain.core.errors import StageError
 from posttrain.core.keep_best import selection_trainer_options
 from posttrain.core.parsing import answers_match, parse_strict
 from posttrain.core.prompts import format_sft_target
+from posttrain.core.results import StageResult
 from posttrain.generation.sampling import Samples, sample_completions
-from posttrain.models.artifacts import StageResult
 from posttrain.models.building import building_models
 from posttrain.models.loading import load_stage_model
 from posttrain.training import distributed

@@ -32,8 +32,9 @@ from posttrain.core.config import GRPOStageConfig, ModelConfig, VLLMServerConfig
 from posttrain.core.errors import StageError
 from posttrain.core.keep_best import selection_trainer_options
 from posttrain.core.net import free_port
+from posttrain.core.results import StageResult
 from posttrain.generation.vllm_server import ServerAddress, vllm_server
-from posttrain.models.artifacts import StageResult, adapter_root
+from posttrain.models.artifacts import adapter_root
 from posttrain.models.building import building_models
 from posttrain.models.resolve import resolve_model_path
 from posttrain.training import distributed

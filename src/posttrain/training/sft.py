@@ -23,8 +23,8 @@ from typing import Any
 from posttrain.core.config import ModelConfig, SFTStageConfig
 from posttrain.core.errors import StageError
 from posttrain.core.keep_best import selection_trainer_options
+from posttrain.core.results import StageResult
 from posttrain.data.builders import build_sft_dataset
-from posttrain.models.artifacts import StageResult
 from posttrain.models.building import building_models
 from posttrain.training.selection import (
     attach_evaluation,

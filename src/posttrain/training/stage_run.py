@@ -40,8 +40,8 @@ from posttrain.core.atomic import RESULT_FILE, checkpoints_dir, staging_dir, wri
 from posttrain.core.config import ModelConfig
 from posttrain.core.errors import StageError
 from posttrain.core.hashing import stable_hash
+from posttrain.core.results import StageResult
 from posttrain.models.artifacts import (
-    StageResult,
     adapter_root,
     fingerprint_dataset,
     fingerprint_dir,
