@@ -11,14 +11,12 @@ and one nested run per step; a step served from cache still appears, tagged `cac
 # real annotation objects, and a string "PipelineConfig" cannot be resolved when a deployment runs.
 import logging
 import re
-from collections.abc import Sequence
 from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from posttrain.core.config import PipelineConfig
-from posttrain.core.hashing import remembered_digests
 from posttrain.core.metric_names import slices_of
 from posttrain.core.redact import redact, redact_override
 from posttrain.evaluation.report import rate_text
@@ -30,10 +28,8 @@ from posttrain.flows.prefect_compat import (
 )
 from posttrain.flows.prefect_ui import emit_health_alerts, posttrain_logs_to_prefect
 from posttrain.pipeline import load_config
-from posttrain.pipeline.plan import EvalStep, Step, TrainStep, build_plan, dry_run
-from posttrain.pipeline.records import StoreRecords
-from posttrain.pipeline.steps import base_model, import_step_libraries
-from posttrain.pipeline.store import Store
+from posttrain.pipeline.plan import EvalStep, Step, TrainStep, build_plan
+from posttrain.pipeline.steps import import_step_libraries
 from posttrain.pipeline.validation import check_rewards
 from posttrain.tasks.step_task import GPU_TAG, task_for
 from posttrain.tracking import StageRun
@@ -45,7 +41,6 @@ __all__ = [
     "StepOutcome",
     "artifact_key",
     "posttrain_pipeline",
-    "preview",
     "redact_run_parameters",
     "run_config",
     "set_gpu_slots",
@@ -142,15 +137,6 @@ def artifact_key(name: str) -> str:
     'my-run-v2-summary'
     """
     return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") + "-summary"
-
-
-def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:
-    """``--dry-run``: (step, cached/run, why) for each step of the plan the flow would run (the same
-    as :func:`posttrain.pipeline.plan.preview`, which the CLI uses without importing Prefect)."""
-    store = Store.at(cfg.orchestration.store, create=False)
-    records = StoreRecords(store)
-    with remembered_digests(records.digests_path, save=False):
-        return dry_run(build_plan(cfg), records, base_model(cfg), force, store)
 
 
 def summary_markdown(summary: PipelineSummary) -> str:

@@ -19,19 +19,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.cache.digests import remembered_digests
+from posttrain.cache.planner import Planner
+from posttrain.cache.records import StoreRecords
+from posttrain.cache.shared import SharedStore, open_shared
+from posttrain.cache.store import StepLock, Store
 from posttrain.core.atomic import discard_checkpoints
 from posttrain.core.config import PipelineConfig
-from posttrain.core.hashing import remembered_digests
 from posttrain.core.metric_names import qualify_metrics
 from posttrain.core.results import DataResult, EvalResult
 from posttrain.evaluation.diff import stage_delta_metrics
 from posttrain.evaluation.report import EvalReport
 from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_log_history, read_stage_json
-from posttrain.pipeline.plan import EvalStep, Plan, Planner, Step, StepInputs, TrainStep, build_plan, preview
-from posttrain.pipeline.records import StoreRecords
-from posttrain.pipeline.shared import SharedStore, open_shared
+from posttrain.pipeline.plan import EvalStep, Plan, Step, StepInputs, TrainStep, build_plan, preview
 from posttrain.pipeline.steps import base_model, load_data
-from posttrain.pipeline.store import StepLock, Store
 from posttrain.pipeline.validation import check_rewards
 from posttrain.tracking import MODEL_ID_TAG, StageRun, Tracker, flatten_params, start_pipeline_run
 
@@ -146,7 +147,7 @@ class PlanRunner:
             logger.info("%s: deleted the checkpoints of an interrupted run", step.name)
         if cached:
             # The verified result from the store's JSON record: Prefect's result store (which
-            # unpickles what a record names) is never read; see posttrain.pipeline.records.
+            # unpickles what a record names) is never read; see posttrain.cache.records.
             result = decision.result
             if decision.adopted:
                 self._record(step, key, inputs, result)

@@ -15,11 +15,11 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from posttrain.cache.store import Store
 from posttrain.core.config import PipelineConfig
 from posttrain.flows.pipeline_flow import posttrain_pipeline
 from posttrain.flows.plan_walker import side_by_side
 from posttrain.pipeline.steps import import_step_libraries
-from posttrain.pipeline.store import Store
 from posttrain.tracking import side_by_side_runs
 
 __all__ = ["posttrain_sweep", "run_sweep"]

@@ -53,21 +53,32 @@ def gsm8k_train_path() -> Path:
     return GSM8K_TRAIN
 
 
-STEP_FUNCTIONS = ("prepare_step", "eval_step", "sft_step", "dpo_step", "grpo_step")
+STEP_FUNCTIONS = {
+    "prepare_step": ("posttrain.pipeline.steps", None),
+    "eval_step": ("posttrain.pipeline.steps", None),
+    "sft_step": ("posttrain.pipeline.plan", "SFTStep"),
+    "dpo_step": ("posttrain.pipeline.plan", "DPOStep"),
+    "grpo_step": ("posttrain.pipeline.plan", "GRPOStep"),
+}
+"""What each step runs, by the name tests count it under: a function of the steps module, or a
+training step's ``train``."""
 
 
 @pytest.fixture
 def step_calls(monkeypatch):
     """Names of the step functions that actually ran (a label saying `cached` proves nothing)."""
-    import posttrain.pipeline.steps as steps
+    import importlib
 
     calls: list[str] = []
-    for name in STEP_FUNCTIONS:
-        real = getattr(steps, name)
+    for name, (module, cls) in STEP_FUNCTIONS.items():
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        attr = "train" if cls else name
+        real = getattr(owner, attr)
 
         def spy(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(steps, name, spy)
+        monkeypatch.setattr(owner, attr, spy)
     return calls

@@ -164,7 +164,7 @@ def test_prefect_yaml_names_the_flow_entrypoints():
 CACHED_RERUN_MODULES = (
     "posttrain.cli",
     "posttrain.pipeline.plan",
-    "posttrain.pipeline.records",
+    "posttrain.cache.records",
     "posttrain.flows.pipeline_flow",
     "posttrain.flows.plan_walker",
     "posttrain.tasks.step_task",

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import posttrain
-from posttrain.pipeline import code
-from posttrain.pipeline.code import CodeFingerprint, code_fingerprint, module_closure
+from posttrain.cache import code
+from posttrain.cache.code import CodeFingerprint, code_fingerprint, module_closure
 from posttrain.rewards.registry import CUSTOM_CODE_ENV
 
 KINDS = ("data", "eval", "sft", "dpo", "grpo")
@@ -90,8 +90,9 @@ def test_a_custom_rewards_source_is_part_of_the_key(tmp_path, monkeypatch):
 
 
 def test_the_keys_of_a_plan_include_the_code(monkeypatch):
+    from posttrain.cache import keys
     from posttrain.core.results import DataResult
-    from posttrain.pipeline import keys, load_config
+    from posttrain.pipeline import load_config
     from posttrain.pipeline.plan import StepInputs, build_plan
     from posttrain.pipeline.steps import ModelRef
 

@@ -65,7 +65,8 @@ def spans(monkeypatch):
 def test_an_evaluation_runs_beside_the_next_training_stage(tmp_path, spans):
     from mlflow import MlflowClient
 
-    from posttrain.flows.pipeline_flow import posttrain_pipeline, preview
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
+    from posttrain.pipeline.plan import preview
 
     seen: dict = {}
     # The baseline evaluation finishes only once SFT has started: in place, SFT would wait for it.
@@ -126,7 +127,8 @@ def test_gpu_slots_let_one_step_hold_the_gpu_at_a_time(tmp_path, spans, gpu_limi
 
 
 def test_a_failed_evaluation_fails_the_run_after_the_rest_is_done(tmp_path, spans):
-    from posttrain.flows.pipeline_flow import posttrain_pipeline, preview
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
+    from posttrain.pipeline.plan import preview
 
     def fail():
         spans["sft_started"].wait(WAIT_S)

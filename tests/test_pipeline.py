@@ -65,7 +65,7 @@ def test_first_run_executes_every_step(first_run):
 
 def test_unchanged_rerun_is_all_cached_and_runs_nothing(first_run, workdir, step_calls):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
-    from posttrain.flows.pipeline_flow import preview as dry_run
+    from posttrain.pipeline.plan import preview as dry_run
 
     assert {status for _, status, _ in dry_run(smoke(workdir))} == {"cached"}
     summary = posttrain_pipeline(smoke(workdir))
@@ -76,7 +76,7 @@ def test_unchanged_rerun_is_all_cached_and_runs_nothing(first_run, workdir, step
 
 def test_force_reruns_the_stage_and_what_follows(first_run, workdir):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
-    from posttrain.flows.pipeline_flow import preview as dry_run
+    from posttrain.pipeline.plan import preview as dry_run
 
     planned = {step: status for step, status, _ in dry_run(smoke(workdir), ["grpo-format"])}
     got = statuses(posttrain_pipeline(smoke(workdir), force=["grpo-format"]))
@@ -309,10 +309,10 @@ def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_c
     import json
     import os
 
-    from posttrain.core import hashing
+    from posttrain.cache import digests
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
-    monkeypatch.setattr(hashing, "SETTLE_NS", 0)
+    monkeypatch.setattr(digests, "SETTLE_NS", 0)
     posttrain_pipeline(smoke(workdir))  # checks every output, remembering the digests
     sft_dir = Path(next(o["output"] for o in first_run["outcomes"] if o["step"] == "sft"))
     weights = next(sft_dir.glob("*.safetensors"))
@@ -391,9 +391,9 @@ def test_health_alerts_become_prefect_events_naming_the_stage():
 
 
 def test_dry_run_says_which_code_changed(first_run, workdir, monkeypatch):
-    from posttrain.flows.pipeline_flow import preview as dry_run
-    from posttrain.pipeline import keys
-    from posttrain.pipeline.code import CodeFingerprint
+    from posttrain.cache import keys
+    from posttrain.cache.code import CodeFingerprint
+    from posttrain.pipeline.plan import preview as dry_run
 
     real = keys.code_fingerprint
 
@@ -414,7 +414,7 @@ def test_dry_run_says_which_code_changed(first_run, workdir, monkeypatch):
 @pytest.mark.parametrize(("step", "file"), [("eval-baseline", "examples.jsonl"), ("data", "stats.json")])
 def test_a_modified_data_or_eval_output_is_recomputed(first_run, workdir, step_calls, step, file):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
-    from posttrain.flows.pipeline_flow import preview as dry_run
+    from posttrain.pipeline.plan import preview as dry_run
 
     output = Path(
         next(o["output"] for o in posttrain_pipeline(smoke(workdir))["outcomes"] if o["step"] == step)

@@ -11,8 +11,8 @@ from importlib import metadata
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from posttrain.cache.store import Store
 from posttrain.flows import prefect_compat
-from posttrain.pipeline.store import Store
 
 
 def test_installed_prefect_is_inside_the_checked_range():

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from posttrain.cache.store import Store, StoreError
 from posttrain.core.checked import deferred_memos, flush_memos
 from posttrain.core.config import DataConfig, EvalConfig, TrackingConfig
 from posttrain.core.errors import HardwareError, PosttrainError
@@ -41,7 +42,6 @@ from posttrain.generation.vllm_server import check_vllm_server
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.resolve import list_models, pull_builtin, resolve_model_path
 from posttrain.pipeline import load_config
-from posttrain.pipeline.store import Store, StoreError
 from posttrain.pipeline.validation import managed_vllm_stages
 from posttrain.rewards.check import judge, score_examples
 from posttrain.rewards.registry import build_reward, reward_names

@@ -346,7 +346,7 @@ class _StageWithTrainer(StrictModel):
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _LAUNCH_RENAMED
     launch: LaunchOverride | None = None
     """How this stage is launched, over the top-level ``launch:`` section; only the number of
-    processes enters the stage's cache key (see posttrain.pipeline.keys)."""
+    processes enters the stage's cache key (see posttrain.cache.keys)."""
     lora: LoraConfig | None = None
     """This stage's own ``model.lora``: a mapping trains a LoRA adapter, ``null`` the full model;
     absent, the stage follows ``model.lora`` (see :meth:`PipelineConfig.model_for`)."""
@@ -934,7 +934,7 @@ class OrchestrationConfig(StrictModel):
     shared_store: str | None = None
     """An fsspec URL (``file:///mnt/shared/posttrain``, ``s3://bucket/posttrain``) where finished step
     outputs are shared between workers: pulled into ``store`` when missing, pushed when finished
-    (:mod:`posttrain.pipeline.shared`)."""
+    (:mod:`posttrain.cache.shared`)."""
     concurrent_evals: bool = False
     """The Prefect flow submits each evaluation to its task runner and trains the next stage while
     it runs, and waits for them all before it ends (the MLflow eval runs are written then). Off by

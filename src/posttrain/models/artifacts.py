@@ -39,8 +39,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from posttrain.cache.digests import sha256_file
 from posttrain.core.errors import StageError
-from posttrain.core.hashing import jsonable, package_versions, sha256_file
+from posttrain.core.hashing import jsonable, package_versions
 from posttrain.core.redact import redact
 from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
 from posttrain.models.datasets_compat import dataset_fingerprint

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.cache.digests import sha256_file
 from posttrain.core.errors import ModelError
-from posttrain.core.hashing import sha256_file
 from posttrain.models.building import building_models
 from posttrain.models.tiny import build_tiny_model
 

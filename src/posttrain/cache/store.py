@@ -9,10 +9,10 @@ Layout (default ``./.posttrain``, `orchestration.store`)::
     stages/<stage>-<key>/     model + tokenizer + stage.json, written atomically by the stage
     stages/<stage>-<key>.ckpt/  checkpoints of a stage not finished yet (resumed by the next run)
     evals/<stage>-<key>/      report.json + examples.jsonl
-    results/<key>             one JSON cache record per key (posttrain.pipeline.records)
+    results/<key>             one JSON cache record per key (posttrain.cache.records)
     prefect/                  PREFECT_HOME of the embedded (ephemeral) Prefect API
 
-Each output directory is named after its step's cache key (:mod:`posttrain.pipeline.keys`).
+Each output directory is named after its step's cache key (:mod:`posttrain.cache.keys`).
 
 ``orchestration.store`` may point anywhere, and a run tidies what a killed run left (it deletes
 ``*.tmp-*`` folders and renames ``*.old-*`` ones), so posttrain only ever writes to a folder that
@@ -21,7 +21,7 @@ without the marker is refused, even one that holds nothing but folders named lik
 
 A store stays inside itself: its folders (``data/``, ``stages/``, ...) and lock files must not be
 symbolic links (such a store is refused, and tidying never follows one), and every path read back
-from it is checked to lie inside it (:func:`posttrain.pipeline.records.path_outside`).
+from it is checked to lie inside it (:func:`posttrain.cache.records.path_outside`).
 """
 
 from __future__ import annotations
