@@ -1139,7 +1139,8 @@ _KEYED_MESSAGE = re.compile(r"^[a-z_]+(\.[a-z0-9_]+)*: ")
 
 
 def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
-    """Validate a config mapping against the schema (TRL options included, reward names not)."""
+    """A config mapping checked against the schema (TRL options included, reward names not): the
+    schema step of :func:`posttrain.pipeline.load_config`, which loads a config for a run."""
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
@@ -1147,11 +1148,8 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfi
 
 
 def read_config_mapping(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """The config file as a mapping with overrides applied, not yet validated.
-
-    Validation imports TRL (seconds); callers that only need a cheap section first, such as the
-    store location, read it from here and validate that section alone.
-    """
+    """The config file as a mapping with overrides applied, not yet validated (the first step of
+    :func:`posttrain.pipeline.load_config`)."""
     path = Path(path)
     if path.exists() and (problem := path_problem(path, "file")):
         raise ConfigError(f"{path}: cannot read config: it {problem}")  # a FIFO would block forever
