@@ -53,32 +53,28 @@ def gsm8k_train_path() -> Path:
     return GSM8K_TRAIN
 
 
-STEP_FUNCTIONS = {
-    "prepare_step": ("posttrain.pipeline.steps", None),
-    "eval_step": ("posttrain.pipeline.steps", None),
-    "sft_step": ("posttrain.pipeline.plan", "SFTStep"),
-    "dpo_step": ("posttrain.pipeline.plan", "DPOStep"),
-    "grpo_step": ("posttrain.pipeline.plan", "GRPOStep"),
-}
-"""What each step runs, by the name tests count it under: a function of the steps module, or a
-training step's ``train``."""
+SPY_DIR = Path(__file__).resolve().parent / "spy"
+"""step_spy.py and the sitecustomize.py that installs it in spawned worker processes."""
 
 
 @pytest.fixture
-def step_calls(monkeypatch):
-    """Names of the step functions that actually ran (a label saying `cached` proves nothing)."""
-    import importlib
+def step_spy(monkeypatch, tmp_path_factory):
+    """The steps that actually ran, in this process and in every worker process it spawns (a label
+    saying `cached` proves nothing): a sequence of step names, with their spans and hooks
+    (tests/spy/step_spy.py)."""
+    monkeypatch.syspath_prepend(str(SPY_DIR))
+    import step_spy as spy
 
-    calls: list[str] = []
-    for name, (module, cls) in STEP_FUNCTIONS.items():
-        owner = importlib.import_module(module)
-        owner = getattr(owner, cls) if cls else owner
-        attr = "train" if cls else name
-        real = getattr(owner, attr)
+    folder = tmp_path_factory.mktemp("step-spy")
+    monkeypatch.setenv(spy.ENV, str(folder))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(SPY_DIR), os.environ.get("PYTHONPATH")]))
+    )
+    spy.install(folder, monkeypatch.setattr)
+    return spy.CallLog(folder)
 
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
 
-        monkeypatch.setattr(owner, attr, spy)
-    return calls
+@pytest.fixture
+def step_calls(step_spy):
+    """Names of the step functions that actually ran, in order."""
+    return step_spy

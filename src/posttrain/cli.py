@@ -851,7 +851,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler.addFilter(_quiet_prefect(level))
     previous_opt_in = os.environ.get(CUSTOM_CODE_ENV)
     if getattr(args, "allow_custom_code", False):
-        allow_custom_code()  # in the environment: Prefect's task threads and child processes see it too
+        allow_custom_code()  # in the environment: the flow's worker processes see it too
     for action, message, category, module in QUIET_WARNINGS:
         warnings.filterwarnings(action, message=message, category=category, module=module)
     try:

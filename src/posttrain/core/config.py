@@ -936,10 +936,10 @@ class OrchestrationConfig(StrictModel):
     outputs are shared between workers: pulled into ``store`` when missing, pushed when finished
     (:mod:`posttrain.cache.shared`)."""
     concurrent_evals: bool = False
-    """The Prefect flow submits each evaluation to its task runner and trains the next stage while
-    it runs, and waits for them all before it ends (the MLflow eval runs are written then). Off by
-    default: on one device an evaluation beside a training stage only slows both; set
-    ``gpu_slots`` to queue them for the device instead. Changes no cache key."""
+    """The Prefect flow runs each evaluation in a worker process (Prefect's process pool) and trains
+    the next stage meanwhile; an evaluation's record and MLflow run are written once it ends, and the
+    flow waits for them all before it ends. Off by default: on one device an evaluation beside a training stage
+    only slows both; set ``gpu_slots`` to queue them for the device instead. Changes no cache key."""
     gpu_slots: int | None = Field(default=None, ge=1)
     """At most this many posttrain steps run at once on this Prefect server: every training and
     evaluation task carries the tag ``gpu``, and the flow sets Prefect's tag concurrency limit

@@ -48,36 +48,6 @@ class ModelRef:
 # --------------------------------------------------------------------------- steps
 
 
-# The heavy libraries' classes the steps reach through lazy modules (``trl``, ``transformers`` and
-# ``peft`` resolve a name by importing its submodule on first access).
-_LAZY_EXPORTS = {
-    "trl": ("SFTConfig", "SFTTrainer", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer"),
-    "transformers": (
-        "AutoModelForCausalLM",
-        "AutoTokenizer",
-        "GenerationConfig",
-        "DynamicCache",
-        "Trainer",
-        "TrainerCallback",
-        "PreTrainedTokenizerFast",
-    ),
-    "peft": ("LoraConfig", "PeftModel"),
-}
-
-
-def import_step_libraries() -> None:
-    """Resolve the lazily exported classes the steps use, in this thread, before steps run in
-    several threads at once (a sweep's side-by-side points): two threads making the first access
-    to one of them at the same time can see a half-initialised module, and one fails with
-    ``ImportError: cannot import name 'SFTConfig' from 'trl'``."""
-    import importlib
-
-    for module, names in _LAZY_EXPORTS.items():
-        lib = importlib.import_module(module)
-        for name in names:
-            getattr(lib, name)
-
-
 def base_model(cfg: PipelineConfig) -> ModelRef:
     """The pipeline's starting model, resolved (built-ins fetched/converted) and fingerprinted."""
     path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
