@@ -35,7 +35,6 @@ from posttrain.core.net import free_port
 from posttrain.core.results import StageResult
 from posttrain.generation.vllm_server import ServerAddress, vllm_server
 from posttrain.models.artifacts import adapter_root
-from posttrain.models.building import building_models
 from posttrain.models.resolve import resolve_model_path
 from posttrain.training import distributed
 from posttrain.training.eval_callback import heldout_slice
@@ -312,17 +311,16 @@ def run_grpo_stage(
                         vllm_server_cfg, model_cfg, str(model_path), ctx, command=server_command
                     )
                 )
-            with building_models():
-                trainer, monitor = make_grpo_trainer(
-                    stage_cfg,
-                    model_cfg,
-                    str(model_path),
-                    train_dataset,
-                    ctx,
-                    fast_generation=fast_generation,
-                    heldout=heldout,
-                    server=server,
-                )
+            trainer, monitor = make_grpo_trainer(
+                stage_cfg,
+                model_cfg,
+                str(model_path),
+                train_dataset,
+                ctx,
+                fast_generation=fast_generation,
+                heldout=heldout,
+                server=server,
+            )
             output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(
             trainer,

@@ -25,7 +25,6 @@ from posttrain.core.errors import StageError
 from posttrain.core.keep_best import selection_trainer_options
 from posttrain.core.results import StageResult
 from posttrain.data.builders import build_sft_dataset
-from posttrain.models.building import building_models
 from posttrain.training.selection import (
     attach_evaluation,
     evaluation_records,
@@ -138,17 +137,16 @@ def run_sft(
     options = sft_cfg.trainer_options()
 
     def train(ctx: StageContext) -> TrainOutcome:
-        with building_models():
-            trainer, tokenizer, data = make_sft_trainer(
-                sft_cfg,
-                model_cfg,
-                model_path,
-                train_dataset,
-                ctx,
-                eval_dataset=eval_dataset,
-                selection=selection,
-                eval_max_new_tokens=eval_max_new_tokens,
-            )
+        trainer, tokenizer, data = make_sft_trainer(
+            sft_cfg,
+            model_cfg,
+            model_path,
+            train_dataset,
+            ctx,
+            eval_dataset=eval_dataset,
+            selection=selection,
+            eval_max_new_tokens=eval_max_new_tokens,
+        )
         carry_token_count(trainer, ctx.resume_from)
         output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(

@@ -34,8 +34,6 @@ import copy
 import logging
 from typing import Any
 
-from posttrain.models.building import building_models
-
 logger = logging.getLogger(__name__)
 
 __all__ = ["gather_full_state_dict", "policy_to_save", "sharding"]
@@ -115,13 +113,12 @@ def _rebuild(model: Any, state: dict[str, Any]) -> Any:
 
     peft = isinstance(model, PeftModel)
     base = model.get_base_model() if peft else model
-    with building_models():
-        host = _plain_class(base)(copy.deepcopy(base.config))
-        host.generation_config = copy.deepcopy(base.generation_config)
-        host.name_or_path = base.name_or_path  # what an adapter's config records as its base
-        if peft:
-            adapter = model.active_adapter
-            host = get_peft_model(host, copy.deepcopy(model.peft_config[adapter]), adapter_name=adapter)
+    host = _plain_class(base)(copy.deepcopy(base.config))
+    host.generation_config = copy.deepcopy(base.generation_config)
+    host.name_or_path = base.name_or_path  # what an adapter's config records as its base
+    if peft:
+        adapter = model.active_adapter
+        host = get_peft_model(host, copy.deepcopy(model.peft_config[adapter]), adapter_name=adapter)
     dtype = next((v.dtype for v in state.values() if v.is_floating_point()), None)
     if dtype is not None:
         host.to(dtype)

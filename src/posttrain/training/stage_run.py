@@ -50,7 +50,6 @@ from posttrain.models.artifacts import (
     write_log_history,
     write_stage_json,
 )
-from posttrain.models.building import one_trainer_at_a_time
 from posttrain.models.hardware import check_hardware, cuda_available, resolve_precision
 from posttrain.models.loading import build_peft_config, load_stage_model
 from posttrain.models.resolve import resolve_model_path
@@ -372,8 +371,7 @@ def execute_stage(
         resume_from=resume_from,
     )
     try:
-        with one_trainer_at_a_time(stage):
-            outcome = train_fn(ctx)
+        outcome = train_fn(ctx)
     except BaseException:
         if main and last_checkpoint(work) is None:  # nothing to resume from: leave nothing behind
             shutil.rmtree(work, ignore_errors=True)
