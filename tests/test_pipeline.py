@@ -233,14 +233,17 @@ def test_dry_run_and_the_flow_run_the_same_plan(first_run, workdir, monkeypatch)
     import dataclasses
 
     import posttrain.flows.pipeline_flow as pipeline_flow
+    import posttrain.pipeline.plan as plan_module
     from posttrain.pipeline.plan import build_plan
 
     def without_dpo_eval(cfg):
         plan = build_plan(cfg)
         return dataclasses.replace(plan, steps=tuple(s for s in plan.steps if s.name != "eval-dpo"))
 
+    # The one plan both read: the dry run's preview and the flow each build it by this name.
     monkeypatch.setattr(pipeline_flow, "build_plan", without_dpo_eval)
-    planned = [step for step, _, _ in pipeline_flow.preview(smoke(workdir))]
+    monkeypatch.setattr(plan_module, "build_plan", without_dpo_eval)
+    planned = [step for step, _, _ in plan_module.preview(smoke(workdir))]
     ran = list(statuses(pipeline_flow.posttrain_pipeline(smoke(workdir))))
     expected = [s for s in STEPS if s != "eval-dpo"]
     assert planned == expected
