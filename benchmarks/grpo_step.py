@@ -157,7 +157,7 @@ def run_posttrain(
     from posttrain.core.config import GRPOStageConfig, ModelConfig
     from posttrain.models.hardware import resolve_precision
     from posttrain.training.grpo import make_grpo_trainer
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
     from posttrain.training.trl_compat import compact_fused_head_on_cpu
 
     trainer_overrides, other = ABLATIONS[variant]

@@ -40,10 +40,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def direct_steps(config: Path, store_dir: Path) -> None:
     """Every step of the pipeline's plan, in order, as plain function calls."""
+    from posttrain.cache.store import Store
     from posttrain.pipeline import load_config
     from posttrain.pipeline.plan import build_plan
     from posttrain.pipeline.steps import base_model
-    from posttrain.pipeline.store import Store
 
     cfg = load_config(config, [f"orchestration.store={store_dir}"])
     store = Store.at(cfg.orchestration.store)

@@ -203,8 +203,8 @@ def make_trl_trainer(model_path: str, rows, shapes: dict, precision: str, seed: 
     from trl import SFTConfig, SFTTrainer
 
     from posttrain.models.loading import load_model_and_tokenizer
-    from posttrain.training.runner import precision_flags
     from posttrain.training.sft import sft_dataset
+    from posttrain.training.stage_run import precision_flags
 
     model, tokenizer = load_model_and_tokenizer(model_path, "fp32", for_training=True)
     args = SFTConfig(
@@ -224,8 +224,8 @@ def make_posttrain_trainer(
 ):
     """The SFT stage's trainer (``make_sft_trainer``), with one ablation's TRL options on top."""
     from posttrain.core.config import ModelConfig, SFTStageConfig
-    from posttrain.training.runner import StageContext
     from posttrain.training.sft import make_sft_trainer
+    from posttrain.training.stage_run import StageContext
 
     options = {k: v for k, v in ABLATIONS[variant].items() if k != "compact_head"}
     stage = SFTStageConfig(trainer={**shapes, "save_strategy": "no", "disable_tqdm": True, **options})

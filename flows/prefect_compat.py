@@ -1,5 +1,4 @@
-"""The one place posttrain touches a private part of Prefect: the embedded server's process, and
-Prefect's client-side memory of tags without a concurrency limit.
+"""The one place posttrain touches a private part of Prefect: the embedded server's process.
 
 Without ``PREFECT_API_URL`` Prefect serves its API from ``SubprocessASGIServer`` (in
 ``prefect.server.api.server``, not a public API), a per-process singleton that Prefect starts
@@ -13,11 +12,6 @@ therefore starts it through :data:`WATCHDOG`, a few lines that run the same uvic
 server process beside a thread that shuts the server down when its parent is gone (its parent pid
 changes). Linux's ``PR_SET_PDEATHSIG`` is no substitute: it fires when the *thread* that started
 the child ends, and the server is started from a short-lived background thread.
-
-A task run whose tags have no concurrency limit makes Prefect remember that for 5 s, per process
-(``prefect.concurrency.services._no_limits_cache``), and skip the server for those tags meanwhile: a
-limit created in that window is ignored by this process's next task runs. :func:`forget_absent_limits`
-drops that memory after posttrain sets the ``gpu`` limit (a sweep's next point, a test).
 
 ``PREFECT_VERSIONS`` is the range this was checked against (pyproject pins the same);
 ``tests/test_prefect_compat.py`` fails when the installed Prefect leaves it, the singleton's shape
@@ -38,7 +32,6 @@ Redactor = Callable[[dict[str, Any]], dict[str, Any]]
 __all__ = [
     "PREFECT_VERSIONS",
     "WATCHDOG",
-    "forget_absent_limits",
     "import_embedded_server",
     "kill_embedded_server",
     "redact_stored_parameters",
@@ -170,11 +163,3 @@ def redact_stored_parameters(redact: Redactor) -> bool:
     with get_client(sync_client=True) as client:
         client.update_flow_run(context.flow_run.id, parameters=cleaned)
     return True
-
-
-def forget_absent_limits() -> None:
-    """Forget which tag sets this process has seen without a concurrency limit (module docstring)."""
-    from prefect.concurrency import services
-
-    with services._cache_lock:
-        services._no_limits_cache.clear()

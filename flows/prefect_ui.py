@@ -27,6 +27,7 @@ from prefect.logging.handlers import APILogHandler
 
 __all__ = [
     "HEALTH_EVENT_PREFIX",
+    "api_log_handler",
     "emit_health_alerts",
     "health_alert_events",
     "posttrain_logs_to_prefect",
@@ -45,6 +46,13 @@ class _InRunContext(logging.Filter):
         return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
+def api_log_handler(level: int = logging.INFO) -> APILogHandler:
+    """Prefect's API log handler for posttrain's records logged inside a flow or task run."""
+    handler = APILogHandler(level=level)
+    handler.addFilter(_InRunContext())
+    return handler
+
+
 @contextlib.contextmanager
 def posttrain_logs_to_prefect(level: int = logging.INFO) -> Iterator[None]:
     """Send the ``posttrain`` logger's records (``level`` and up) to the current Prefect run's logs.
@@ -56,8 +64,7 @@ def posttrain_logs_to_prefect(level: int = logging.INFO) -> Iterator[None]:
     if any(isinstance(h, APILogHandler) for h in logger.handlers):  # nested flow, or extra loggers
         yield
         return
-    handler = APILogHandler(level=level)
-    handler.addFilter(_InRunContext())
+    handler = api_log_handler(level)
     previous = logger.level
     if logger.getEffectiveLevel() > level:
         logger.setLevel(level)

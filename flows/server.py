@@ -16,9 +16,9 @@ import os
 import threading
 from urllib.parse import urlsplit
 
+from posttrain.cache.store import Store
 from posttrain.core.net import unreachable
 from posttrain.flows.prefect_compat import import_embedded_server, kill_embedded_server, start_embedded_server
-from posttrain.pipeline.store import Store
 
 logger = logging.getLogger(__name__)
 

@@ -53,21 +53,28 @@ def gsm8k_train_path() -> Path:
     return GSM8K_TRAIN
 
 
-STEP_FUNCTIONS = ("prepare_step", "eval_step", "sft_step", "dpo_step", "grpo_step")
+SPY_DIR = Path(__file__).resolve().parent / "spy"
+"""step_spy.py and the sitecustomize.py that installs it in spawned worker processes."""
 
 
 @pytest.fixture
-def step_calls(monkeypatch):
-    """Names of the step functions that actually ran (a label saying `cached` proves nothing)."""
-    import posttrain.pipeline.steps as steps
+def step_spy(monkeypatch, tmp_path_factory):
+    """The steps that actually ran, in this process and in every worker process it spawns (a label
+    saying `cached` proves nothing): a sequence of step names, with their spans and hooks
+    (tests/spy/step_spy.py)."""
+    monkeypatch.syspath_prepend(str(SPY_DIR))
+    import step_spy as spy
 
-    calls: list[str] = []
-    for name in STEP_FUNCTIONS:
-        real = getattr(steps, name)
+    folder = tmp_path_factory.mktemp("step-spy")
+    monkeypatch.setenv(spy.ENV, str(folder))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(SPY_DIR), os.environ.get("PYTHONPATH")]))
+    )
+    spy.install(folder, monkeypatch.setattr)
+    return spy.CallLog(folder)
 
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
 
-        monkeypatch.setattr(steps, name, spy)
-    return calls
+@pytest.fixture
+def step_calls(step_spy):
+    """Names of the step functions that actually ran, in order."""
+    return step_spy

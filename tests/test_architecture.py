@@ -53,7 +53,7 @@ def test_import_contracts_hold():
     ("module", "planted", "contract"),
     [
         ("core/gsm8k.py", "import posttrain.data.sources", "layers"),  # core reaching up into data
-        ("models/resolve.py", "import posttrain.training.runner", "layers"),  # models reaching up
+        ("models/resolve.py", "import posttrain.training.stage_run", "layers"),  # models reaching up
         ("evaluation/scoring.py", "import posttrain.training.grpo", "layers"),  # sibling layers
         ("pipeline/plan.py", "import prefect", "only flows/ and tasks/ import Prefect"),
         ("training/sft.py", "import mlflow", "only tracking/ imports MLflow"),
@@ -108,7 +108,7 @@ def test_wheel_installs_one_posttrain_package(tmp_path):
     )
     (wheel,) = wheels.glob("posttrain-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "posttrain/flows/pipeline.py" in names and "posttrain/tasks/steps.py" in names
+    assert "posttrain/flows/pipeline_flow.py" in names and "posttrain/tasks/step_task.py" in names
     assert not [n for n in names if n.split("/")[0] in ("flows", "tasks", "src")]
     target = tmp_path / "site"
     subprocess.run(
@@ -117,7 +117,7 @@ def test_wheel_installs_one_posttrain_package(tmp_path):
         capture_output=True,
         timeout=300,
     )
-    code = "import posttrain, posttrain.flows.pipeline, posttrain.tasks.steps; print(posttrain.__file__)"
+    code = "import posttrain, posttrain.flows.pipeline_flow, posttrain.tasks.step_task; print(posttrain.__file__)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "PYTHONPATH": str(target)},
@@ -133,7 +133,7 @@ def test_wheel_installs_one_posttrain_package(tmp_path):
 def test_prefect_loads_the_flow_by_its_file_entrypoint():
     code = (
         "from prefect.flows import load_flow_from_entrypoint as load;"
-        "print(load('flows/pipeline.py:posttrain_pipeline').name, load('flows/pipeline.py:run_config').name)"
+        "print(load('flows/pipeline_flow.py:posttrain_pipeline').name, load('flows/pipeline_flow.py:run_config').name)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -164,10 +164,10 @@ def test_prefect_yaml_names_the_flow_entrypoints():
 CACHED_RERUN_MODULES = (
     "posttrain.cli",
     "posttrain.pipeline.plan",
-    "posttrain.pipeline.records",
-    "posttrain.flows.pipeline",
-    "posttrain.flows.runner",
-    "posttrain.tasks.steps",
+    "posttrain.cache.records",
+    "posttrain.flows.pipeline_flow",
+    "posttrain.flows.plan_walker",
+    "posttrain.tasks.step_task",
     "posttrain.tracking",
     "posttrain.evaluation.report",
 )

@@ -18,9 +18,9 @@ import torch
 
 from posttrain.core.atomic import tidy_interrupted
 from posttrain.core.errors import StageError
+from posttrain.core.results import StageResult
 from posttrain.models import artifacts
 from posttrain.models.artifacts import (
-    StageResult,
     fingerprint_dataset,
     fingerprint_dir,
     fingerprint_model,

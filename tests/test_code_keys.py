@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import posttrain
-from posttrain.pipeline import code
-from posttrain.pipeline.code import CodeFingerprint, code_fingerprint, module_closure
+from posttrain.cache import code
+from posttrain.cache.code import CodeFingerprint, code_fingerprint, module_closure
 from posttrain.rewards.registry import CUSTOM_CODE_ENV
 
 KINDS = ("data", "eval", "sft", "dpo", "grpo")
@@ -61,7 +61,7 @@ def kind_files(kind: str, root: Path) -> dict[str, str]:
         ("core/parsing.py", set(KINDS)),  # THE parser: GSM8K records, evaluation, rewards
         ("evaluation/scoring.py", {"eval"}),
         ("training/health.py", {"grpo"}),
-        ("training/runner.py", {"sft", "dpo", "grpo"}),
+        ("training/stage_run.py", {"sft", "dpo", "grpo"}),
         ("data/synthetic.py", set(KINDS)),  # synthetic problems: data, eval sets, stage data filters
         ("cli.py", set()),  # the command line is no step's code
     ],
@@ -90,9 +90,11 @@ def test_a_custom_rewards_source_is_part_of_the_key(tmp_path, monkeypatch):
 
 
 def test_the_keys_of_a_plan_include_the_code(monkeypatch):
-    from posttrain.pipeline import keys, load_config
+    from posttrain.cache import keys
+    from posttrain.core.results import DataResult
+    from posttrain.pipeline import load_config
     from posttrain.pipeline.plan import StepInputs, build_plan
-    from posttrain.pipeline.steps import DataResult, ModelRef
+    from posttrain.pipeline.steps import ModelRef
 
     smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
     plan = build_plan(load_config(smoke))

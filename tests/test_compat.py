@@ -80,7 +80,7 @@ def test_rollout_func_runs_inside_a_real_grpo_trainer(tiny_model_dir, tiny_token
     from posttrain.generation.engine import encode_prompts, stop_token_ids
     from posttrain.generation.rollout import ShadowRollout
     from posttrain.training.grpo import make_grpo_trainer
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
 
     data = prepare_data(
         DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=12), eval_size=4),
@@ -145,7 +145,7 @@ def test_dynamic_sampling_runs_inside_a_real_grpo_trainer(tiny_model_dir, tiny_t
     from posttrain.core.config import DataConfig, GRPOStageConfig, ModelConfig, SyntheticConfig
     from posttrain.data.prepare import prepare_data
     from posttrain.training.grpo import make_grpo_trainer
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
     from posttrain.training.zero_signal import LEFT_PADDED, METRICS, PER_ROW, RECOUNTED, RIGHT_PADDED
 
     data = prepare_data(

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrain.cache.keys import stage_section
 from posttrain.cli import main
 from posttrain.core.config import ConfigError, apply_override, parse_config
 from posttrain.core.hashing import stable_hash
 from posttrain.pipeline import load_config
-from posttrain.pipeline.keys import stage_section
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

@@ -111,7 +111,7 @@ def test_check_reward_with_the_opt_in_reads_signatures(name, params, pattern, mo
 
 def test_the_flow_refuses_a_config_from_deployment_parameters(tmp_path):
     """A deployment's parameters skip the CLI: the flow checks rewards itself, before the store."""
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     planted = tmp_path / "pwned"
     cfg = parse_config(

@@ -227,7 +227,7 @@ def test_grpo_masks_the_calculators_tokens_out_of_the_loss(tiny_tokenizer, tmp_p
     from posttrain.core.config import DataConfig, GRPOStageConfig, ModelConfig, SyntheticConfig
     from posttrain.data.prepare import prepare_data
     from posttrain.training.grpo import make_grpo_trainer
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
 
     t = tiny_tokenizer
     model_dir = tmp_path / "scripted"
@@ -418,7 +418,7 @@ def test_chat_tools_reach_trls_trainer(tool_template_tokenizer, tmp_path):
     from posttrain.data.prepare import prepare_data
     from posttrain.models.tiny import build_tiny_model
     from posttrain.training.grpo import make_grpo_trainer
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
 
     model_dir = build_tiny_model(tmp_path / "model")
     tool_template_tokenizer.save_pretrained(model_dir)

@@ -128,19 +128,21 @@ def test_heldout_slice_follows_the_stage_data_filter(data_filter, limit, expecte
 
 
 def test_grpo_step_hands_the_held_out_split_to_stages_that_evaluate(tiny_tokenizer, tmp_path, monkeypatch):
+    from posttrain.core.results import DataResult
     from posttrain.data.prepare import prepare_data
-    from posttrain.pipeline import steps
+    from posttrain.pipeline.plan import GRPOStep
+    from posttrain.pipeline.steps import ModelRef
     from posttrain.training import grpo
 
     data_cfg = DataConfig(source="synthetic", synthetic=SyntheticConfig(num_examples=20), eval_size=5)
     prepare_data(data_cfg, tiny_tokenizer).save(tmp_path / "data")
-    data = steps.DataResult(str(tmp_path / "data"), "t", "e")
+    data = DataResult(str(tmp_path / "data"), "t", "e")
     calls = []
     monkeypatch.setattr(grpo, "run_grpo_stage", lambda *args, **kwargs: calls.append(kwargs))
-    cfg = PipelineConfig(name="t", model={"name": "m"}, data=data_cfg)
     for every in (None, 2):
         stage = GRPOStageConfig(name="s", rewards=[{"name": "xml_count"}], eval_every=every)
-        steps.grpo_step(cfg, stage, steps.ModelRef("m", "fp"), data, tmp_path / "out")
+        cfg = PipelineConfig(name="t", model={"name": "m"}, data=data_cfg, grpo={"stages": [stage]})
+        GRPOStep(name="grpo-s").train(cfg, ModelRef("m", "fp"), data, tmp_path / "out", "none")
     assert calls[0]["heldout"] is None and len(calls[1]["heldout"]) == 5
 
 
@@ -162,7 +164,7 @@ def by_length(completions, **kwargs):
 
 def train(tiny_model_dir, prepared, tmp_path, monkeypatch, **options):
     from posttrain.training import grpo
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
 
     monkeypatch.setattr(grpo, "build_reward_funcs", lambda specs: ([by_length], [1.0]))
     stage = GRPOStageConfig(

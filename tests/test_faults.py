@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from posttrain.training.runner import last_checkpoint
+from posttrain.training.stage_run import last_checkpoint
 
 SECRET = "PLANTEDSECRET0451"
 BIN = Path(sys.executable).parent
@@ -162,7 +162,7 @@ def test_runs_a_killed_run_left_running_are_closed_by_the_next_run_on_its_store(
     them KILLED. Another store's runs in the same tracking database are not touched (in-process)."""
     import mlflow
 
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
     from posttrain.pipeline import load_config
     from posttrain.tracking.mlflow_io import STORE_TAG
 

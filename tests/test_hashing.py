@@ -8,28 +8,28 @@ import os
 
 import pytest
 
-from posttrain.core import hashing
-from posttrain.core.hashing import remembered_digests, sha256_file
+from posttrain.cache import digests
+from posttrain.cache.digests import remembered_digests, sha256_file
 
 
 @pytest.fixture
 def reads(monkeypatch):
     """Files actually read to hash them (a remembered digest reads nothing)."""
     calls = []
-    real = hashing._stream_sha256
+    real = digests._stream_sha256
 
     def spy(path):
         calls.append(path.name)
         return real(path)
 
-    monkeypatch.setattr(hashing, "_stream_sha256", spy)
+    monkeypatch.setattr(digests, "_stream_sha256", spy)
     return calls
 
 
 @pytest.fixture
 def weights(tmp_path, monkeypatch):
     """A file hashed once inside remembered_digests, its digest saved in ``memo.json``."""
-    monkeypatch.setattr(hashing, "SETTLE_NS", 0)  # the file was just written; see the racy-file test
+    monkeypatch.setattr(digests, "SETTLE_NS", 0)  # the file was just written; see the racy-file test
     path = tmp_path / "model.safetensors"
     path.write_bytes(bytes(range(256)) * 64)
     with remembered_digests(tmp_path / "memo.json"):

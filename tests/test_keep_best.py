@@ -160,7 +160,7 @@ def test_a_resumed_stage_still_outputs_the_best_checkpoint_from_before_the_kill(
 
 
 def test_prepare_work_dir_keeps_the_best_checkpoint_beside_the_newest(tmp_path):
-    from posttrain.training.runner import prepare_work_dir
+    from posttrain.training.stage_run import prepare_work_dir
 
     for step, best in ((2, None), (4, 2), (6, 2)):
         folder = tmp_path / f"checkpoint-{step}"

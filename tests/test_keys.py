@@ -11,11 +11,7 @@ from pathlib import Path
 import pytest
 
 import posttrain
-from posttrain.core.config import GRPOSection, GRPOStageConfig, cache_form
-from posttrain.core.hashing import stable_hash
-from posttrain.core.sweep import seed_group
-from posttrain.pipeline import load_config
-from posttrain.pipeline.keys import (
+from posttrain.cache.keys import (
     cache_key,
     data_identity,
     data_key,
@@ -25,6 +21,10 @@ from posttrain.pipeline.keys import (
     train_identity,
     train_key,
 )
+from posttrain.core.config import GRPOSection, GRPOStageConfig, cache_form
+from posttrain.core.hashing import stable_hash
+from posttrain.core.sweep import seed_group
+from posttrain.pipeline import load_config
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 

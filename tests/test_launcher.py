@@ -9,8 +9,8 @@ import pytest
 
 from posttrain.core.config import LaunchConfig, PipelineConfig
 from posttrain.core.errors import ConfigError, HardwareError
+from posttrain.core.results import DataResult
 from posttrain.models.hardware import cuda_available
-from posttrain.pipeline import keys
 from posttrain.pipeline.launcher import (
     CPU_ACCELERATE_CONFIG,
     STAGE_MODULE,
@@ -18,8 +18,8 @@ from posttrain.pipeline.launcher import (
     launch_command,
     launch_stage,
 )
-from posttrain.pipeline.plan import StepInputs
-from posttrain.pipeline.steps import DataResult, ModelRef
+from posttrain.pipeline.plan import StepInputs, build_plan
+from posttrain.pipeline.steps import ModelRef
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
@@ -123,7 +123,8 @@ def cfg_with(launch: dict | None = None, sft_launch: dict | None = None) -> Pipe
 
 
 def sft_key(cfg: PipelineConfig) -> str:
-    return keys.train_key(cfg, "sft", "model-fp", "data-fp")
+    inputs = StepInputs(ModelRef("m", "model-fp"), DataResult("d", "data-fp", "e"))
+    return build_plan(cfg).step("sft").key(cfg, inputs)
 
 
 def test_one_process_keeps_the_key_and_more_processes_change_it(monkeypatch):

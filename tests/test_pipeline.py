@@ -48,7 +48,7 @@ STEPS = [
 
 @pytest.fixture(scope="module")
 def first_run(workdir):
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     # MLflow samples system metrics every 10 s by default; the smoke stages last a few seconds.
     with pytest.MonkeyPatch.context() as env:
@@ -64,8 +64,8 @@ def test_first_run_executes_every_step(first_run):
 
 
 def test_unchanged_rerun_is_all_cached_and_runs_nothing(first_run, workdir, step_calls):
-    from posttrain.flows.pipeline import posttrain_pipeline
-    from posttrain.flows.pipeline import preview as dry_run
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
+    from posttrain.pipeline.plan import preview as dry_run
 
     assert {status for _, status, _ in dry_run(smoke(workdir))} == {"cached"}
     summary = posttrain_pipeline(smoke(workdir))
@@ -75,8 +75,8 @@ def test_unchanged_rerun_is_all_cached_and_runs_nothing(first_run, workdir, step
 
 
 def test_force_reruns_the_stage_and_what_follows(first_run, workdir):
-    from posttrain.flows.pipeline import posttrain_pipeline
-    from posttrain.flows.pipeline import preview as dry_run
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
+    from posttrain.pipeline.plan import preview as dry_run
 
     planned = {step: status for step, status, _ in dry_run(smoke(workdir), ["grpo-format"])}
     got = statuses(posttrain_pipeline(smoke(workdir), force=["grpo-format"]))
@@ -86,7 +86,7 @@ def test_force_reruns_the_stage_and_what_follows(first_run, workdir):
 
 
 def test_changing_eval_options_reruns_only_evaluation(first_run, workdir):
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     got = statuses(posttrain_pipeline(smoke(workdir, "eval.max_completion_length=12")))
     assert {s for s, v in got.items() if v == "ran"} == {s for s in STEPS if s.startswith("eval-")}
@@ -95,7 +95,7 @@ def test_changing_eval_options_reruns_only_evaluation(first_run, workdir):
 def test_missing_output_is_recomputed(first_run, workdir):
     import shutil
 
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     sft_dir = next(o["output"] for o in first_run["outcomes"] if o["step"] == "sft")
     shutil.rmtree(sft_dir)
@@ -232,15 +232,18 @@ def test_cli_dry_run_compare_and_serve_without_server(first_run, workdir, capsys
 def test_dry_run_and_the_flow_run_the_same_plan(first_run, workdir, monkeypatch):
     import dataclasses
 
-    import posttrain.flows.pipeline as pipeline_flow
+    import posttrain.flows.pipeline_flow as pipeline_flow
+    import posttrain.pipeline.plan as plan_module
     from posttrain.pipeline.plan import build_plan
 
     def without_dpo_eval(cfg):
         plan = build_plan(cfg)
         return dataclasses.replace(plan, steps=tuple(s for s in plan.steps if s.name != "eval-dpo"))
 
+    # The one plan both read: the dry run's preview and the flow each build it by this name.
     monkeypatch.setattr(pipeline_flow, "build_plan", without_dpo_eval)
-    planned = [step for step, _, _ in pipeline_flow.preview(smoke(workdir))]
+    monkeypatch.setattr(plan_module, "build_plan", without_dpo_eval)
+    planned = [step for step, _, _ in plan_module.preview(smoke(workdir))]
     ran = list(statuses(pipeline_flow.posttrain_pipeline(smoke(workdir))))
     expected = [s for s in STEPS if s != "eval-dpo"]
     assert planned == expected
@@ -254,7 +257,7 @@ def output_of(summary, step: str) -> str:
 def rerun_of_the_last_stage(workdir: Path, step_calls: list[str], override: str):
     """Run the smoke config with ``override``, which touches only its last GRPO stage: every step
     before it must be served from the cache and that stage must train again."""
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     summary = posttrain_pipeline(smoke(workdir, override))
     got = statuses(summary)
@@ -309,10 +312,10 @@ def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_c
     import json
     import os
 
-    from posttrain.core import hashing
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.cache import digests
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
-    monkeypatch.setattr(hashing, "SETTLE_NS", 0)
+    monkeypatch.setattr(digests, "SETTLE_NS", 0)
     posttrain_pipeline(smoke(workdir))  # checks every output, remembering the digests
     sft_dir = Path(next(o["output"] for o in first_run["outcomes"] if o["step"] == "sft"))
     weights = next(sft_dir.glob("*.safetensors"))
@@ -334,7 +337,7 @@ def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_c
 
 
 def test_a_run_tidies_what_a_killed_run_left_in_the_store(first_run, workdir):
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     stages = workdir / "store" / "stages"
     dpo_dir = Path(next(o["output"] for o in first_run["outcomes"] if o["step"] == "dpo"))
@@ -353,7 +356,7 @@ def test_a_run_tidies_what_a_killed_run_left_in_the_store(first_run, workdir):
 def test_cached_stage_runs_point_at_the_run_that_produced_them(first_run, workdir):
     import mlflow
 
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     rerun = posttrain_pipeline(smoke(workdir))
@@ -391,9 +394,9 @@ def test_health_alerts_become_prefect_events_naming_the_stage():
 
 
 def test_dry_run_says_which_code_changed(first_run, workdir, monkeypatch):
-    from posttrain.flows.pipeline import preview as dry_run
-    from posttrain.pipeline import keys
-    from posttrain.pipeline.code import CodeFingerprint
+    from posttrain.cache import keys
+    from posttrain.cache.code import CodeFingerprint
+    from posttrain.pipeline.plan import preview as dry_run
 
     real = keys.code_fingerprint
 
@@ -413,8 +416,8 @@ def test_dry_run_says_which_code_changed(first_run, workdir, monkeypatch):
 
 @pytest.mark.parametrize(("step", "file"), [("eval-baseline", "examples.jsonl"), ("data", "stats.json")])
 def test_a_modified_data_or_eval_output_is_recomputed(first_run, workdir, step_calls, step, file):
-    from posttrain.flows.pipeline import posttrain_pipeline
-    from posttrain.flows.pipeline import preview as dry_run
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
+    from posttrain.pipeline.plan import preview as dry_run
 
     output = Path(
         next(o["output"] for o in posttrain_pipeline(smoke(workdir))["outcomes"] if o["step"] == step)
@@ -439,7 +442,7 @@ def test_a_cached_cli_rerun_skips_prefect_and_logs_what_the_flow_logs(
     the same MLflow runs as the flow's rerun; a modified output still goes through the flow and runs."""
     import mlflow
 
-    import posttrain.flows.pipeline as pipeline_flow
+    import posttrain.flows.pipeline_flow as pipeline_flow
     from posttrain.cli import main
 
     sets = [
@@ -525,7 +528,7 @@ def with_extra_sets(workdir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def extra_run(first_run, workdir):
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     return posttrain_pipeline(smoke(workdir, *with_extra_sets(workdir)))
 
@@ -626,7 +629,7 @@ def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, workdi
 
 def test_a_modified_extra_set_report_reruns_the_evaluation(extra_run, workdir, step_calls, capsys):
     from posttrain.cli import main
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     config = smoke(workdir, *with_extra_sets(workdir))
     assert set(statuses(posttrain_pipeline(config)).values()) == {"cached"} and step_calls == []

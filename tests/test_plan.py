@@ -8,19 +8,19 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.cache.planner import Decision, Planner
 from posttrain.core.config import ConfigError
+from posttrain.core.results import DataResult
 from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import (
     DataStep,
-    Decision,
     EvalStep,
     GRPOStep,
-    Planner,
     SFTStep,
     StepInputs,
     build_plan,
 )
-from posttrain.pipeline.steps import DataResult, ModelRef
+from posttrain.pipeline.steps import ModelRef
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
@@ -80,7 +80,7 @@ def _data(fp: str = "d") -> DataResult:
 
 
 def test_walk_threads_model_and_data_through_the_steps(monkeypatch):
-    from posttrain.models.artifacts import StageResult
+    from posttrain.core.results import StageResult
 
     plan = plan_for("eval.after_each_stage=false", "eval.baseline=false")
     seen = []
@@ -195,12 +195,12 @@ NOT_ADOPTED = ("run", "output without a cache record failed verification: recomp
     ],
 )
 def test_an_output_without_its_record_is_adopted_only_if_it_verifies(tmp_path, change, model_fp, expected):
+    from posttrain.cache.digests import fingerprint_tree
+    from posttrain.cache.planner import Planner
+    from posttrain.cache.records import StoreRecords
+    from posttrain.cache.store import Store
     from posttrain.core.atomic import write_result
-    from posttrain.core.hashing import fingerprint_tree
-    from posttrain.pipeline.plan import Planner
-    from posttrain.pipeline.records import StoreRecords
-    from posttrain.pipeline.steps import EvalResult
-    from posttrain.pipeline.store import Store
+    from posttrain.core.results import EvalResult
 
     plan = plan_for(f"orchestration.store={tmp_path / 'store'}")
     store = Store.at(tmp_path / "store")
@@ -233,12 +233,13 @@ def test_an_output_without_its_record_is_adopted_only_if_it_verifies(tmp_path, c
 def test_a_stage_or_data_output_without_its_record_is_adopted_only_if_made_from_these_inputs(
     tmp_path, name, model_fp, expected
 ):
+    from posttrain.cache.digests import fingerprint_tree
+    from posttrain.cache.planner import dry_run
+    from posttrain.cache.records import StoreRecords
+    from posttrain.cache.store import Store
     from posttrain.core.atomic import write_result
-    from posttrain.core.hashing import fingerprint_tree
-    from posttrain.models.artifacts import StageResult, fingerprint_dir
-    from posttrain.pipeline.plan import dry_run
-    from posttrain.pipeline.records import StoreRecords
-    from posttrain.pipeline.store import Store
+    from posttrain.core.results import StageResult
+    from posttrain.models.artifacts import fingerprint_dir
 
     plan = plan_for(f"orchestration.store={tmp_path / 'store'}")
     store = Store.at(tmp_path / "store")
@@ -357,14 +358,15 @@ def _folder(path: Path, *files: str) -> Path:
 
 
 def data_output(root: Path) -> DataResult:
-    from posttrain.core.hashing import fingerprint_tree
+    from posttrain.cache.digests import fingerprint_tree
 
     folder = _folder(root / "data", "train.jsonl", "stats.json")
     return DataResult(str(folder), "train-d", "eval-d", {"n_train": 4}, fingerprint_tree(folder))
 
 
 def stage_output(root: Path, name: str):
-    from posttrain.models.artifacts import StageResult, fingerprint_dir
+    from posttrain.core.results import StageResult
+    from posttrain.models.artifacts import fingerprint_dir
 
     folder = _folder(root / name, "config.json", "model.safetensors", "stage.json")
     return StageResult(
@@ -373,8 +375,8 @@ def stage_output(root: Path, name: str):
 
 
 def eval_output(root: Path, stage: str):
-    from posttrain.core.hashing import fingerprint_tree
-    from posttrain.pipeline.steps import EvalResult
+    from posttrain.cache.digests import fingerprint_tree
+    from posttrain.core.results import EvalResult
 
     folder = _report(root / f"eval-{stage}")
     return EvalResult(stage, str(folder), {"accuracy_strict": 0.5}, {}, "fp", fingerprint_tree(folder))
@@ -434,7 +436,7 @@ def test_a_stage_output_stands_while_complete_and_unmodified(tmp_path):
 
 
 def test_each_step_writes_into_its_store_folder_and_reports_its_result(tmp_path):
-    from posttrain.pipeline.store import Store
+    from posttrain.cache.store import Store
 
     store, key, plan = Store.at(tmp_path / "store"), "0123456789abcdef01234567", plan_for()
     assert plan.step("data").output_dir(store, key) == store.root / "data" / "0123456789ab"
@@ -460,13 +462,21 @@ def test_each_step_writes_into_its_store_folder_and_reports_its_result(tmp_path)
 
 
 def test_each_step_runs_its_own_step_function(monkeypatch):
+    import posttrain.pipeline.plan as plan_module
     import posttrain.pipeline.steps as steps
 
     calls = []
-    for name in ("prepare_step", "sft_step", "dpo_step", "grpo_step", "eval_step"):
+    for name in ("prepare_step", "eval_step"):
         monkeypatch.setattr(
             steps, name, lambda *args, _name=name, **kw: calls.append((_name, args, kw)) or _name
         )
+    for name, kind in (("sft_step", "SFTStep"), ("dpo_step", "DPOStep"), ("grpo_step", "GRPOStep")):
+
+        def train(self, *args, _name=name, **kw):
+            calls.append((_name, (self.name, *args), kw))
+            return _name
+
+        monkeypatch.setattr(getattr(plan_module, kind), "train", train)
     plan, inputs = plan_for(), _inputs()
     cfg = plan.config
     assert [plan.step(n).run(cfg, inputs, "/out", report_to="mlflow") for n in plan.names[:7]] == [
@@ -481,12 +491,12 @@ def test_each_step_runs_its_own_step_function(monkeypatch):
     model, data = inputs.model, inputs.data
     assert calls[0] == ("prepare_step", (cfg, model, "/out"), {})
     assert calls[1] == ("eval_step", (cfg, "baseline", model, data, "/out"), {})
-    assert calls[2] == ("sft_step", (cfg, model, data, "/out", "mlflow"), {})
-    assert calls[4] == ("dpo_step", (cfg, model, data, "/out", "mlflow"), {})
+    assert calls[2] == ("sft_step", ("sft", cfg, model, data, "/out", "mlflow"), {})
+    assert calls[4] == ("dpo_step", ("dpo", cfg, model, data, "/out", "mlflow"), {})
     assert calls[5][1][1] == "dpo"  # eval-dpo evaluates the dpo stage
-    assert calls[6] == ("grpo_step", (cfg, cfg.grpo.stages[0], model, data, "/out", "mlflow"), {})
+    assert calls[6] == ("grpo_step", ("grpo-format", cfg, model, data, "/out", "mlflow"), {})
     plan.step("sft").run(cfg, inputs, "/out")  # untracked unless told otherwise
-    assert calls[-1] == ("sft_step", (cfg, model, data, "/out", "none"), {})
+    assert calls[-1] == ("sft_step", ("sft", cfg, model, data, "/out", "none"), {})
 
 
 def test_planner_serves_a_verified_record_and_says_why_anything_else_runs(tmp_path, caplog):
@@ -581,7 +591,7 @@ def test_decide_passes_the_inputs_on_to_say_why_a_key_is_missing():
 
 
 def test_dry_run_reports_cached_steps_and_what_an_upstream_rerun_hides(tmp_path):
-    from posttrain.pipeline.plan import dry_run
+    from posttrain.cache.planner import dry_run
 
     plan = plan_for("eval.after_each_stage=false")
     base = ModelRef("/base", "fp-base")

@@ -11,8 +11,8 @@ from importlib import metadata
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from posttrain.cache.store import Store
 from posttrain.flows import prefect_compat
-from posttrain.pipeline.store import Store
 
 
 def test_installed_prefect_is_inside_the_checked_range():
@@ -133,7 +133,7 @@ def test_the_watchdog_ends_its_process_when_the_parent_is_killed(tmp_path):
 
 
 def test_run_config_keeps_secrets_out_of_prefects_parameters():
-    from posttrain.flows.pipeline import run_config
+    from posttrain.flows.pipeline_flow import run_config
 
     stored = run_config.serialize_parameters(
         {
@@ -157,7 +157,7 @@ def test_a_flow_run_created_with_secrets_has_them_replaced_as_it_starts():
     from prefect import flow, get_client
     from prefect.context import FlowRunContext
 
-    from posttrain.flows.pipeline import redact_run_parameters
+    from posttrain.flows.pipeline_flow import redact_run_parameters
 
     @flow
     def triggered(config: str, overrides: list[str]) -> str:
@@ -254,49 +254,3 @@ def test_kubernetes_deployment_job_variables_render_a_job_requesting_gpus():
         == 2
     )
     assert gpu["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "/opt/posttrain"
-
-
-def test_a_gpu_limit_set_right_after_unlimited_task_runs_holds_at_once(monkeypatch):
-    """Prefect remembers for 5 s that ``tag:gpu`` had no limit; set_gpu_slots makes it forget.
-
-    The memory gets a 5-minute lifetime here (same cache type): with Prefect's 5 s, a slow task-run
-    teardown on a loaded CI machine could let it expire before the check, and the test would then
-    pass or fail by timing instead of by what set_gpu_slots does.
-    """
-    import contextlib
-    import time
-
-    import cachetools
-    from prefect import flow, task
-    from prefect.client.orchestration import get_client
-    from prefect.concurrency import services
-    from prefect.exceptions import ObjectNotFound
-
-    from posttrain.flows.pipeline import set_gpu_slots
-
-    assert isinstance(services._no_limits_cache, cachetools.TTLCache)
-    monkeypatch.setattr(services, "_no_limits_cache", cachetools.TTLCache(maxsize=1000, ttl=300.0))
-
-    @task(tags={"gpu"})
-    def hold(name: str) -> tuple[str, float, float]:
-        start = time.monotonic()
-        time.sleep(1.0)
-        return name, start, time.monotonic()
-
-    @flow
-    def two_at_once() -> list[tuple[str, float, float]]:
-        hold("unlimited")  # leaves "no limit for tag:gpu" in Prefect's memory
-        assert services._no_limits_cache.get(frozenset({"tag:gpu"})), (
-            "Prefect no longer remembers absent limits"
-        )
-        set_gpu_slots(1)
-        first = hold.submit("submitted")
-        second = hold("called")
-        return sorted([first.result(), second], key=lambda span: span[1])
-
-    try:
-        (_, _, first_end), (_, second_start, _) = two_at_once()
-        assert first_end <= second_start
-    finally:
-        with get_client(sync_client=True) as client, contextlib.suppress(ObjectNotFound):
-            client.delete_concurrency_limit_by_tag("gpu")  # absent when the flow failed before setting it

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.models.artifacts import StageResult
-from posttrain.pipeline.records import RecordError, StoreRecords, decode_result, encode_result
-from posttrain.pipeline.steps import DataResult, EvalResult
-from posttrain.pipeline.store import Store
+from posttrain.cache.records import RecordError, StoreRecords, decode_result, encode_result
+from posttrain.cache.store import Store
+from posttrain.core.results import DataResult, EvalResult, StageResult
 
 KEY = "0123456789abcdef01234567"
 
@@ -123,8 +122,8 @@ def tiny_cfg(tmp_path):
 
 @pytest.mark.parametrize("how", ["pickle", "prefect-record"])
 def test_a_planted_record_is_not_unpickled_by_dry_run_or_run(how, tiny_cfg, tmp_path):
-    from posttrain.flows.pipeline import posttrain_pipeline, preview
-    from posttrain.pipeline.plan import StepInputs, build_plan
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
+    from posttrain.pipeline.plan import StepInputs, build_plan, preview
     from posttrain.pipeline.steps import base_model
 
     plan = build_plan(tiny_cfg)

@@ -18,7 +18,7 @@ from posttrain.core.config import (
     SFTStageConfig,
     SyntheticConfig,
 )
-from posttrain.training.runner import last_checkpoint, prepare_work_dir
+from posttrain.training.stage_run import last_checkpoint, prepare_work_dir
 
 LORA = {"r": 4, "alpha": 8}
 EVERY_STEP = {"max_steps": 3, "save_steps": 1, "learning_rate": 1e-3}

@@ -40,7 +40,7 @@ def statuses(summary) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def shared_run(tmp_path_factory):
     """One run into store A that fills the shared store."""
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     tmp = tmp_path_factory.mktemp("shared")
     summary = posttrain_pipeline(smoke(tmp, "store-a", tmp / "shared"))
@@ -48,7 +48,7 @@ def shared_run(tmp_path_factory):
 
 
 def test_a_fresh_store_reuses_every_step_from_the_shared_store(shared_run, step_calls):
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     tmp, first = shared_run
     assert statuses(first) == dict.fromkeys(STEPS, "ran")
@@ -68,7 +68,7 @@ def test_a_fresh_store_reuses_every_step_from_the_shared_store(shared_run, step_
 
 
 def test_a_tampered_shared_output_is_verified_and_recomputed(shared_run, step_calls):
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     tmp, first = shared_run
     sft_key = next(o["key"] for o in first["outcomes"] if o["step"] == "sft")
@@ -87,8 +87,8 @@ def test_a_tampered_shared_output_is_verified_and_recomputed(shared_run, step_ca
 
 
 def test_an_interrupted_upload_leaves_no_record(tmp_path, monkeypatch):
-    from posttrain.pipeline.shared import SharedStore
-    from posttrain.pipeline.steps import DataResult
+    from posttrain.cache.shared import SharedStore
+    from posttrain.core.results import DataResult
 
     out = tmp_path / "data" / "x"
     out.mkdir(parents=True)
@@ -104,7 +104,7 @@ def test_an_interrupted_upload_leaves_no_record(tmp_path, monkeypatch):
 
 
 def test_a_record_without_its_upload_is_a_miss(tmp_path):
-    from posttrain.pipeline.shared import SHARED_VERSION, SharedStore
+    from posttrain.cache.shared import SHARED_VERSION, SharedStore
 
     shared = SharedStore(f"file://{tmp_path / 'shared'}")
     key = "0" * 24
@@ -129,7 +129,7 @@ def test_a_record_without_its_upload_is_a_miss(tmp_path):
     ],
 )
 def test_records_that_are_not_ours_are_ignored(tmp_path, record):
-    from posttrain.pipeline.shared import SharedStore
+    from posttrain.cache.shared import SharedStore
 
     (tmp_path / "records").mkdir()
     (tmp_path / "records" / f"{'0' * 24}.json").write_text(json.dumps(record))
@@ -137,8 +137,8 @@ def test_records_that_are_not_ours_are_ignored(tmp_path, record):
 
 
 def test_adapter_outputs_are_not_shared(tmp_path):
-    from posttrain.models.artifacts import StageResult
-    from posttrain.pipeline.shared import SharedStore
+    from posttrain.cache.shared import SharedStore
+    from posttrain.core.results import StageResult
 
     out = tmp_path / "stages" / "sft-x"
     out.mkdir(parents=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.pipeline.keys import cache_key
-from posttrain.pipeline.store import Store, StoreLockedError
+from posttrain.cache.keys import cache_key
+from posttrain.cache.store import Store, StoreLockedError
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ def test_cache_key_says_what_the_output_depends_on(a, b, same):
 def test_lock_admits_one_run_and_is_released(tmp_path):
     store = Store.at(tmp_path / "store")
     with store.lock():
-        code = f"from posttrain.pipeline.store import Store; Store.at({str(store.root)!r}).lock().__enter__()"
+        code = f"from posttrain.cache.store import Store; Store.at({str(store.root)!r}).lock().__enter__()"
         other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert other.returncode != 0 and "in use by another posttrain run" in other.stderr
     with store.lock():  # released on exit
@@ -115,7 +115,7 @@ def test_a_config_error_in_run_kills_the_early_server(tmp_path):
 
 
 def test_a_foreign_folder_is_refused_and_left_untouched(tmp_path):
-    from posttrain.pipeline.store import StoreError
+    from posttrain.cache.store import StoreError
 
     home = tmp_path / "home"
     (home / "stages" / "thesis.tmp-1").mkdir(parents=True)  # looks like a leftover, is not ours
@@ -132,7 +132,7 @@ def test_a_foreign_folder_is_refused_and_left_untouched(tmp_path):
 
 
 def test_new_and_empty_folders_are_marked_and_a_lookalike_is_refused(tmp_path):
-    from posttrain.pipeline.store import MARKER, StoreError
+    from posttrain.cache.store import MARKER, StoreError
 
     assert Store.at(tmp_path / "new").is_marked
     (tmp_path / "empty").mkdir()
@@ -153,7 +153,7 @@ def test_new_and_empty_folders_are_marked_and_a_lookalike_is_refused(tmp_path):
 
 @pytest.mark.parametrize("area", ["stages", "data", "evals", "results", "locks", "prefect", "lock"])
 def test_a_store_whose_folder_links_outside_is_refused_and_nothing_outside_is_touched(area, tmp_path):
-    from posttrain.pipeline.store import StoreError
+    from posttrain.cache.store import StoreError
 
     store = Store.at(tmp_path / "store")
     outside = tmp_path / "outside"
@@ -180,7 +180,7 @@ def test_tidying_skips_links_inside_a_stores_folders(tmp_path):
 
 
 def test_a_lock_file_planted_as_a_link_is_not_written_through(tmp_path):
-    from posttrain.pipeline.store import StoreError
+    from posttrain.cache.store import StoreError
 
     store = Store.at(tmp_path / "store")
     victim = tmp_path / "victim.txt"

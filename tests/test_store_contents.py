@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.cache.planner import Planner
+from posttrain.cache.records import StoreRecords
+from posttrain.cache.shared import SharedStore
+from posttrain.cache.store import Store
 from posttrain.pipeline import load_config
-from posttrain.pipeline.plan import Planner, StepInputs, build_plan, preview
-from posttrain.pipeline.records import StoreRecords
-from posttrain.pipeline.shared import SharedStore
+from posttrain.pipeline.plan import StepInputs, build_plan, preview
 from posttrain.pipeline.steps import base_model
-from posttrain.pipeline.store import Store
 
 CONFIG = """\
 name: contents
@@ -65,7 +66,7 @@ class Made:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     tmp = tmp_path_factory.mktemp("contents")
     (tmp / "c.yaml").write_text(CONFIG)
@@ -241,7 +242,7 @@ def test_a_damaged_result_file_of_an_unrecorded_output_is_recomputed(how, store)
 def test_a_damaged_report_is_recomputed_even_with_a_matching_fingerprint(file, how, store):
     """A planted report whose record carries its new fingerprint: content checks alone would serve
     it; reading it back (bounded, as `eval --diff` and tracking read it) does not."""
-    from posttrain.core.hashing import fingerprint_tree
+    from posttrain.cache.digests import fingerprint_tree
 
     folder = store.output("eval-baseline")
     _damage(folder / file, how)
@@ -272,7 +273,7 @@ def test_a_damaged_lineage_pointer_is_ignored(store):
 @pytest.fixture
 def shared(store, tmp_path):
     """The data step's output uploaded to a shared store, and a fresh local store to pull into."""
-    from posttrain.pipeline.records import read_output_result
+    from posttrain.cache.records import read_output_result
 
     share = SharedStore(f"file://{tmp_path / 'shared'}")
     key = store.keys["data"]
@@ -343,8 +344,8 @@ def test_an_upload_with_a_damaged_result_is_a_miss_and_leaves_nothing_half_pulle
 
 
 def test_a_run_over_planted_and_damaged_contents_recomputes_them_and_touches_nothing_outside(store):
-    from posttrain.core.hashing import fingerprint_tree
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.cache.digests import fingerprint_tree
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     store.rewrite("data", data_dir=str(store.outside / "data"))  # points outside
     folder = store.output("eval-baseline")

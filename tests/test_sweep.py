@@ -110,30 +110,20 @@ def test_seeds_share_data_and_baseline_and_compare_aggregates_three_seeds(tmp_pa
         assert f"{100 * t_interval(changes).estimate:+.1f}" in change_row.split()
 
 
-def test_parallel_points_run_side_by_side_and_make_a_shared_step_once(tmp_path, monkeypatch, capsys):
-    import threading
+def test_parallel_points_run_in_processes_of_their_own_and_make_a_shared_step_once(
+    tmp_path, step_spy, capsys
+):
+    import os
 
-    import posttrain.pipeline.steps as steps
-
-    calls: list[str] = []
-    both_training = threading.Barrier(2, timeout=20)  # one point at a time never gets past it
-
-    def spy(name, real):
-        def call(*args, **kwargs):
-            calls.append(name)
-            if name == "sft_step":
-                both_training.wait()
-            return real(*args, **kwargs)
-
-        return call
-
-    for name in ("prepare_step", "eval_step", "sft_step"):
-        monkeypatch.setattr(steps, name, spy(name, getattr(steps, name)))
+    # Each point's SFT waits until both have started: one point at a time never gets past it.
+    step_spy.hook("sft_step", wait_for=("sft_step", 2), timeout=120)
     db = tmp_path / "mlflow.db"
     argv = ["sweep", SMOKE, "--parallel", "2", *sets(tmp_path, "tracking.system_metrics=false")]
     assert main([*argv, "--set", "sft.trainer.learning_rate=1e-3,1e-4"]) == 0
     # data and the baseline evaluation are the same step for both points: made once, under its lock
-    assert sorted(calls) == ["eval_step"] * 3 + ["prepare_step"] + ["sft_step"] * 2
+    assert sorted(step_spy) == ["eval_step"] * 3 + ["prepare_step"] + ["sft_step"] * 2
+    sft_pids = {pid for label, pid, *_ in step_spy.spans() if label == "sft"}
+    assert len(sft_pids) == 2 and os.getpid() not in sft_pids  # a worker process per point
 
     import mlflow
 

@@ -185,7 +185,7 @@ def test_grpo_without_reward_differences_leaves_the_weights_as_they_were(tiny_mo
 def test_yaml_reward_weights_reach_grpo_config(tiny_model_dir, data, tmp_path):
     from posttrain.pipeline import load_config
     from posttrain.training.grpo import make_grpo_trainer
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
 
     smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
     cfg = load_config(smoke, ["grpo.stages.1.rewards.0.weight=3.0", "grpo.stages.1.rewards.1.weight=0.25"])
@@ -211,7 +211,7 @@ def test_yaml_reward_weights_decide_the_dpo_pair(format_weight, length_weight, c
     from posttrain.data.builders import build_dpo_dataset
     from posttrain.generation.sampling import Samples
     from posttrain.training.dpo import score_samples
-    from posttrain.training.runner import build_reward_funcs
+    from posttrain.training.stage_run import build_reward_funcs
 
     section = yaml.safe_load(
         f"""

@@ -17,7 +17,8 @@ from posttrain.core.config import (
     SyntheticConfig,
 )
 from posttrain.core.errors import HardwareError, StageError
-from posttrain.models.artifacts import StageResult, is_complete_stage, read_stage_json
+from posttrain.core.results import StageResult
+from posttrain.models.artifacts import is_complete_stage, read_stage_json
 from posttrain.models.loading import load_stage_model
 
 LORA = {"r": 4, "alpha": 8}

@@ -254,7 +254,7 @@ def test_the_grpo_trainer_options_point_at_the_server_and_stay_out_of_the_cache_
     from trl import GRPOConfig
 
     from posttrain.training.grpo import grpo_arguments, grpo_options
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
 
     stage = GRPOStageConfig.model_validate(STAGE)
     ctx = StageContext(stage="grpo-s", work_dir=tmp_path, precision="fp32", seed=0, report_to="none")
@@ -274,7 +274,7 @@ def test_a_grpo_stage_in_server_mode_trains_inside_the_server_and_stops_it(
     """run_grpo_stage's wiring, with the trainer replaced: the server is healthy when the trainer is
     built, the trainer gets its address, and a failing stage still stops it."""
     import posttrain.training.grpo as grpo
-    import posttrain.training.runner as runner
+    import posttrain.training.stage_run as runner
 
     cfg, command, pids = fake
     monkeypatch.setattr(runner, "check_hardware", lambda *a, **k: None)  # CUDA and vLLM, on this CPU
@@ -510,7 +510,7 @@ def test_managed_stages_get_a_free_group_port_unless_they_set_one(tmp_path):
     from trl import GRPOConfig
 
     from posttrain.training.grpo import grpo_arguments
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
 
     ctx = StageContext(stage="grpo-s", work_dir=tmp_path, precision="fp32", seed=0, report_to="none")
     server = ServerAddress("127.0.0.1", 8123)

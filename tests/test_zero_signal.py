@@ -485,7 +485,7 @@ def train_stage(tiny_model_dir, data, tmp_path, monkeypatch, reward, fast_genera
     """A 1-step stage of 4 groups of 4 with `reward`; returns the trainer, its monitor and the batches the
     loss saw."""
     from posttrain.training import grpo
-    from posttrain.training.runner import StageContext
+    from posttrain.training.stage_run import StageContext
 
     monkeypatch.setattr(grpo, "build_reward_funcs", lambda specs: ([reward], [1.0]))
     stage = GRPOStageConfig(

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from posttrain.cache.store import Store, StoreError
 from posttrain.core.checked import deferred_memos, flush_memos
 from posttrain.core.config import DataConfig, EvalConfig, TrackingConfig
 from posttrain.core.errors import HardwareError, PosttrainError
@@ -41,7 +42,6 @@ from posttrain.generation.vllm_server import check_vllm_server
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.resolve import list_models, pull_builtin, resolve_model_path
 from posttrain.pipeline import load_config
-from posttrain.pipeline.store import Store, StoreError
 from posttrain.pipeline.validation import managed_vllm_stages
 from posttrain.rewards.check import judge, score_examples
 from posttrain.rewards.registry import build_reward, reward_names
@@ -413,7 +413,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if summary is None:
             # The lock is held before Prefect's embedded server (whose home is in the store) starts.
             server = prestart_embedded_prefect(store)
-            from posttrain.flows.pipeline import posttrain_pipeline
+            from posttrain.flows.pipeline_flow import posttrain_pipeline
             from posttrain.flows.server import quiet_run_failures_on_console
             from posttrain.tracking import open_tracking_store
 
@@ -445,7 +445,7 @@ def _run_cached(cfg, force: Sequence[str]) -> dict | None:
     """The run's summary when every step is served from cache, done without the embedded Prefect
     server (whose boot is most of such a run); None when a step must run (nothing was done) or a
     step turned out not to be cached after all (then the flow runs it, and logs a new MLflow run)."""
-    from posttrain.flows.runner import StepNotCached, run_cached
+    from posttrain.flows.plan_walker import StepNotCached, run_cached
 
     try:
         return run_cached(cfg, force)
@@ -482,7 +482,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         flush_memos()
         server = prestart_embedded_prefect(store)
         from posttrain.flows.server import quiet_run_failures_on_console
-        from posttrain.flows.sweep import run_sweep
+        from posttrain.flows.sweep_flow import run_sweep
         from posttrain.tracking import open_tracking_store
 
         quiet_run_failures_on_console()
@@ -604,7 +604,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "`export PREFECT_API_URL=http://127.0.0.1:4200/api` and serve again"
         )
     _check_servers(cfg, args.config)
-    from posttrain.flows.pipeline import posttrain_pipeline
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     name = args.name or cfg.name
     print(f"serving deployment 'posttrain-pipeline/{name}' on cron '{args.cron}' (Ctrl-C stops)")
@@ -851,7 +851,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler.addFilter(_quiet_prefect(level))
     previous_opt_in = os.environ.get(CUSTOM_CODE_ENV)
     if getattr(args, "allow_custom_code", False):
-        allow_custom_code()  # in the environment: Prefect's task threads and child processes see it too
+        allow_custom_code()  # in the environment: the flow's worker processes see it too
     for action, message, category, module in QUIET_WARNINGS:
         warnings.filterwarnings(action, message=message, category=category, module=module)
     try:

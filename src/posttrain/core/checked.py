@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import hashlib
 import json
 import os
 import secrets
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from posttrain.core.hashing import package_versions, sha256_file, stable_hash
+from posttrain.core.hashing import package_versions, stable_hash
 from posttrain.core.redact import redact
 from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
 
@@ -66,7 +67,7 @@ _versions = functools.cache(package_versions)  # once per process: versions do n
 
 @functools.cache
 def _source_digest(source: str) -> str:
-    return sha256_file(Path(source))
+    return hashlib.sha256(Path(source).read_bytes()).hexdigest()
 
 
 def _key(name: str, options: Any, packages: Sequence[str], source: str) -> str | None:

@@ -49,6 +49,7 @@ from pydantic import (
 
 from posttrain.core.errors import ConfigError, yaml_boolean_hint
 from posttrain.core.inputs import YAMLLimitError, check_config_values, load_yaml_bounded, path_problem
+from posttrain.core.keep_best import SelectMetric, check_selection
 from posttrain.core.library_policy import check_attn_implementation, check_server_args
 from posttrain.core.metric_names import is_ops_slice
 from posttrain.core.peft_options import (
@@ -59,7 +60,6 @@ from posttrain.core.peft_options import (
 )
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, FEW_SHOT_EXAMPLES
 from posttrain.core.redact import redact
-from posttrain.core.selection import SelectMetric, check_selection
 from posttrain.core.stage_defaults import from_defaults, inherited_keys, merge_stage, written_location
 from posttrain.core.trainer_options import TRAINER_DEFAULTS, generation_blockers, validate_trainer_options
 
@@ -337,7 +337,7 @@ class LoraConfig(StrictModel):
 
 
 _SELECTION_KEYS = ("keep", "select_metric", "patience")
-"""Every stage's checkpoint selection (posttrain.core.selection): left out of its hash while unset."""
+"""Every stage's checkpoint selection (posttrain.core.keep_best): left out of its hash while unset."""
 
 
 class _StageWithTrainer(StrictModel):
@@ -347,14 +347,14 @@ class _StageWithTrainer(StrictModel):
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _LAUNCH_RENAMED
     launch: LaunchOverride | None = None
     """How this stage is launched, over the top-level ``launch:`` section; only the number of
-    processes enters the stage's cache key (see posttrain.pipeline.keys)."""
+    processes enters the stage's cache key (see posttrain.cache.keys)."""
     lora: LoraConfig | None = None
     """This stage's own ``model.lora``: a mapping trains a LoRA adapter, ``null`` the full model;
     absent, the stage follows ``model.lora`` (see :meth:`PipelineConfig.model_for`)."""
     keep: Literal["last", "best"] = "last"
     """The stage's output: its last step's policy, or (``best``) the checkpoint that scored highest on
     ``select_metric`` in the in-training evaluations (``eval_every``) of the selection slice
-    (``data.selection_size``). See posttrain.core.selection."""
+    (``data.selection_size``). See posttrain.core.keep_best."""
     select_metric: SelectMetric = "accuracy"
     """What ``keep: best`` maximises: strict ``accuracy``, ``accuracy_flexible`` or ``format``."""
     patience: int | None = Field(None, ge=1)
@@ -936,12 +936,12 @@ class OrchestrationConfig(StrictModel):
     shared_store: str | None = None
     """An fsspec URL (``file:///mnt/shared/posttrain``, ``s3://bucket/posttrain``) where finished step
     outputs are shared between workers: pulled into ``store`` when missing, pushed when finished
-    (:mod:`posttrain.pipeline.shared`)."""
+    (:mod:`posttrain.cache.shared`)."""
     concurrent_evals: bool = False
-    """The Prefect flow submits each evaluation to its task runner and trains the next stage while
-    it runs, and waits for them all before it ends (the MLflow eval runs are written then). Off by
-    default: on one device an evaluation beside a training stage only slows both; set
-    ``gpu_slots`` to queue them for the device instead. Changes no cache key."""
+    """The Prefect flow runs each evaluation in a worker process (Prefect's process pool) and trains
+    the next stage meanwhile; an evaluation's record and MLflow run are written once it ends, and the
+    flow waits for them all before it ends. Off by default: on one device an evaluation beside a training stage
+    only slows both; set ``gpu_slots`` to queue them for the device instead. Changes no cache key."""
     gpu_slots: int | None = Field(default=None, ge=1)
     """At most this many posttrain steps run at once on this Prefect server: every training and
     evaluation task carries the tag ``gpu``, and the flow sets Prefect's tag concurrency limit
@@ -1141,7 +1141,8 @@ _KEYED_MESSAGE = re.compile(r"^[a-z_]+(\.[a-z0-9_]+)*: ")
 
 
 def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
-    """Validate a config mapping against the schema (TRL options included, reward names not)."""
+    """A config mapping checked against the schema (TRL options included, reward names not): the
+    schema step of :func:`posttrain.pipeline.load_config`, which loads a config for a run."""
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
@@ -1149,11 +1150,8 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfi
 
 
 def read_config_mapping(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """The config file as a mapping with overrides applied, not yet validated.
-
-    Validation imports TRL (seconds); callers that only need a cheap section first, such as the
-    store location, read it from here and validate that section alone.
-    """
+    """The config file as a mapping with overrides applied, not yet validated (the first step of
+    :func:`posttrain.pipeline.load_config`)."""
     path = Path(path)
     if path.exists() and (problem := path_problem(path, "file")):
         raise ConfigError(f"{path}: cannot read config: it {problem}")  # a FIFO would block forever

@@ -56,7 +56,7 @@ _RENAMED_TRAINER_KEYS = {
     "max_prompt_length": "TRL 1.16 never truncates prompts; use data.max_prompt_tokens",
 }
 
-# Checkpoints, so a killed stage resumes (posttrain.training.runner): every tenth of the stage
+# Checkpoints, so a killed stage resumes (posttrain.training.stage_run): every tenth of the stage
 # (a ratio suits a 20-step CPU stage and a 2,000-step GPU stage alike: at most a tenth of the work is
 # lost, and a stage writes about ten checkpoints whatever its length), only the newest kept. The
 # trainer deletes the previous checkpoint only after the new one is complete.

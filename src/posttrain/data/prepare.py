@@ -7,7 +7,7 @@ evaluation set, is the failure this module exists to make visible.
 
 With ``selection_size``, a *selection slice* is cut from the training records after the held-out
 split: records a stage evaluates itself on while it trains, to keep its best checkpoint
-(``keep: best``, :mod:`posttrain.core.selection`). It is never trained on, decontaminated against
+(``keep: best``, :mod:`posttrain.core.keep_best`). It is never trained on, decontaminated against
 every evaluation question like the training records, and checked disjoint from the held-out and
 training records by id (:func:`check_disjoint`): choosing a checkpoint on the questions the final
 evaluation asks would overstate the gain.

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from posttrain.core.metric_names import interval_names
-from posttrain.core.scoring import SampleScore, canonical_gold, score_completion
+from posttrain.core.sample_score import SampleScore, canonical_gold, score_completion
 from posttrain.core.stats import fraction_interval
 
 __all__ = [

@@ -54,7 +54,6 @@ from posttrain.generation.engine import (
 )
 from posttrain.generation.tools import engine_tool
 from posttrain.generation.transformers_compat import no_init_weights
-from posttrain.models.building import building_models
 from posttrain.models.peft_compat import effective_state_dict
 
 logger = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class ShadowPolicy:
 
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         # every weight is overwritten by sync(); random init would cost ~1 s
-        with building_models(), no_init_weights():
+        with no_init_weights():
             self.model = AutoModelForCausalLM.from_config(base.config, dtype=dtype).eval()
         self.model.generation_config = base.generation_config
         self.model.requires_grad_(False)

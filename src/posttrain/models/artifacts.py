@@ -36,12 +36,12 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.cache.digests import sha256_file
 from posttrain.core.errors import StageError
-from posttrain.core.hashing import jsonable, package_versions, sha256_file
+from posttrain.core.hashing import jsonable, package_versions
 from posttrain.core.redact import redact
 from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
 from posttrain.models.datasets_compat import dataset_fingerprint
@@ -63,28 +63,6 @@ _NOT_POLICY = {
     "training_args.bin",
 }
 _NOT_POLICY_DIRS = ("completions", "checkpoint-", "runs")
-
-
-@dataclass(frozen=True)
-class StageResult:
-    """The small, picklable summary a stage returns (the pipeline caches and tracks it)."""
-
-    stage: str
-    """`sft`, `dpo` or `grpo-<name>`."""
-    output_dir: str
-    metrics: Mapping[str, float | int]
-    fingerprints: Mapping[str, str]
-    """`input_model`, `data`, `config` (the stage section) and `output` (the policy written)."""
-    alerts: tuple[Mapping[str, Any], ...] = ()
-    duration_s: float = 0.0
-    samples: tuple[str, ...] = ()
-    """Sample-completion files, relative to ``output_dir`` (GRPO only)."""
-    artifact: str = "merged"
-    """`merged` (LoRA folded in), `full` (full fine-tuning) or `adapter` (needs ``adapter_base``)."""
-    adapter_base: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------- fingerprints

@@ -17,7 +17,6 @@ from typing import Any
 from posttrain.core.errors import ModelError, StageError
 from posttrain.core.peft_options import build_lora_config
 from posttrain.models.artifacts import STAGE_FILE, adapter_root, is_adapter_dir, read_stage_json
-from posttrain.models.building import building_models
 from posttrain.models.hardware import check_hardware, cuda_available, resolve_dtype
 from posttrain.models.resolve import resolve_model_path
 
@@ -89,8 +88,7 @@ def load_model_and_tokenizer(
     if cuda_available():
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     try:
-        with building_models():
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load model {name_or_path} from {path}: {exc}") from exc
     tokenizer = load_tokenizer(path, revision, padding_side="right" if for_training else "left")
@@ -152,8 +150,7 @@ def load_stage_model(
         attn_implementation=attn_implementation,
         revision=revision,
     )
-    with building_models():
-        model = PeftModel.from_pretrained(model, path).merge_and_unload()
+    model = PeftModel.from_pretrained(model, path).merge_and_unload()
     tokenizer = load_tokenizer(path, padding_side="right" if for_training else "left")
     if not for_training:
         model = model.to(resolve_dtype(precision)).eval()

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.cache.digests import sha256_file
 from posttrain.core.errors import ModelError
-from posttrain.core.hashing import sha256_file
-from posttrain.models.building import building_models
 from posttrain.models.tiny import build_tiny_model
 
 logger = logging.getLogger(__name__)
@@ -100,8 +99,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> Path:
     logger.info("converting %s to a safetensors HF directory (once; ~20 s)", gguf_path.name)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=output_dir.parent))
     try:
-        with building_models():
-            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         # save_pretrained refuses a GGUF-loaded model while its quantizer is attached; the weights
         # are already dequantized, so dropping it is lossless.

@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from posttrain.models.building import building_models
-
 logger = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "tiny-random"
@@ -98,8 +96,7 @@ def build_tiny_model(output_dir: str | Path, seed: int = 0) -> Path:
         bos_token_id=None,
     )
     torch.manual_seed(seed)
-    with building_models():
-        model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

@@ -1,5 +1,5 @@
-"""The pipeline layer: a typed plan of steps built from a config, the store its outputs live in,
-the cache keys that name them, and config loading with every check the lower layers allow.
+"""The pipeline layer: a typed plan of steps built from a config, what each step runs, how a
+training stage is launched, and config loading with every check the lower layers allow.
 
 No Prefect here: ``flows/`` and ``tasks/`` run this plan under Prefect; ``--dry-run`` prints it.
 """

@@ -36,13 +36,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.cache.records import RecordError, read_output_result
 from posttrain.core.config import LaunchConfig, PipelineConfig
 from posttrain.core.errors import ConfigError, HardwareError, StageError
 from posttrain.core.inputs import load_yaml_bounded, path_problem
 from posttrain.core.processes import stop_process_group
-from posttrain.models.artifacts import StageResult
+from posttrain.core.results import StageResult
 from posttrain.models.hardware import cuda_available
-from posttrain.pipeline.records import RecordError, read_output_result
 
 logger = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 :func:`build_plan` turns a config into an ordered tuple of :class:`Step` objects: prepare the data,
 evaluate the base model, then each training stage followed by its evaluation. Everything that
-needs the pipeline's shape reads this one object: the Prefect flow runs it (``flows/pipeline.py``),
-``--dry-run`` prints it (:func:`dry_run`), tracking names its nested runs after ``Step.name`` and
+needs the pipeline's shape reads this one object: the Prefect flow runs it (``flows/pipeline_flow.py``),
+``--dry-run`` prints it (:func:`preview`), tracking names its nested runs after ``Step.name`` and
 tags them with ``Step.kind``, and ``--force`` checks its step names. Adding a kind of training stage
-is one :class:`TrainStep` entry in :data:`TRAIN_KINDS` plus its stage function.
+is one :class:`TrainStep` subclass in :data:`TRAIN_KINDS` whose ``train`` calls its stage function.
 
 :meth:`Plan.walk` visits the steps in order with each step's inputs and cache key: the current
 model (the base model, then each training stage's output) and the prepared data. A visitor that
@@ -19,37 +19,35 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
+from posttrain.cache import keys
+from posttrain.cache.digests import fingerprint_tree, remembered_digests
+from posttrain.cache.planner import dry_run
+from posttrain.cache.records import StoreRecords
+from posttrain.cache.store import Store
 from posttrain.core.config import PipelineConfig
 from posttrain.core.errors import ConfigError, PosttrainError
-from posttrain.core.hashing import fingerprint_tree, remembered_digests
+from posttrain.core.results import DataResult, EvalResult, StageResult
 from posttrain.core.untrusted import note_unreadable
 from posttrain.evaluation.report import EvalReport
-from posttrain.models.artifacts import StageResult, fingerprint_dir, is_complete_stage, read_stage_json
-from posttrain.pipeline import keys, steps
-from posttrain.pipeline.launcher import launch_stage
-from posttrain.pipeline.records import RecordError, StoreRecords, path_outside, read_output_result
-from posttrain.pipeline.shared import SharedStore
-from posttrain.pipeline.steps import DataResult, EvalResult, ModelRef
-from posttrain.pipeline.store import Store
+from posttrain.models.artifacts import fingerprint_dir, is_complete_stage, read_stage_json
+from posttrain.pipeline import steps
+from posttrain.pipeline.launcher import launch_stage, world_size
+from posttrain.pipeline.steps import ModelRef, evaluation_inputs, in_training_records, load_data
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "TRAIN_KINDS",
-    "preview",
-    "CacheRecords",
     "DataStep",
-    "Decision",
     "EvalStep",
     "Plan",
-    "Planner",
     "Step",
     "StepInputs",
     "TrainStep",
     "build_plan",
-    "dry_run",
+    "preview",
 ]
 
 
@@ -155,8 +153,9 @@ class TrainStep(Step):
         assert inputs.data is not None, "a training step runs after the data step"
         data = inputs.data
         selection = str(data.stats.get("selection_fingerprint", ""))
+        processes = world_size(cfg, self.section(cfg))
         return keys.train_identity(
-            cfg, self.name, inputs.model.fingerprint, data.train_fingerprint, selection
+            cfg, self.name, inputs.model.fingerprint, data.train_fingerprint, selection, processes
         )
 
     def output_dir(self, store: Store, key: str) -> Path:
@@ -209,7 +208,20 @@ class SFTStep(TrainStep):
     name: str = "sft"
 
     def train(self, cfg, model, data, output_dir, report_to):
-        return steps.sft_step(cfg, model, data, output_dir, report_to)
+        """Supervised fine-tuning on the prepared train split, from ``model`` into ``output_dir``."""
+        from posttrain.training.sft import run_sft  # heavy: torch, transformers, TRL
+
+        prepared = load_data(data)
+        return run_sft(
+            cfg.sft,
+            cfg.model_for(cfg.sft),
+            model.path,
+            prepared.train,
+            output_dir,
+            seed=cfg.seed,
+            report_to=report_to,
+            **evaluation_inputs(cfg, cfg.sft, prepared),
+        )
 
 
 @dataclass(frozen=True)
@@ -218,7 +230,20 @@ class DPOStep(TrainStep):
     name: str = "dpo"
 
     def train(self, cfg, model, data, output_dir, report_to):
-        return steps.dpo_step(cfg, model, data, output_dir, report_to)
+        """DPO on pairs sampled from ``model`` itself (on-policy), into ``output_dir``."""
+        from posttrain.training.dpo import run_dpo  # heavy: torch, transformers, TRL
+
+        prepared = load_data(data)
+        return run_dpo(
+            cfg.dpo,
+            cfg.model_for(cfg.dpo),
+            model.path,
+            prepared.train,
+            output_dir,
+            seed=cfg.seed,
+            report_to=report_to,
+            **evaluation_inputs(cfg, cfg.dpo, prepared),
+        )
 
 
 @dataclass(frozen=True)
@@ -226,7 +251,26 @@ class GRPOStep(TrainStep):
     kind: ClassVar[str] = "grpo"
 
     def train(self, cfg, model, data, output_dir, report_to):
-        return steps.grpo_step(cfg, self.section(cfg), model, data, output_dir, report_to)
+        """One GRPO stage, from ``model`` (the previous stage's output) into ``output_dir``.
+
+        With ``eval_every`` the stage also reads the selection slice, else the held-out split (cut
+        from the same records as the train split, whose fingerprint is in the stage's key; ``keep:
+        best`` adds the selection slice's own, see posttrain.cache.keys).
+        """
+        from posttrain.training.grpo import run_grpo_stage  # heavy: torch, transformers, TRL
+
+        stage_cfg, prepared = self.section(cfg), load_data(data)
+        return run_grpo_stage(
+            stage_cfg,
+            cfg.model_for(stage_cfg),
+            model.path,
+            prepared.train,
+            output_dir,
+            seed=cfg.seed,
+            report_to=report_to,
+            heldout=in_training_records(prepared, stage_cfg),
+            vllm_server_cfg=cfg.vllm_server,
+        )
 
 
 TRAIN_KINDS: dict[str, type[TrainStep]] = {"sft": SFTStep, "dpo": DPOStep, "grpo": GRPOStep}
@@ -362,207 +406,6 @@ def build_plan(cfg: PipelineConfig) -> Plan:
         if cfg.eval.after_each_stage or i == len(stages) - 1:
             plan.append(EvalStep(name))
     return Plan(cfg, tuple(plan))
-
-
-# --------------------------------------------------------------------------- cache decisions
-
-
-class CacheRecords(Protocol):
-    """Where cached step results are kept (JSON records in the store: :mod:`posttrain.pipeline.records`)."""
-
-    def exists(self, key: str) -> bool: ...
-
-    def read(self, key: str, kind: str | None = None) -> Any: ...
-
-    def code_of_lineage(self, lineage: str) -> dict[str, str] | None:
-        """The code fingerprint files of the latest record of this lineage (None: no such record)."""
-        ...
-
-
-@dataclass(frozen=True)
-class Decision:
-    status: str
-    """`cached` or `run`."""
-    reason: str
-    result: Any = field(default=None, compare=False, repr=False)
-    """The verified cached result when `cached`."""
-    adopted: bool = False
-    """`cached` from a complete output whose cache record is missing: the caller writes the record."""
-
-
-class Planner:
-    """Which steps run and which are served from cache, and why: used by the flow and by ``--dry-run``.
-
-    A step is cached when the records hold a result under its key and the output that result points
-    to is still there, unmodified. With the ``store``, a step whose record is missing but whose
-    output is there (a kill fell between the output's rename and its record) is *adopted*: the
-    result the output carries is checked like a cached one (content fingerprint, inputs, path) and
-    used instead of recomputing; an output that fails the check is recomputed and replaced.
-    ``--force STEP`` reruns that step and everything after it: a forced retrain may produce
-    identical weights, and the user asked for the rest too.
-    """
-
-    def __init__(
-        self,
-        plan: Plan,
-        records: CacheRecords,
-        force: Sequence[str] = (),
-        store: Store | None = None,
-        shared: SharedStore | None = None,
-    ):
-        plan.check_force(force)
-        self.plan, self.records, self.force, self.store = plan, records, set(force), store
-        self.shared = shared
-        """With a shared store, an output missing here is pulled from it, then adopted (verified)."""
-        self.forced_from: str | None = None
-
-    def cached_result(self, step: Step, key: str) -> Any | None:
-        """The cached result under ``key`` if its output is intact, else None."""
-        return self._lookup(step, key)[0]
-
-    def _lookup(self, step: Step, key: str, inputs: StepInputs | None = None) -> tuple[Any | None, str]:
-        """(result, "") for a usable cache entry, else (None, why not)."""
-        if not self.records.exists(key):
-            return None, self._unrecorded_output(step, key) or self._why_missing(step, inputs)
-        try:
-            result = self.records.read(key, step.kind)
-        except Exception as exc:  # an unreadable record is a cache miss, never a crash
-            note_unreadable(f"cache record {key} is unreadable ({exc})")
-            return None, "cache record unreadable"
-        if (outside := self._outside(step, key, result)) is not None:
-            note_unreadable(f"cache record {key}: names {outside}, outside the store {self._root}")
-            return None, "cache record points outside the store"
-        if not self._verified(step, result, inputs):
-            return None, "cached output missing or modified"
-        return result, ""
-
-    @property
-    def _root(self) -> Path | None:
-        return self.store.root if self.store is not None else None
-
-    def _outside(self, step: Step, key: str, result: Any) -> str | None:
-        """A path of ``result`` that is not where this store keeps ``key``'s output (None: all are).
-        Records and ``.result.json`` files are store contents: they may name any folder on the
-        machine, and a cached output is served only from inside the store."""
-        if self.store is None:
-            return None
-        expected = str(step.output_dir(self.store, key).resolve())
-        if step.output_of(result) != expected:
-            return step.output_of(result)
-        return path_outside(result, self.store.root)
-
-    def _verified(self, step: Step, result: Any, inputs: StepInputs | None) -> bool:
-        """The output is intact and made from ``inputs``; damaged store contents (a malformed
-        ``stage.json`` or report) are a miss, logged once, never a crash."""
-        try:
-            if inputs is not None and not step.made_from(result, inputs):
-                return False
-            return step.output_is_valid(result)
-        except (
-            PosttrainError,
-            OSError,
-            ValueError,
-            KeyError,
-            TypeError,
-            AttributeError,
-            RecursionError,
-        ) as exc:
-            note_unreadable(f"{step.output_of(result)}: {exc}")
-            return False
-
-    def adoptable(self, step: Step, key: str, inputs: StepInputs) -> Any | None:
-        """The verified result of ``step``'s output under ``key`` when it has no cache record, else None."""
-        if self.store is None or self.records.exists(key):
-            return None
-        out = step.output_dir(self.store, key)
-        try:
-            result = read_output_result(step.kind, out)
-        except RecordError as exc:
-            if out.exists():
-                note_unreadable(exc)
-            return None
-        if (outside := self._outside(step, key, result)) is not None:
-            note_unreadable(f"{out}: its result names {outside}, outside the store {self._root}")
-            return None
-        return result if self._verified(step, result, inputs) else None
-
-    def _pull(self, step: Step, key: str) -> bool:
-        """Download ``key``'s output from the shared store when this store has neither record nor output."""
-        if self.shared is None or self.store is None or self.records.exists(key):
-            return False
-        output_dir = step.output_dir(self.store, key)
-        return not output_dir.exists() and self.shared.pull(step.kind, key, output_dir)
-
-    def _unrecorded_output(self, step: Step, key: str) -> str:
-        """Why an output without a record is not adopted ("" when there is no such output)."""
-        if self.store is None or not step.output_dir(self.store, key).exists():
-            return ""
-        return "output without a cache record failed verification: recomputing"
-
-    def _why_missing(self, step: Step, inputs: StepInputs | None) -> str:
-        """No record under the key: say so, or that only the code changed since the last one."""
-        missing = "no cache entry for these inputs/config"
-        lookup = getattr(self.records, "code_of_lineage", None)
-        if inputs is None or lookup is None:
-            return missing
-        identity = step.identity(self.plan.config, inputs)
-        before = lookup(identity.lineage)
-        if before is None:
-            return missing
-        changed = identity.code.changed(before)
-        if not changed:
-            return missing
-        more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
-        return f"code changed: {', '.join(changed[:3])}{more}"
-
-    def decide(self, step: Step, key: str, inputs: StepInputs | None = None) -> Decision:
-        if step.name in self.force and self.forced_from is None:
-            self.forced_from = step.name
-        if self.forced_from is not None:
-            why = "forced" if step.name == self.forced_from else f"after forced {self.forced_from}"
-            return Decision("run", why)
-        if not self.plan.config.orchestration.cache:
-            return Decision("run", "caching disabled (orchestration.cache: false)")
-        pulled = inputs is not None and self._pull(step, key)
-        if inputs is not None and (adopted := self.adoptable(step, key, inputs)) is not None:
-            why = (
-                "pulled from the shared store"
-                if pulled
-                else "complete output adopted (its cache record was missing)"
-            )
-            return Decision("cached", why, adopted, True)
-        result, why = self._lookup(step, key, inputs)
-        if result is None:
-            return Decision("run", why)
-        return Decision("cached", f"cache hit {key[:12]}", result)
-
-
-def dry_run(
-    plan: Plan, records: CacheRecords, base: ModelRef, force: Sequence[str] = (), store: Store | None = None
-) -> list[tuple[str, str, str]]:
-    """(step, status, reason) for every step of ``plan``, without running anything.
-
-    Keys downstream of a step that would run depend on that step's new output, so those steps are
-    reported as `run` with the upstream step named. With ``store``, outputs whose record is missing
-    are shown as they would be adopted (nothing is written).
-    """
-    planner = Planner(plan, records, force, store)
-    rows: list[tuple[str, str, str]] = []
-    upstream: list[str] = []
-
-    def visit(step: Step, key: str | None, inputs: StepInputs) -> Any:
-        if key is None:
-            rows.append((step.name, "run", f"after {upstream[0]} reruns"))
-            return None
-        decision = planner.decide(step, key, inputs)
-        rows.append((step.name, decision.status, decision.reason))
-        result = decision.result
-        if result is None and step.feeds_downstream and not upstream:
-            upstream.append(step.name)
-        return result
-
-    plan.walk(base, visit)
-    return rows
 
 
 def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:

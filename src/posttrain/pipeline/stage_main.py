@@ -2,7 +2,7 @@
 
 ``python -m posttrain.pipeline.stage_main <request.json>``: every rank rebuilds the plan from the
 request and runs the step's stage function, exactly as the in-process launcher would; the stage
-itself (posttrain.training.runner) lets rank 0 alone prepare and write the output folder.
+itself (posttrain.training.stage_run) lets rank 0 alone prepare and write the output folder.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from posttrain.core.config import PipelineConfig
+from posttrain.core.results import DataResult
 from posttrain.pipeline.plan import TrainStep, build_plan
-from posttrain.pipeline.steps import DataResult, ModelRef
+from posttrain.pipeline.steps import ModelRef
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""The pipeline's steps as plain functions: what each plan step runs, callable without Prefect.
+"""What the data and evaluation steps run, and what every step reads: the base model, the prepared data.
 
 Each step takes the resolved config, its inputs as paths/fingerprints, and the directory to write,
-and returns a small frozen result (:class:`DataResult`, :class:`EvalResult` or the stage's
-:class:`~posttrain.models.artifacts.StageResult`). Which step runs when, and under which cache
-key, is the plan's business (:mod:`posttrain.pipeline.plan`).
+and returns a small frozen result (:mod:`posttrain.core.results`). The training stages' own calls
+are their plan steps' ``train`` (:mod:`posttrain.pipeline.plan`), which also says which step runs
+when. Callable without Prefect.
 """
 
 from __future__ import annotations
@@ -11,18 +11,19 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from posttrain.cache.digests import fingerprint_tree
 from posttrain.core.atomic import staging_dir, write_result
-from posttrain.core.config import EvalConfig, GRPOStageConfig, PipelineConfig
+from posttrain.core.config import EvalConfig, PipelineConfig
 from posttrain.core.errors import ConfigError
-from posttrain.core.hashing import fingerprint_tree
 from posttrain.core.metric_names import qualify_metrics
 from posttrain.core.prompts import select_few_shot
+from posttrain.core.results import DataResult, EvalResult
 from posttrain.data.eval_sets import load_eval_records
-from posttrain.models.artifacts import StageResult, fingerprint_model
+from posttrain.models.artifacts import fingerprint_model
 from posttrain.models.loading import load_stage_model, load_tokenizer
 from posttrain.models.resolve import resolve_model_path
 
@@ -44,79 +45,7 @@ class ModelRef:
     fingerprint: str
 
 
-@dataclass(frozen=True)
-class DataResult:
-    data_dir: str
-    train_fingerprint: str
-    eval_fingerprint: str
-    stats: dict[str, Any] = field(default_factory=dict)
-    output_fingerprint: str = ""
-    """Content hash of ``data_dir`` when written (:func:`~posttrain.core.hashing.fingerprint_tree`)."""
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    stage: str
-    """The stage whose output was evaluated (`baseline`, `sft`, `grpo-format`, ...)."""
-    report_dir: str
-    summary: dict[str, float]
-    """The primary set's metrics: its report's summary plus accuracy per number of operations."""
-    timings: dict[str, float]
-    model_fingerprint: str
-    output_fingerprint: str = ""
-    """Content hash of ``report_dir`` (extra sets' reports included) when written
-    (:func:`~posttrain.core.hashing.fingerprint_tree`)."""
-    sets: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Extra set name → its metrics, named as the primary's are; its report is ``report_dir/<name>``."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def metrics(self) -> dict[str, float]:
-        """Every set's metrics under their final names: ``accuracy_strict``, ``accuracy_strict/ops_1``,
-        ``accuracy_strict/<set>``, ... (see :mod:`posttrain.core.metric_names`)."""
-        out = {}
-        for name, _, metrics in self.reports():
-            out.update(qualify_metrics(metrics, name))
-        return out
-
-    def reports(self) -> list[tuple[str | None, str, dict[str, float]]]:
-        """(set name, None for the primary; its report folder; its metrics) of every evaluation set."""
-        extra = [(name, str(Path(self.report_dir) / name), m) for name, m in self.sets.items()]
-        return [(None, self.report_dir, self.summary), *extra]
-
-
 # --------------------------------------------------------------------------- steps
-
-
-# The heavy libraries' classes the steps reach through lazy modules (``trl``, ``transformers`` and
-# ``peft`` resolve a name by importing its submodule on first access).
-_LAZY_EXPORTS = {
-    "trl": ("SFTConfig", "SFTTrainer", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer"),
-    "transformers": (
-        "AutoModelForCausalLM",
-        "AutoTokenizer",
-        "GenerationConfig",
-        "DynamicCache",
-        "Trainer",
-        "TrainerCallback",
-        "PreTrainedTokenizerFast",
-    ),
-    "peft": ("LoraConfig", "PeftModel"),
-}
-
-
-def import_step_libraries() -> None:
-    """Resolve the lazily exported classes the steps use, in this thread, before steps run in
-    several threads at once (a sweep's side-by-side points): two threads making the first access
-    to one of them at the same time can see a half-initialised module, and one fails with
-    ``ImportError: cannot import name 'SFTConfig' from 'trl'``."""
-    import importlib
-
-    for module, names in _LAZY_EXPORTS.items():
-        lib = importlib.import_module(module)
-        for name in names:
-            getattr(lib, name)
 
 
 def base_model(cfg: PipelineConfig) -> ModelRef:
@@ -254,44 +183,6 @@ def eval_step(
     return result
 
 
-def sft_step(
-    cfg: PipelineConfig, model: ModelRef, data: DataResult, output_dir: str | Path, report_to: Any = "none"
-) -> StageResult:
-    """Supervised fine-tuning on the prepared train split, from ``model`` into ``output_dir``."""
-    from posttrain.training.sft import run_sft  # heavy: torch, transformers, TRL
-
-    prepared = load_data(data)
-    return run_sft(
-        cfg.sft,
-        cfg.model_for(cfg.sft),
-        model.path,
-        prepared.train,
-        output_dir,
-        seed=cfg.seed,
-        report_to=report_to,
-        **_evaluation_inputs(cfg, cfg.sft, prepared),
-    )
-
-
-def dpo_step(
-    cfg: PipelineConfig, model: ModelRef, data: DataResult, output_dir: str | Path, report_to: Any = "none"
-) -> StageResult:
-    """DPO on pairs sampled from ``model`` itself (on-policy), into ``output_dir``."""
-    from posttrain.training.dpo import run_dpo  # heavy: torch, transformers, TRL
-
-    prepared = load_data(data)
-    return run_dpo(
-        cfg.dpo,
-        cfg.model_for(cfg.dpo),
-        model.path,
-        prepared.train,
-        output_dir,
-        seed=cfg.seed,
-        report_to=report_to,
-        **_evaluation_inputs(cfg, cfg.dpo, prepared),
-    )
-
-
 def in_training_records(prepared: PreparedData, section: Any) -> Any:
     """What a stage with ``eval_every`` evaluates as it trains: the selection slice when the data has
     one (never the set the final evaluation reports), else the held-out split; None without
@@ -301,39 +192,9 @@ def in_training_records(prepared: PreparedData, section: Any) -> Any:
     return prepared.selection if prepared.selection is not None else prepared.eval
 
 
-def _evaluation_inputs(cfg: PipelineConfig, section: Any, prepared: PreparedData) -> dict[str, Any]:
+def evaluation_inputs(cfg: PipelineConfig, section: Any, prepared: PreparedData) -> dict[str, Any]:
     """SFT's and DPO's in-training evaluation: its records and generation limit (the final evaluation's)."""
     return {
         "selection": in_training_records(prepared, section),
         "eval_max_new_tokens": cfg.eval.max_completion_length,
     }
-
-
-def grpo_step(
-    cfg: PipelineConfig,
-    stage_cfg: GRPOStageConfig,
-    model: ModelRef,
-    data: DataResult,
-    output_dir: str | Path,
-    report_to: Any = "none",
-) -> StageResult:
-    """One GRPO stage, from ``model`` (the previous stage's output) into ``output_dir``.
-
-    With ``eval_every`` the stage also reads the selection slice, else the held-out split (cut from
-    the same records as the train split, whose fingerprint is in the stage's key; ``keep: best``
-    adds the selection slice's own, see posttrain.pipeline.keys).
-    """
-    from posttrain.training.grpo import run_grpo_stage  # heavy: torch, transformers, TRL
-
-    prepared = load_data(data)
-    return run_grpo_stage(
-        stage_cfg,
-        cfg.model_for(stage_cfg),
-        model.path,
-        prepared.train,
-        output_dir,
-        seed=cfg.seed,
-        report_to=report_to,
-        heldout=in_training_records(prepared, stage_cfg),
-        vllm_server_cfg=cfg.vllm_server,
-    )

@@ -13,7 +13,7 @@ from typing import Any
 
 from posttrain.core.config import PipelineConfig, parse_config, read_config_mapping
 from posttrain.core.errors import ConfigError
-from posttrain.core.inputs import check_config_values, path_problem
+from posttrain.core.inputs import path_problem
 from posttrain.core.library_policy import import_named
 from posttrain.pipeline.input_checks import (
     check_bounds,
@@ -34,7 +34,6 @@ __all__ = [
     "check_vllm_server",
     "load_config",
     "managed_vllm_stages",
-    "validate_config",
 ]
 
 
@@ -232,12 +231,13 @@ def _check_tool_template(cfg: PipelineConfig, source: str) -> None:
         ) from None
 
 
-def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
-    """A config mapping checked against the schema, the reward registry and the file system: what
-    the model, the files and the URIs it names are, and that its numbers are sensible
-    (:mod:`posttrain.pipeline.input_checks`). Nothing is written, no server is asked."""
-    check_config_values(raw, source)  # a mapping from elsewhere than a file (a deployment's parameters)
-    cfg = parse_config(raw, source)
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConfig:
+    """The one way to load a pipeline config: the YAML file with ``--set`` style overrides applied,
+    checked against the schema (:func:`~posttrain.core.config.parse_config`), the reward registry
+    and the file system: what the model, the files and the URIs it names are, and that its numbers
+    are sensible (:mod:`posttrain.pipeline.input_checks`). Nothing is written, no server is asked."""
+    source = str(path)
+    cfg = parse_config(read_config_mapping(path, overrides), source)
     check_bounds(cfg, source)
     check_rewards(cfg, source)
     check_tools(cfg, source)
@@ -249,8 +249,3 @@ def validate_config(raw: dict[str, Any], source: str = "<config>") -> PipelineCo
     check_tracking_uri(cfg, source)
     check_local_data(cfg)
     return cfg
-
-
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConfig:
-    """Load and validate a YAML pipeline config, applying ``--set`` style overrides first."""
-    return validate_config(read_config_mapping(path, overrides), str(path))

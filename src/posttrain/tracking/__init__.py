@@ -8,14 +8,15 @@ Layout in MLflow::
 
 Design choices, each forced by how MLflow and transformers behave (see ../shared/FACTS.md):
 
-* **Threads.** MLflow's active-run stack is thread-local and Prefect runs tasks in worker threads.
-  The parent run is therefore never "active": it is created and written with an explicit
-  ``MlflowClient`` and run id, so any thread may log to it. A stage run *is* started as the active
-  run (``mlflow.start_run(parent_run_id=...)``) in the thread that enters :meth:`Tracker.stage`,
-  because transformers' ``MLflowCallback`` logs into the active run of the thread calling
-  ``trainer.train()``: enter the stage inside the task that trains. With an active run the callback
-  neither starts a second run nor ends ours, unless ``MLFLOW_NESTED_RUN``/``MLFLOW_RUN_ID`` are
-  set; the stage hides those two variables while it is open.
+* **Active runs.** MLflow's active-run stack is thread-local, and the caller's own active run (a
+  notebook's, ``mlflow run``'s) is not ours. The parent run is therefore never "active": it is
+  created and written with an explicit ``MlflowClient`` and run id. A stage run *is* started as the
+  active run (``mlflow.start_run(parent_run_id=...)``) in the thread that enters
+  :meth:`Tracker.stage`, because transformers' ``MLflowCallback`` logs into the active run of the
+  thread calling ``trainer.train()``: enter the stage inside the task that trains. With an active
+  run the callback neither starts a second run nor ends ours, unless
+  ``MLFLOW_NESTED_RUN``/``MLFLOW_RUN_ID`` are set; the stage hides those two variables while it is
+  open.
 * **URI.** The callback logs through the global tracking URI, so :func:`start_pipeline_run` sets
   it (``mlflow.set_tracking_uri`` also exports ``$MLFLOW_TRACKING_URI``) and :meth:`Tracker.finish`
   restores the previous value, so nothing leaks into the next run or test.
@@ -33,6 +34,15 @@ from posttrain.tracking.compare import (
     format_comparison,
     plot_comparison,
 )
+from posttrain.tracking.logged_models import (
+    CHAMPION_ALIAS,
+    MODEL_ID_TAG,
+    Promotion,
+    StageModel,
+    models_of_runs,
+    promote_champion,
+    stage_models,
+)
 from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
     DEFAULT_TRACKING_URI,
@@ -43,20 +53,11 @@ from posttrain.tracking.mlflow_io import (
     resolve_tracking_uri,
     tracking_problem,
 )
-from posttrain.tracking.models import (
-    CHAMPION_ALIAS,
-    MODEL_ID_TAG,
-    Promotion,
-    StageModel,
-    models_of_runs,
-    promote_champion,
-    stage_models,
-)
-from posttrain.tracking.pipeline import (
+from posttrain.tracking.parent_run import (
     Tracker,
+    close_abandoned_runs,
     model_requirements,
     open_tracking_store,
-    side_by_side_runs,
     start_pipeline_run,
 )
 from posttrain.tracking.stage import StageRun
@@ -77,6 +78,7 @@ __all__ = [
     "RunSummary",
     "StageRun",
     "Tracker",
+    "close_abandoned_runs",
     "compare_runs",
     "experiment_name",
     "flatten_params",
@@ -85,7 +87,6 @@ __all__ = [
     "open_tracking_store",
     "plot_comparison",
     "resolve_tracking_uri",
-    "side_by_side_runs",
     "start_pipeline_run",
     "tracking_problem",
 ]

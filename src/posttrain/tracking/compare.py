@@ -5,8 +5,9 @@ reward histories) into plain dataclasses, so the CLI, a notebook or a test can u
 MLflow objects.
 
 Figures are bare ``matplotlib.figure.Figure`` objects, not pyplot ones: pyplot keeps global state
-and picks an interactive backend, which is neither thread-safe (Prefect tasks run in threads) nor
-available on a headless training machine; ``savefig`` on a bare figure renders with Agg. matplotlib is imported inside functions so ``posttrain validate`` stays fast.
+and picks an interactive backend, which is not available on a headless training machine;
+``savefig`` on a bare figure renders with Agg. matplotlib is imported inside functions so
+``posttrain validate`` stays fast.
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from urllib.parse import urlsplit
 from posttrain.core.config import PipelineConfig, TrackingConfig
 from posttrain.core.net import tcp_unreachable, unreachable
 from posttrain.core.redact import redact, redact_text
-from posttrain.models.building import between_trainings
 
 logger = logging.getLogger(__name__)
 
@@ -147,16 +146,12 @@ def git_commit() -> str | None:
 
 
 def flush_async_logging() -> None:
-    """Write out what transformers' MLflow callback queued (it logs asynchronously), between trainings.
-
-    MLflow's flush shuts its logging thread pools down and starts new ones, so a flush while a
-    stage trains in another thread (a sweep's other point, a concurrent evaluation's end) made that
-    training's next log fail (`cannot schedule new futures after shutdown`).
-    """
+    """Write out what transformers' MLflow callback queued (it logs asynchronously), as a stage's
+    run closes. MLflow's flush shuts its logging thread pools down and starts new ones: a process
+    trains one stage at a time, so no training logs through them meanwhile."""
     import mlflow  # heavy: deferred until needed
 
-    with between_trainings():
-        mlflow.flush_async_logging()
+    mlflow.flush_async_logging()
 
 
 def prompt_async_flush() -> None:

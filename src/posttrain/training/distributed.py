@@ -2,7 +2,7 @@
 
 Every rank runs the whole stage function; the trainers (TRL's, through accelerate) shard the data
 and average the gradients. What posttrain adds around them is done by rank 0 alone: readying the
-working folder and writing the output (:func:`posttrain.training.runner.execute_stage`). The
+working folder and writing the output (:func:`posttrain.training.stage_run.execute_stage`). The
 process group is the one accelerate sets up from the launcher's environment (``WORLD_SIZE``,
 ``RANK``, ``MASTER_ADDR``/``MASTER_PORT``): gloo on a CPU, NCCL on GPUs.
 

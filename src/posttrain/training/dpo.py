@@ -28,15 +28,15 @@ from typing import Any
 
 from posttrain.core.config import DPOStageConfig, ModelConfig
 from posttrain.core.errors import StageError
+from posttrain.core.keep_best import selection_trainer_options
 from posttrain.core.parsing import answers_match, parse_strict
 from posttrain.core.prompts import format_sft_target
-from posttrain.core.selection import selection_trainer_options
+from posttrain.core.results import StageResult
 from posttrain.generation.sampling import Samples, sample_completions
-from posttrain.models.artifacts import StageResult
-from posttrain.models.building import building_models
 from posttrain.models.loading import load_stage_model
 from posttrain.training import distributed
-from posttrain.training.runner import (
+from posttrain.training.selection import attach_evaluation, evaluation_records, selection_record
+from posttrain.training.stage_run import (
     StageContext,
     TrainOutcome,
     build_reward_funcs,
@@ -45,7 +45,6 @@ from posttrain.training.runner import (
     load_policy,
     trainer_arguments,
 )
-from posttrain.training.selection import attach_evaluation, evaluation_records, selection_record
 
 logger = logging.getLogger(__name__)
 
@@ -217,23 +216,22 @@ def run_dpo(
                 dpo_cfg, model_cfg, str(model_path), rows, ctx.seed, ctx.work_dir
             )
             distributed.barrier()
-        with building_models():
-            model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
-            args = DPOConfig(**trainer_arguments(ctx, {**options, **best}))
-            ref = {"ref_model": frozen_reference(model)} if peft_config is None else {}
-            # keep: best evaluates on the trainer's schedule, which needs an eval_dataset; the
-            # selection evaluation never reads it, and DPO rows are pairs: one of its own pairs.
-            placeholder = {"eval_dataset": pairs.select(range(1))} if best else {}
-            trainer = DPOTrainer(
-                model=model,
-                args=args,
-                train_dataset=pairs,
-                processing_class=tokenizer,
-                peft_config=peft_config,
-                **ref,
-                **placeholder,
-            )
-            quiet_console(trainer)
+        model, tokenizer, peft_config = load_policy(model_cfg, str(model_path))
+        args = DPOConfig(**trainer_arguments(ctx, {**options, **best}))
+        ref = {"ref_model": frozen_reference(model)} if peft_config is None else {}
+        # keep: best evaluates on the trainer's schedule, which needs an eval_dataset; the
+        # selection evaluation never reads it, and DPO rows are pairs: one of its own pairs.
+        placeholder = {"eval_dataset": pairs.select(range(1))} if best else {}
+        trainer = DPOTrainer(
+            model=model,
+            args=args,
+            train_dataset=pairs,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            **ref,
+            **placeholder,
+        )
+        quiet_console(trainer)
         if records is not None:
             attach_evaluation(trainer, dpo_cfg, records, stage="dpo", max_new_tokens=eval_max_new_tokens)
         carry_token_count(trainer, ctx.resume_from)

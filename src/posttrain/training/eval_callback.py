@@ -12,7 +12,7 @@ greedily when training starts (step 0), every N steps and at the last step, and 
 
 as their own row of the trainer's log at that step (``Trainer.log``): the MLflow callback puts them in
 the stage's run next to ``reward``, and the health monitor reads them (``reward_hacking``). Scoring is
-:func:`posttrain.core.scoring.score_completion`, the evaluator's, on the rewards' parser.
+:func:`posttrain.core.sample_score.score_completion`, the evaluator's, on the rewards' parser.
 
 It is cheap by construction: the slice is small (``eval_limit``, default 64), prompts are tokenized
 once, generation is one continuous batch of the engine (:mod:`posttrain.generation.engine`) with the
@@ -42,7 +42,7 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 
 from posttrain.core.errors import DataError
-from posttrain.core.scoring import score_completion
+from posttrain.core.sample_score import score_completion
 from posttrain.generation.engine import encode_prompts, generate_continuous, pad_token_id, stop_token_ids
 from posttrain.generation.rollout import ShadowRollout
 from posttrain.generation.tools import ChatToolLoop, make_tool

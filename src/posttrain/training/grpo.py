@@ -30,28 +30,28 @@ from typing import Any
 
 from posttrain.core.config import GRPOStageConfig, ModelConfig, VLLMServerConfig
 from posttrain.core.errors import StageError
+from posttrain.core.keep_best import selection_trainer_options
 from posttrain.core.net import free_port
-from posttrain.core.selection import selection_trainer_options
+from posttrain.core.results import StageResult
 from posttrain.generation.vllm_server import ServerAddress, vllm_server
-from posttrain.models.artifacts import StageResult, adapter_root
-from posttrain.models.building import building_models
+from posttrain.models.artifacts import adapter_root
 from posttrain.models.resolve import resolve_model_path
 from posttrain.training import distributed
 from posttrain.training.eval_callback import heldout_slice
 from posttrain.training.health import HealthCallback, HealthMonitor
-from posttrain.training.runner import (
+from posttrain.training.selection import (
+    attach_evaluation,
+    eval_dataset_kwargs,
+    records_dataset,
+    selection_record,
+)
+from posttrain.training.stage_run import (
     StageContext,
     TrainOutcome,
     build_reward_funcs,
     execute_stage,
     load_policy,
     trainer_arguments,
-)
-from posttrain.training.selection import (
-    attach_evaluation,
-    eval_dataset_kwargs,
-    records_dataset,
-    selection_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -311,17 +311,16 @@ def run_grpo_stage(
                         vllm_server_cfg, model_cfg, str(model_path), ctx, command=server_command
                     )
                 )
-            with building_models():
-                trainer, monitor = make_grpo_trainer(
-                    stage_cfg,
-                    model_cfg,
-                    str(model_path),
-                    train_dataset,
-                    ctx,
-                    fast_generation=fast_generation,
-                    heldout=heldout,
-                    server=server,
-                )
+            trainer, monitor = make_grpo_trainer(
+                stage_cfg,
+                model_cfg,
+                str(model_path),
+                train_dataset,
+                ctx,
+                fast_generation=fast_generation,
+                heldout=heldout,
+                server=server,
+            )
             output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(
             trainer,

@@ -1,7 +1,7 @@
 """The trainer side of ``keep: best`` and of the in-training evaluation of SFT, DPO and GRPO stages.
 
 :func:`attach_evaluation` adds a stage's :class:`~posttrain.training.eval_callback.HeldoutEval` to its
-trainer. With ``keep: best`` (:mod:`posttrain.core.selection`) it also becomes the trainer's
+trainer. With ``keep: best`` (:mod:`posttrain.core.keep_best`) it also becomes the trainer's
 ``evaluate``, and transformers does the rest: ``eval_strategy``/``eval_steps`` decide when it runs,
 ``save_steps`` writes a checkpoint at each evaluation, ``_determine_best_metric`` remembers the best
 (``state.best_metric``, ``state.best_global_step``, kept in every checkpoint's trainer state, so a
@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.core.selection import SELECT_METRICS
+from posttrain.core.keep_best import SELECT_METRICS
 from posttrain.training.eval_callback import HeldoutEval, heldout_slice
 
 logger = logging.getLogger(__name__)

@@ -22,22 +22,21 @@ from typing import Any
 
 from posttrain.core.config import ModelConfig, SFTStageConfig
 from posttrain.core.errors import StageError
-from posttrain.core.selection import selection_trainer_options
+from posttrain.core.keep_best import selection_trainer_options
+from posttrain.core.results import StageResult
 from posttrain.data.builders import build_sft_dataset
-from posttrain.models.artifacts import StageResult
-from posttrain.models.building import building_models
-from posttrain.training.runner import (
-    StageContext,
-    TrainOutcome,
-    execute_stage,
-    load_policy,
-    trainer_arguments,
-)
 from posttrain.training.selection import (
     attach_evaluation,
     evaluation_records,
     records_dataset,
     selection_record,
+)
+from posttrain.training.stage_run import (
+    StageContext,
+    TrainOutcome,
+    execute_stage,
+    load_policy,
+    trainer_arguments,
 )
 from posttrain.training.trl_compat import carry_token_count, compact_fused_head_on_cpu
 
@@ -138,17 +137,16 @@ def run_sft(
     options = sft_cfg.trainer_options()
 
     def train(ctx: StageContext) -> TrainOutcome:
-        with building_models():
-            trainer, tokenizer, data = make_sft_trainer(
-                sft_cfg,
-                model_cfg,
-                model_path,
-                train_dataset,
-                ctx,
-                eval_dataset=eval_dataset,
-                selection=selection,
-                eval_max_new_tokens=eval_max_new_tokens,
-            )
+        trainer, tokenizer, data = make_sft_trainer(
+            sft_cfg,
+            model_cfg,
+            model_path,
+            train_dataset,
+            ctx,
+            eval_dataset=eval_dataset,
+            selection=selection,
+            eval_max_new_tokens=eval_max_new_tokens,
+        )
         carry_token_count(trainer, ctx.resume_from)
         output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(

@@ -5,7 +5,7 @@ parameters are empty placeholders and the engine keeps the slices. The trained m
 on no rank, and putting it together is a collective: every rank has to take part, and a rank 0
 that tries alone (``save_pretrained`` on its shards) waits forever for the others. So each stage
 calls :func:`policy_to_save` on every rank right after training
-(:meth:`posttrain.training.runner.TrainOutcome.from_trainer`); rank 0 gets a plain model rebuilt
+(:meth:`posttrain.training.stage_run.TrainOutcome.from_trainer`); rank 0 gets a plain model rebuilt
 from the gathered weights, which :func:`posttrain.models.artifacts.save_policy` writes exactly as
 in process (merged, adapter or full model, same files, same ``stage.json``).
 
@@ -33,8 +33,6 @@ from __future__ import annotations
 import copy
 import logging
 from typing import Any
-
-from posttrain.models.building import building_models
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +113,12 @@ def _rebuild(model: Any, state: dict[str, Any]) -> Any:
 
     peft = isinstance(model, PeftModel)
     base = model.get_base_model() if peft else model
-    with building_models():
-        host = _plain_class(base)(copy.deepcopy(base.config))
-        host.generation_config = copy.deepcopy(base.generation_config)
-        host.name_or_path = base.name_or_path  # what an adapter's config records as its base
-        if peft:
-            adapter = model.active_adapter
-            host = get_peft_model(host, copy.deepcopy(model.peft_config[adapter]), adapter_name=adapter)
+    host = _plain_class(base)(copy.deepcopy(base.config))
+    host.generation_config = copy.deepcopy(base.generation_config)
+    host.name_or_path = base.name_or_path  # what an adapter's config records as its base
+    if peft:
+        adapter = model.active_adapter
+        host = get_peft_model(host, copy.deepcopy(model.peft_config[adapter]), adapter_name=adapter)
     dtype = next((v.dtype for v in state.values() if v.is_floating_point()), None)
     if dtype is not None:
         host.to(dtype)

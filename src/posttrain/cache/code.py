@@ -1,12 +1,12 @@
 """Code fingerprints: the source each kind of step depends on, so a code change reruns what it affects.
 
-A step's cache key (:mod:`posttrain.pipeline.keys`) includes :func:`code_fingerprint` of its kind:
+A step's cache key (:mod:`posttrain.cache.keys`) includes :func:`code_fingerprint` of its kind:
 
 * the source of every posttrain module the kind's entry modules import, followed transitively
   (imports inside functions included: read with :mod:`ast`, nothing is imported), so a fix to a
   reward reruns GRPO and DPO (which score with rewards) but not SFT, the data or evaluations;
-* the source of the step function itself in :mod:`posttrain.pipeline.steps` (not the whole module,
-  which imports every kind);
+* the source of the kind's own step code (:data:`STEP_SOURCES`: its function or its plan step's
+  class, not the whole module, which holds every kind), read with :mod:`ast` too;
 * the versions of the libraries the kind runs on (a TRL upgrade reruns training, not data);
 * for GRPO and DPO, the source file of each custom ``module:function`` reward (only with the
   custom-code opt-in: without it the stage is refused anyway, and nothing is imported here).
@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
-import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -28,10 +27,18 @@ from pathlib import Path
 from typing import Any
 
 import posttrain
-from posttrain.core.hashing import package_versions, sha256_file
-from posttrain.rewards.registry import custom_code_allowed, is_custom
+from posttrain.cache.digests import sha256_file
+from posttrain.core.hashing import package_versions
+from posttrain.core.library_policy import custom_code_allowed, is_custom
 
-__all__ = ["ENTRY_MODULES", "NOT_CALLED", "CodeFingerprint", "code_fingerprint", "module_closure"]
+__all__ = [
+    "ENTRY_MODULES",
+    "NOT_CALLED",
+    "STEP_SOURCES",
+    "CodeFingerprint",
+    "code_fingerprint",
+    "module_closure",
+]
 
 ENTRY_MODULES: dict[str, tuple[str, ...]] = {
     "data": ("posttrain.data.prepare", "posttrain.data.eval_sets", "posttrain.models.loading"),
@@ -40,16 +47,30 @@ ENTRY_MODULES: dict[str, tuple[str, ...]] = {
     "dpo": ("posttrain.training.dpo",),
     "grpo": ("posttrain.training.grpo",),
 }
-"""The modules each step kind runs, besides its function in ``pipeline/steps.py``."""
-STEP_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "data": ("prepare_step", "_external_eval_records", "_set_records", "load_data"),
-    "eval": ("eval_step", "_set_records", "load_data"),
-    "sft": ("sft_step", "load_data"),
-    "dpo": ("dpo_step", "load_data"),
-    "grpo": ("grpo_step", "load_data"),
+"""The modules each step kind runs, besides its own step code (:data:`STEP_SOURCES`)."""
+_STEPS, _PLAN = "posttrain.pipeline.steps", "posttrain.pipeline.plan"
+STEP_SOURCES: dict[str, tuple[tuple[str, str], ...]] = {
+    "data": tuple(
+        (_STEPS, f) for f in ("prepare_step", "_external_eval_records", "_set_records", "load_data")
+    ),
+    "eval": tuple((_STEPS, f) for f in ("eval_step", "_set_records", "load_data")),
+    "sft": (
+        (_PLAN, "SFTStep"),
+        (_STEPS, "load_data"),
+        (_STEPS, "in_training_records"),
+        (_STEPS, "evaluation_inputs"),
+    ),
+    "dpo": (
+        (_PLAN, "DPOStep"),
+        (_STEPS, "load_data"),
+        (_STEPS, "in_training_records"),
+        (_STEPS, "evaluation_inputs"),
+    ),
+    "grpo": ((_PLAN, "GRPOStep"), (_STEPS, "load_data"), (_STEPS, "in_training_records")),
 }
+"""(module, top-level function or class) of each kind's own step code."""
 NOT_CALLED: dict[str, tuple[str, ...]] = {"sft": ("posttrain.rewards",)}
-"""Packages a kind's closure leaves out although a shared module imports them: ``training/runner.py``
+"""Packages a kind's closure leaves out although a shared module imports them: ``training/stage_run.py``
 imports the reward registry for ``build_reward_funcs``, which only GRPO and DPO call (a test checks
 that SFT's own module never names rewards)."""
 LIBRARIES: dict[str, tuple[str, ...]] = {
@@ -107,7 +128,7 @@ def _imports_in_source(source: str, filename: str, root: Path) -> frozenset[str]
             found.update(a.name for a in node.names if a.name.split(".")[0] == "posttrain")
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "posttrain":
             found.add(node.module)
-            # `from posttrain.pipeline import keys` imports the submodule keys.
+            # `from posttrain.cache import keys` imports the submodule keys.
             found.update(
                 f"{node.module}.{a.name}" for a in node.names if _module_file(f"{node.module}.{a.name}", root)
             )
@@ -154,13 +175,22 @@ def _kind_files(kind: str, root: Path | None = None) -> tuple[tuple[str, str], .
         f"{name.replace('.', '/')}.py": sha256_file(path)[:16]
         for name, path in module_closure(ENTRY_MODULES[kind], root, NOT_CALLED.get(kind, ())).items()
     }
-    from posttrain.pipeline import steps  # the step functions (module imported by the plan anyway)
-
-    for fn in STEP_FUNCTIONS[kind]:
-        source = inspect.getsource(getattr(steps, fn))
-        files[f"posttrain/pipeline/steps.py:{fn}"] = hashlib.sha256(source.encode()).hexdigest()[:16]
+    for module, name in STEP_SOURCES[kind]:
+        source = _definition(module, name, root)
+        files[f"{module.replace('.', '/')}.py:{name}"] = hashlib.sha256(source.encode()).hexdigest()[:16]
     files.update({f"lib:{k}": v for k, v in package_versions(LIBRARIES[kind]).items()})
     return tuple(sorted(files.items()))
+
+
+def _definition(module: str, name: str, root: Path) -> str:
+    """The source of top-level function or class ``name`` of posttrain module ``module``."""
+    file = _module_file(module, root)
+    assert file is not None, module
+    source = file.read_text(encoding="utf-8")
+    for node in ast.parse(source, str(file)).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name:
+            return ast.get_source_segment(source, node) or ""
+    raise KeyError(f"{module}:{name}")
 
 
 def _custom_reward_files(reward_names: Sequence[str]) -> dict[str, str]:

@@ -9,10 +9,10 @@ Layout (default ``./.posttrain``, `orchestration.store`)::
     stages/<stage>-<key>/     model + tokenizer + stage.json, written atomically by the stage
     stages/<stage>-<key>.ckpt/  checkpoints of a stage not finished yet (resumed by the next run)
     evals/<stage>-<key>/      report.json + examples.jsonl
-    results/<key>             one JSON cache record per key (posttrain.pipeline.records)
+    results/<key>             one JSON cache record per key (posttrain.cache.records)
     prefect/                  PREFECT_HOME of the embedded (ephemeral) Prefect API
 
-Each output directory is named after its step's cache key (:mod:`posttrain.pipeline.keys`).
+Each output directory is named after its step's cache key (:mod:`posttrain.cache.keys`).
 
 ``orchestration.store`` may point anywhere, and a run tidies what a killed run left (it deletes
 ``*.tmp-*`` folders and renames ``*.old-*`` ones), so posttrain only ever writes to a folder that
@@ -21,13 +21,12 @@ without the marker is refused, even one that holds nothing but folders named lik
 
 A store stays inside itself: its folders (``data/``, ``stages/``, ...) and lock files must not be
 symbolic links (such a store is refused, and tidying never follows one), and every path read back
-from it is checked to lie inside it (:func:`posttrain.pipeline.records.path_outside`).
+from it is checked to lie inside it (:func:`posttrain.cache.records.path_outside`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import errno
 import fcntl
 import json
@@ -59,12 +58,9 @@ MARKER = ".posttrain-store"
 _AREAS = ("locks", "data", "stages", "evals", "results", "prefect")
 """The folders of a store (each must be a real folder inside it, never a symbolic link)."""
 
-# Stores whose lock this context holds: the CLI takes the lock before Prefect's server starts, and
-# the flow it then runs re-enters it, as do a sweep's points, which Prefect runs in worker threads
-# with a copy of the submitting thread's context.
-_HOLDING: contextvars.ContextVar[frozenset[Path]] = contextvars.ContextVar(
-    "posttrain_store_locks", default=frozenset()
-)
+_HELD: set[Path] = set()
+"""Stores whose lock this process holds: the CLI takes the lock before Prefect's server starts, and
+the flow it then runs in this process re-enters it."""
 
 
 @dataclass(frozen=True)
@@ -176,18 +172,18 @@ class Store:
         """Hold the store's lock for a pipeline run; a second concurrent run fails at once.
 
         flock is released by the kernel when the process dies, so a SIGKILLed run never leaves a
-        stale lock behind. With ``reentrant``, a thread that already holds this store's lock (the
+        stale lock behind. With ``reentrant``, a process that already holds this store's lock (the
         CLI, around the flow it runs) passes through; anyone else is refused as usual.
         """
-        if reentrant and self.root in _HOLDING.get():
+        if reentrant and self.root in _HELD:
             yield
             return
         with self._flock():
-            token = _HOLDING.set(_HOLDING.get() | {self.root})
+            _HELD.add(self.root)
             try:
                 yield
             finally:
-                _HOLDING.reset(token)
+                _HELD.discard(self.root)
 
     def step_lock(self, key: str) -> StepLock:
         """The lock of cache key ``key`` in this store (not yet taken)."""
@@ -233,9 +229,8 @@ def _open_lock_file(path: Path):
 class StepLock:
     """One step's lock: held from the cache decision until the step's record is written, so runs
     sharing a store (a sweep's concurrent points) never make the same output at once; the second
-    waits, then finds it cached. flock, like the store's lock: per open file, so it also holds
-    between threads of one process, and the kernel releases it when the process dies. Taken in one
-    thread, it may be released in another (an evaluation's, when it finishes)."""
+    waits, then finds it cached. flock, like the store's lock: the kernel releases it when the
+    process dies."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,8 +16,8 @@ from posttrain.core.hashing import package_versions, stable_hash
 from posttrain.core.metric_names import is_interval_metric, parse_metric_name
 from posttrain.core.redact import redact_text
 from posttrain.core.sweep import seed_group
-from posttrain.models.building import building_models
 from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
+from posttrain.tracking.logged_models import create_stage_model, find_stage_model
 from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
     ROLE_TAG,
@@ -42,15 +41,9 @@ from posttrain.tracking.mlflow_io import (
     send_params,
     sqlite_path,
 )
-from posttrain.tracking.models import create_stage_model, find_stage_model
 from posttrain.tracking.stage import StageRun
 
 logger = logging.getLogger(__name__)
-
-_SIDE_BY_SIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "posttrain_side_by_side", default=None
-)
-"""The store whose pipeline runs this context starts side by side (:func:`side_by_side_runs`)."""
 
 # --------------------------------------------------------------------------- the pipeline run
 
@@ -202,7 +195,7 @@ class Tracker:
     ) -> str | None:
         """A lightweight LoggedModel for a stage output: tags naming it and ``stage.json``; returns its id.
 
-        See :mod:`posttrain.tracking.models`. None when tracking is off.
+        See :mod:`posttrain.tracking.logged_models`. None when tracking is off.
         """
         if not (self.enabled and stage.enabled):
             return None
@@ -275,8 +268,7 @@ class Tracker:
         has_tokenizer = any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
         extra: dict[str, Any] = {}
         if not adapter:
-            with building_models():
-                model = AutoModelForCausalLM.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
         else:
             if base_model_path is None or (Path(base_model_path) / "adapter_config.json").is_file():
                 raise ValueError(
@@ -285,10 +277,9 @@ class Tracker:
                 )
             from peft import PeftModel  # heavy: deferred until needed
 
-            with building_models():
-                model = PeftModel.from_pretrained(
-                    AutoModelForCausalLM.from_pretrained(base_model_path), str(model_dir)
-                )
+            model = PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(base_model_path), str(model_dir)
+            )
             extra["base_model_path"] = str(base_model_path)
         tokenizer = AutoTokenizer.from_pretrained(
             model_dir if has_tokenizer or not adapter else base_model_path
@@ -376,6 +367,7 @@ def start_pipeline_run(
     run_name: str | None = None,
     steps: Sequence[str] = (),
     store: str | None = None,
+    close_abandoned: bool = True,
 ) -> Tracker:
     """Create the experiment (if needed) and the parent run; a disabled Tracker when tracking is off.
 
@@ -386,8 +378,8 @@ def start_pipeline_run(
     outer run (``$MLFLOW_RUN_ID``, or this thread's active run) the pipeline run is nested in it, in
     its experiment, and the outer run is left running. Use as a context manager or call ``finish()``.
     Call it holding the store's lock: runs of this store that are still ``RUNNING`` then belong to a
-    run that was killed, and are marked ``KILLED`` first (inside :func:`side_by_side_runs`, once
-    for all the runs it starts).
+    run that was killed, and are marked ``KILLED`` first (unless ``close_abandoned`` is false: a
+    sweep's point, whose sweep closed them once before its points started).
     """
     if not cfg.tracking.enabled:
         return Tracker()
@@ -405,8 +397,8 @@ def start_pipeline_run(
         experiment_id = _experiment_by_id(client, os.environ["MLFLOW_EXPERIMENT_ID"])
     else:
         experiment_id = _get_or_create_experiment(client, experiment_name(cfg), uri)
-    if store is not None and _SIDE_BY_SIDE.get() != store:
-        close_abandoned_runs(client, store)
+    if store is not None and close_abandoned:
+        _close_abandoned(client, store)
     tags = {
         **({STORE_TAG: store} if store is not None else {}),
         ROLE_TAG: "pipeline",
@@ -448,7 +440,15 @@ def start_pipeline_run(
     return tracker
 
 
-def close_abandoned_runs(client: Any, store: str) -> list[str]:
+def close_abandoned_runs(cfg: PipelineConfig, store: str) -> list[str]:
+    """Mark ``KILLED`` the MLflow runs a killed run of ``store`` left ``RUNNING`` (see
+    :func:`_close_abandoned`); nothing when tracking is off."""
+    if not cfg.tracking.enabled:
+        return []
+    return _close_abandoned(mlflow_client(resolve_tracking_uri(cfg.tracking)), store)
+
+
+def _close_abandoned(client: Any, store: str) -> list[str]:
     """Mark ``KILLED`` the pipeline runs of ``store`` left ``RUNNING`` by a killed process, and their
     stage runs; returns their ids. Only safe under the store's lock (no live run of it exists then);
     runs of other stores sharing the tracking database are left alone."""
@@ -471,30 +471,6 @@ def close_abandoned_runs(client: Any, store: str) -> list[str]:
     if closed:
         logger.warning("marked %d MLflow run(s) of an interrupted run of %s KILLED", len(closed), store)
     return closed
-
-
-@contextlib.contextmanager
-def side_by_side_runs(cfg: PipelineConfig, store: str) -> Iterator[None]:
-    """Around pipeline runs of one ``store`` that run at the same time (a sweep's points; Prefect
-    runs each in a thread with a copy of this context). The store's abandoned runs are marked
-    ``KILLED`` once, here, not as each run starts (it would kill its running siblings), and the
-    tracking URI is set for the whole block, so the first run to finish does not unset it under
-    the others (each run restores the URI it found)."""
-    if not cfg.tracking.enabled:
-        yield
-        return
-    import mlflow  # heavy: deferred until needed
-
-    uri = resolve_tracking_uri(cfg.tracking)
-    previous = os.environ.get("MLFLOW_TRACKING_URI")
-    mlflow.set_tracking_uri(uri)
-    token = _SIDE_BY_SIDE.set(store)
-    try:
-        close_abandoned_runs(mlflow_client(uri), store)
-        yield
-    finally:
-        _SIDE_BY_SIDE.reset(token)
-        mlflow.set_tracking_uri(previous)  # type: ignore[arg-type]
 
 
 def open_tracking_store(cfg: PipelineConfig) -> None:

@@ -2,7 +2,7 @@
 
 :class:`PlanRunner` holds everything a pipeline run does around its steps (the refresh decision,
 the cache record, the nested MLflow run, the stage's LoggedModel, the shared store) and imports no
-Prefect: the ``posttrain-pipeline`` flow (:mod:`posttrain.flows.pipeline`) runs each step that must
+Prefect: the ``posttrain-pipeline`` flow (:mod:`posttrain.flows.pipeline_flow`) runs each step that must
 run as a Prefect task through a subclass, and :func:`run_cached` serves a run whose every step is
 cached without Prefect at all (no server to start: seconds instead of tens of seconds), logging to
 MLflow exactly what the flow logs for the same run.
@@ -11,28 +11,35 @@ MLflow exactly what the flow logs for the same run.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+from posttrain.cache.digests import remembered_digests
+from posttrain.cache.planner import Planner
+from posttrain.cache.records import StoreRecords
+from posttrain.cache.shared import SharedStore, open_shared
+from posttrain.cache.store import StepLock, Store
 from posttrain.core.atomic import discard_checkpoints
 from posttrain.core.config import PipelineConfig
-from posttrain.core.hashing import remembered_digests
 from posttrain.core.metric_names import qualify_metrics
+from posttrain.core.results import DataResult, EvalResult
 from posttrain.evaluation.diff import stage_delta_metrics
 from posttrain.evaluation.report import EvalReport
 from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_log_history, read_stage_json
-from posttrain.pipeline.plan import EvalStep, Plan, Planner, Step, StepInputs, TrainStep, build_plan, preview
-from posttrain.pipeline.records import StoreRecords
-from posttrain.pipeline.shared import SharedStore, open_shared
-from posttrain.pipeline.steps import DataResult, EvalResult, base_model, load_data
-from posttrain.pipeline.store import StepLock, Store
+from posttrain.pipeline.plan import EvalStep, Plan, Step, StepInputs, TrainStep, build_plan, preview
+from posttrain.pipeline.steps import base_model, load_data
 from posttrain.pipeline.validation import check_rewards
-from posttrain.tracking import MODEL_ID_TAG, StageRun, Tracker, flatten_params, start_pipeline_run
+from posttrain.tracking import (
+    MODEL_ID_TAG,
+    StageRun,
+    Tracker,
+    close_abandoned_runs,
+    flatten_params,
+    start_pipeline_run,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +50,8 @@ __all__ = [
     "StepOutcome",
     "run_cached",
     "run_plan",
-    "side_by_side",
     "stage_deltas",
+    "sweep_started",
     "warn_unfinished",
 ]
 
@@ -72,16 +79,10 @@ class PipelineSummary:
         return asdict(self)
 
 
-_SIDE_BY_SIDE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("posttrain_points", default=None)
-"""The store whose runs this context runs side by side (:func:`side_by_side`)."""
-
-_HANDED_OVER = object()
-"""What :meth:`PlanRunner._visit` returns for a submitted evaluation: its lock is released as it ends."""
-
-
 @dataclass(frozen=True)
 class _Submitted:
-    """An evaluation running beside the walk (:meth:`PlanRunner.submit`), logged by :meth:`PlanRunner.finish`."""
+    """An evaluation running beside the walk (:meth:`PlanRunner.submit`), holding its key's lock
+    until :meth:`PlanRunner._collect` records and logs it."""
 
     step: EvalStep
     key: str
@@ -89,6 +90,7 @@ class _Submitted:
     reason: str
     evaluated: str | None
     future: Any
+    lock: StepLock
 
 
 class StepNotCached(RuntimeError):
@@ -119,9 +121,11 @@ class PlanRunner:
         """Training step name → its MLflow LoggedModel id (evaluations log against it)."""
         self.step_names = plan.names
         self._pending: list[_Submitted] = []
+        self._failed: list[BaseException] = []
 
     def __call__(self, step: Step, key: str | None, inputs: StepInputs) -> Any:
         assert key is not None, "the flow always knows its inputs"
+        self._collect(wait=False)
         # Decided and made under the key's lock: another point of a sweep may be making this step.
         lock = self.store.step_lock(key).acquire()
         try:
@@ -129,10 +133,9 @@ class PlanRunner:
         except BaseException:
             lock.release()
             raise
-        if result is not _HANDED_OVER:
+        if not (self._pending and self._pending[-1].lock is lock):
             lock.release()
-            return result
-        return None
+        return result
 
     def _visit(self, step: Step, key: str, inputs: StepInputs, lock: StepLock) -> Any:
         decision = self.planner.decide(step, key, inputs)
@@ -145,7 +148,7 @@ class PlanRunner:
             logger.info("%s: deleted the checkpoints of an interrupted run", step.name)
         if cached:
             # The verified result from the store's JSON record: Prefect's result store (which
-            # unpickles what a record names) is never read; see posttrain.pipeline.records.
+            # unpickles what a record names) is never read; see posttrain.cache.records.
             result = decision.result
             if decision.adopted:
                 self._record(step, key, inputs, result)
@@ -160,11 +163,9 @@ class PlanRunner:
             call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
             call["output_dir"] = str(output_dir)
             if isinstance(step, EvalStep) and (future := self.submit(step, call)) is not None:
-                # Nothing downstream needs an evaluation: the walk goes on; :meth:`finish` waits.
-                submitted = _Submitted(step, key, inputs, decision.reason, evaluated, future)
-                self._pending.append(submitted)
-                future.add_done_callback(lambda _, sub=submitted: self._evaluated(sub, lock))
-                return _HANDED_OVER
+                # Nothing downstream needs an evaluation: the walk goes on with the key still locked.
+                self._pending.append(_Submitted(step, key, inputs, decision.reason, evaluated, future, lock))
+                return None
             with self._stage_run(step, key) as run:
                 result = self.execute(step, call, run)
                 self._ran(step, key, inputs, result, run, evaluated)
@@ -176,35 +177,36 @@ class PlanRunner:
         ``result()``), or None to run it now like any step (the default)."""
         return None
 
-    def _evaluated(self, sub: _Submitted, lock: StepLock) -> None:
-        """As a submitted evaluation ends (in its thread): its cache record, then its key's lock."""
-        try:
-            self._record(sub.step, sub.key, sub.inputs, sub.future.result())
-        except Exception:  # noqa: BLE001, S110 - finish() reports the failure
-            pass
-        finally:
-            lock.release()
+    def done(self, future: Any) -> bool:
+        """Whether a future :meth:`submit` returned has finished."""
+        return future.done()
 
-    def finish(self, *, raise_errors: bool = True) -> None:
-        """Wait for the submitted evaluations, in plan order, and log each into its MLflow run as if
-        it had run in place. Every one is waited for, so none is still writing into the store when
-        the run ends; the first failure is raised afterwards (unless ``raise_errors`` is false: the
-        walk failed already and that is the error to report)."""
-        pending, self._pending = self._pending, []
-        first_error: BaseException | None = None
-        for sub in pending:
+    def _collect(self, *, wait: bool) -> None:
+        """Record and log the submitted evaluations that finished (with ``wait``, all of them, in plan
+        order) as if each had run in place, then release its key's lock. A failure is kept for
+        :meth:`finish`: the walk goes on, and the other evaluations are still waited for."""
+        for sub in [s for s in self._pending if wait or self.done(s.future)]:
+            self._pending.remove(sub)
             try:
                 with self._stage_run(sub.step, sub.key) as run:
                     result = sub.future.result()
-                    self._ran(sub.step, sub.key, sub.inputs, result, run, sub.evaluated, record=False)
+                    self._ran(sub.step, sub.key, sub.inputs, result, run, sub.evaluated)
                 self._conclude(sub.step, sub.key, sub.reason, result, ran=True)
-            except Exception as exc:  # noqa: BLE001 - the others are still waited for
-                first_error = first_error or exc
+            except Exception as exc:  # noqa: BLE001 - reported by finish()
+                self._failed.append(exc)
                 logger.error("%s failed: %s", sub.step.name, exc)
+            finally:
+                sub.lock.release()
+
+    def finish(self, *, raise_errors: bool = True) -> None:
+        """Wait for the submitted evaluations, so none is still writing into the store when the run
+        ends; then raise the first failure (unless ``raise_errors`` is false: the walk failed
+        already and that is the error to report)."""
+        self._collect(wait=True)
         order = {name: i for i, name in enumerate(self.step_names)}
         self.summary.outcomes.sort(key=lambda o: order[o.step])
-        if first_error is not None and raise_errors:
-            raise first_error
+        if self._failed and raise_errors:
+            raise self._failed[0]
 
     def _stage_run(self, step: Step, key: str) -> Any:
         return self.tracker.stage(step.name, kind=step.kind, params=step.section(self.cfg), cache_key=key)
@@ -217,13 +219,10 @@ class PlanRunner:
         result: Any,
         run: StageRun,
         evaluated: str | None,
-        *,
-        record: bool = True,
     ) -> None:
-        """What follows a step that ran, inside its MLflow run: its cache record (unless written
-        already), its logged result, and for a training stage its history, LoggedModel and health alerts."""
-        if record:
-            self._record(step, key, inputs, result)
+        """What follows a step that ran, inside its MLflow run: its cache record, its logged result,
+        and for a training stage its history, LoggedModel and health alerts."""
+        self._record(step, key, inputs, result)
         _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
         if isinstance(step, TrainStep):
             if self.cfg.launch_of(step.section(self.cfg)).launcher == "accelerate":
@@ -326,19 +325,27 @@ def _log_result(run: Any, result: Any, *, model_id: str | None = None, dataset_n
         run.plot_rewards()
 
 
-def run_plan(plan: Plan, force: Sequence[str] = (), runner: type[PlanRunner] = PlanRunner) -> PipelineSummary:
+def run_plan(
+    plan: Plan, force: Sequence[str] = (), runner: type[PlanRunner] = PlanRunner, *, sweep_point: bool = False
+) -> PipelineSummary:
     """Walk ``plan`` in its store under the store's lock and one MLflow pipeline run, visiting each
-    step with ``runner``; then the accuracy-by-stage plot. Returns the per-step summary."""
+    step with ``runner``; then the accuracy-by-stage plot. Returns the per-step summary.
+
+    A ``sweep_point`` leaves the store's lock, its tidying and the closing of its abandoned MLflow
+    runs to the sweep, which does them once for all its points (:func:`sweep_started`): a point
+    that tidied would delete a sibling's output while it is written."""
     cfg = plan.config
     store = Store.at(cfg.orchestration.store)
     store.check_writable()
-    alone = _SIDE_BY_SIDE.get() != store.root  # else the sweep tidies the store, once for all points
-    # Reentrant: `posttrain run` takes the lock before Prefect's server starts, then runs the flow.
-    with (
-        store.lock(reentrant=True),
-        start_pipeline_run(cfg, steps=plan.names, store=str(store.root)) as tracker,
-    ):
-        if alone:
+    with contextlib.ExitStack() as stack:
+        if not sweep_point:
+            # Reentrant: `posttrain run` takes the lock before Prefect's server starts, then runs the flow.
+            stack.enter_context(store.lock(reentrant=True))
+        run = start_pipeline_run(
+            cfg, steps=plan.names, store=str(store.root), close_abandoned=not sweep_point
+        )
+        tracker = stack.enter_context(run)
+        if not sweep_point:
             store.clean_interrupted_writes()
         visit = runner(plan, store, tracker, force, open_shared(cfg.orchestration.shared_store))
         with remembered_digests(visit.records.digests_path):
@@ -348,7 +355,7 @@ def run_plan(plan: Plan, force: Sequence[str] = (), runner: type[PlanRunner] = P
                 visit.finish(raise_errors=False)
                 raise
             visit.finish()
-        if alone:  # every stage of this plan finished
+        if not sweep_point:  # every stage of this plan finished
             warn_unfinished(store)
         if tracker.enabled:
             tracker.log_metrics(stage_deltas(visit.summary))
@@ -384,18 +391,11 @@ def warn_unfinished(store: Store) -> None:
         )
 
 
-@contextlib.contextmanager
-def side_by_side(store: Store) -> Iterator[None]:
-    """Around pipeline runs of ``store`` running at the same time (a sweep's points): the store's
-    leftovers of a killed run are tidied once before, and unfinished checkpoints reported once
-    after, instead of by each run (which would delete a sibling's output while it is written)."""
+def sweep_started(cfg: PipelineConfig, store: Store) -> None:
+    """What a run does once per store, done once for all the points of a sweep before they start
+    (each runs with ``sweep_point``): tidy what a killed run left, close its MLflow runs."""
     store.clean_interrupted_writes()
-    token = _SIDE_BY_SIDE.set(store.root)
-    try:
-        yield
-    finally:
-        _SIDE_BY_SIDE.reset(token)
-    warn_unfinished(store)
+    close_abandoned_runs(cfg, str(store.root))
 
 
 def run_cached(cfg: PipelineConfig, force: Sequence[str] = ()) -> dict[str, Any] | None:

@@ -40,8 +40,8 @@ from posttrain.core.atomic import RESULT_FILE, checkpoints_dir, staging_dir, wri
 from posttrain.core.config import ModelConfig
 from posttrain.core.errors import StageError
 from posttrain.core.hashing import stable_hash
+from posttrain.core.results import StageResult
 from posttrain.models.artifacts import (
-    StageResult,
     adapter_root,
     fingerprint_dataset,
     fingerprint_dir,
@@ -50,7 +50,6 @@ from posttrain.models.artifacts import (
     write_log_history,
     write_stage_json,
 )
-from posttrain.models.building import one_trainer_at_a_time
 from posttrain.models.hardware import check_hardware, cuda_available, resolve_precision
 from posttrain.models.loading import build_peft_config, load_stage_model
 from posttrain.models.resolve import resolve_model_path
@@ -372,8 +371,7 @@ def execute_stage(
         resume_from=resume_from,
     )
     try:
-        with one_trainer_at_a_time(stage):
-            outcome = train_fn(ctx)
+        outcome = train_fn(ctx)
     except BaseException:
         if main and last_checkpoint(work) is None:  # nothing to resume from: leave nothing behind
             shutil.rmtree(work, ignore_errors=True)

@@ -1,7 +1,7 @@
 """One thin Prefect task that runs any step of the plan (``posttrain.pipeline.plan``).
 
 Caching is posttrain's, not Prefect's: the flow decides from the store's JSON cache records
-(:mod:`posttrain.pipeline.records`) whether a step runs, calls this task only for steps that run,
+(:mod:`posttrain.cache.records`) whether a step runs, calls this task only for steps that run,
 and writes the record of the result itself. Prefect persists nothing (its result records may be
 pickles, and a record names its own serializer, so reading one from a shared store could run
 code). The task receives the config and the step's name, not live objects, and rebuilds the plan

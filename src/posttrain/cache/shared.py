@@ -1,7 +1,7 @@
 """A shared cache of finished step outputs on any fsspec filesystem (a shared mount, an object store).
 
 Training reads and writes local paths, so every worker keeps its own local store
-(:class:`~posttrain.pipeline.store.Store`); ``orchestration.shared_store`` names a second level that
+(:class:`~posttrain.cache.store.Store`); ``orchestration.shared_store`` names a second level that
 every worker reads and fills. A step whose key has no local record is looked up there first: its
 output folder is downloaded into the local store (through :func:`~posttrain.core.atomic.staging_dir`,
 so a half-finished download is never in place), the result it carries is re-pointed at the local
@@ -23,7 +23,7 @@ The record is written last, as one small object (on a local or mounted filesyste
 renamed into place), so it is the commit: a reader never sees an upload that has no record, and two
 workers uploading the same key at once each upload a whole folder of their own; the last record
 wins. Records are plain JSON read field by field; nothing read from the shared store is unpickled or
-imported (see :mod:`posttrain.pipeline.records`).
+imported (see :mod:`posttrain.cache.records`).
 
 Adapter-only stage outputs (``adapter_policy: adapter``) name their base model by a local path, so
 they are not shared; merged and full outputs are.
@@ -39,13 +39,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from posttrain.cache.records import RecordError, read_output_result
 from posttrain.core.atomic import RESULT_FILE, staging_dir, write_result
 from posttrain.core.errors import PosttrainError
 from posttrain.core.redact import redact_text
+from posttrain.core.results import DataResult, EvalResult, StageResult
 from posttrain.core.untrusted import UntrustedContentError, loads_bounded, note_unreadable
-from posttrain.models.artifacts import StageResult
-from posttrain.pipeline.records import RecordError, read_output_result
-from posttrain.pipeline.steps import DataResult, EvalResult
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ code-side trainer defaults included; the options that only say when checkpoints 
 out, so changing them neither retrains a finished stage nor strands a killed one's checkpoints),
 the fingerprints of its inputs (upstream model content, data
 content), the posttrain version and the fingerprint of the code the step runs
-(:mod:`posttrain.pipeline.code`). Prefect's default cache policy includes the flow-run id (never
+(:mod:`posttrain.cache.code`). Prefect's default cache policy includes the flow-run id (never
 reused across runs) and its INPUTS policy hashes a path string, not the files behind it, so keys are
 built here.
 
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import posttrain
+from posttrain.cache.code import CodeFingerprint, code_fingerprint
+from posttrain.cache.digests import sha256_file
 from posttrain.core.config import DPOStageConfig, GRPOStageConfig, PipelineConfig, SFTStageConfig, cache_form
-from posttrain.core.hashing import sha256_file, stable_hash
+from posttrain.core.hashing import stable_hash
 from posttrain.core.trainer_options import CHECKPOINT_OPTIONS
-from posttrain.pipeline.code import CodeFingerprint, code_fingerprint
-from posttrain.pipeline.launcher import world_size
 
 __all__ = [
     "StepIdentity",
@@ -146,8 +146,9 @@ def train_identity(
     model_fingerprint: str,
     data_fingerprint: str,
     selection_fingerprint: str = "",
+    processes: int = 1,
 ) -> StepIdentity:
-    """A training stage's identity. With ``keep: best`` its output is the checkpoint the selection
+    """A training stage's identity, trained by ``processes`` processes. With ``keep: best`` its output is the checkpoint the selection
     slice preferred, so the slice's content (``selection_fingerprint``) is an input, and for SFT and
     DPO, whose in-training evaluation generates up to ``eval.max_completion_length``, that limit too; the
     choice itself (``keep``, ``select_metric``, ``patience``, ``eval_every``) is in the section."""
@@ -156,7 +157,6 @@ def train_identity(
     # How the stage is launched is not what it trains on, but the number of processes is: each
     # takes its own per-device batch, so it multiplies the global batch. One process adds nothing,
     # so in-process keys are those of before launchers existed.
-    processes = world_size(cfg, section)
     # trainer_options() includes posttrain's code-side defaults, which the section hash does not.
     config_hash = stable_hash(
         {
@@ -200,8 +200,11 @@ def train_key(
     model_fingerprint: str,
     data_fingerprint: str,
     selection_fingerprint: str = "",
+    processes: int = 1,
 ) -> str:
-    return train_identity(cfg, stage, model_fingerprint, data_fingerprint, selection_fingerprint).key
+    return train_identity(
+        cfg, stage, model_fingerprint, data_fingerprint, selection_fingerprint, processes
+    ).key
 
 
 def eval_identity(

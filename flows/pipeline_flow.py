@@ -1,6 +1,6 @@
 """The `posttrain-pipeline` Prefect flow: prepare data → baseline eval → each training stage → eval.
 
-Every step is a cached task keyed by what its output depends on (see `posttrain.pipeline.steps`), so an
+Every step is a cached task keyed by what its output depends on (see `posttrain.cache.keys`), so an
 unchanged config reruns nothing, a changed stage reruns from that stage on, and `force` reruns a
 stage and everything after it on purpose. A cache record whose output directory is gone or no
 longer matches its fingerprint is recomputed, not trusted. MLflow gets one parent run per flow run
@@ -11,31 +11,23 @@ and one nested run per step; a step served from cache still appears, tagged `cac
 # real annotation objects, and a string "PipelineConfig" cannot be resolved when a deployment runs.
 import logging
 import re
-from collections.abc import Sequence
 from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from posttrain.core.config import PipelineConfig
-from posttrain.core.hashing import remembered_digests
 from posttrain.core.metric_names import slices_of
 from posttrain.core.redact import redact, redact_override
 from posttrain.evaluation.report import rate_text
-from posttrain.flows.prefect_compat import (
-    forget_absent_limits,
-    redact_stored_parameters,
-    store_parameters_redacted,
-)
+from posttrain.flows.plan_walker import PipelineSummary, PlanRunner, StepOutcome, run_plan
+from posttrain.flows.prefect_compat import redact_stored_parameters, store_parameters_redacted
 from posttrain.flows.prefect_ui import emit_health_alerts, posttrain_logs_to_prefect
-from posttrain.flows.runner import PipelineSummary, PlanRunner, StepOutcome, run_plan
+from posttrain.flows.workers import worker_processes, workers_use_this_api
 from posttrain.pipeline import load_config
-from posttrain.pipeline.plan import EvalStep, Step, TrainStep, build_plan, dry_run
-from posttrain.pipeline.records import StoreRecords
-from posttrain.pipeline.steps import base_model, import_step_libraries
-from posttrain.pipeline.store import Store
+from posttrain.pipeline.plan import EvalStep, Step, TrainStep, build_plan
 from posttrain.pipeline.validation import check_rewards
-from posttrain.tasks.steps import GPU_TAG, task_for
+from posttrain.tasks.step_task import GPU_TAG, task_for
 from posttrain.tracking import StageRun
 
 logger = logging.getLogger(__name__)
@@ -45,7 +37,6 @@ __all__ = [
     "StepOutcome",
     "artifact_key",
     "posttrain_pipeline",
-    "preview",
     "redact_run_parameters",
     "run_config",
     "set_gpu_slots",
@@ -63,10 +54,14 @@ class _PrefectRunner(PlanRunner):
         return state.result()
 
     def submit(self, step: EvalStep, call: dict[str, Any]) -> Any:
-        """With ``orchestration.concurrent_evals``, the evaluation goes to the flow's task runner."""
+        """With ``orchestration.concurrent_evals``, the evaluation runs in a worker process of the
+        flow's task runner (:mod:`posttrain.flows.workers`)."""
         if not self.cfg.orchestration.concurrent_evals:
             return None
         return task_for(step).submit(**call)
+
+    def done(self, future: Any) -> bool:
+        return future.wrapped_future.done()
 
     def after_training(self, step: TrainStep, result: Any, run: StageRun) -> None:
         emit_health_alerts(
@@ -78,18 +73,21 @@ class _PrefectRunner(PlanRunner):
         )
 
 
-@flow(name="posttrain-pipeline", log_prints=False)
-def posttrain_pipeline(config: PipelineConfig, force: list[str] | None = None) -> dict[str, Any]:
-    """Run (or reuse) every step of one pipeline config's plan; returns the per-step summary."""
+@flow(name="posttrain-pipeline", task_runner=worker_processes(), log_prints=False)
+def posttrain_pipeline(
+    config: PipelineConfig, force: list[str] | None = None, sweep_point: bool = False
+) -> dict[str, Any]:
+    """Run (or reuse) every step of one pipeline config's plan; returns the per-step summary.
+
+    ``sweep_point``: one point of a ``posttrain-sweep`` flow, which holds the store's lock, tidied
+    the store and closed its abandoned MLflow runs once for all its points."""
     cfg = config
     check_rewards(cfg, cfg.name)  # parameters may come from anyone who can trigger a deployment
     plan = build_plan(cfg)
     if cfg.orchestration.gpu_slots is not None:
         set_gpu_slots(cfg.orchestration.gpu_slots)
-    if cfg.orchestration.concurrent_evals:
-        import_step_libraries()  # before an evaluation's thread and this one race to import them
-    with posttrain_logs_to_prefect():
-        summary = run_plan(plan, force or (), _PrefectRunner)
+    with posttrain_logs_to_prefect(), workers_use_this_api():
+        summary = run_plan(plan, force or (), _PrefectRunner, sweep_point=sweep_point)
         create_markdown_artifact(
             key=artifact_key(cfg.name),
             markdown=summary_markdown(summary),
@@ -116,12 +114,15 @@ def run_config(
 
 def set_gpu_slots(slots: int) -> None:
     """Set the Prefect server's tag concurrency limit ``gpu`` to ``slots``: created or updated
-    (Prefect's endpoint is an upsert; ``prefect concurrency-limit create gpu N`` makes the same call)."""
+    (Prefect's endpoint is an upsert; ``prefect concurrency-limit create gpu N`` makes the same call).
+
+    A process that ran a ``gpu`` task while no limit existed skips the server's check for that tag
+    for the next 5 s (Prefect's memory of absent limits), so the flow sets the limit before any step.
+    """
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=slots)
-    forget_absent_limits()
 
 
 def redact_run_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
@@ -142,15 +143,6 @@ def artifact_key(name: str) -> str:
     'my-run-v2-summary'
     """
     return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") + "-summary"
-
-
-def preview(cfg: PipelineConfig, force: Sequence[str] = ()) -> list[tuple[str, str, str]]:
-    """``--dry-run``: (step, cached/run, why) for each step of the plan the flow would run (the same
-    as :func:`posttrain.pipeline.plan.preview`, which the CLI uses without importing Prefect)."""
-    store = Store.at(cfg.orchestration.store, create=False)
-    records = StoreRecords(store)
-    with remembered_digests(records.digests_path, save=False):
-        return dry_run(build_plan(cfg), records, base_model(cfg), force, store)
 
 
 def summary_markdown(summary: PipelineSummary) -> str:

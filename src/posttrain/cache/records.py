@@ -31,12 +31,11 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from posttrain.cache.store import Store
 from posttrain.core.atomic import RESULT_FILE
 from posttrain.core.errors import PosttrainError
+from posttrain.core.results import DataResult, EvalResult, StageResult
 from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
-from posttrain.models.artifacts import StageResult
-from posttrain.pipeline.steps import DataResult, EvalResult
-from posttrain.pipeline.store import Store
 
 __all__ = [
     "RECORD_VERSION",
@@ -134,7 +133,7 @@ def path_outside(result: Any, root: str | Path) -> str | None:
 
 
 class StoreRecords:
-    """:class:`~posttrain.pipeline.plan.CacheRecords` as JSON files in ``<store>/results/``."""
+    """:class:`~posttrain.cache.planner.CacheRecords` as JSON files in ``<store>/results/``."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -150,7 +149,7 @@ class StoreRecords:
 
     @property
     def digests_path(self) -> Path:
-        """The file digests remembered for checking outputs (:func:`~posttrain.core.hashing.remembered_digests`)."""
+        """The file digests remembered for checking outputs (:func:`~posttrain.cache.digests.remembered_digests`)."""
         return self.folder / "digests" / "files.json"
 
     def raw(self, key: str) -> dict[str, Any]:
@@ -182,7 +181,7 @@ class StoreRecords:
     ) -> Path:
         """Write the record atomically (a reader sees the old record or the new one, never half).
 
-        With ``lineage`` (the key without the code, :class:`~posttrain.pipeline.keys.StepIdentity`)
+        With ``lineage`` (the key without the code, :class:`~posttrain.cache.keys.StepIdentity`)
         the record also becomes that lineage's latest, so a later key of the same lineage can tell
         what changed in ``code``.
         """
