@@ -1,4 +1,10 @@
-"""Shared fixtures: a tiny random causal LM built offline once per session, and isolated stores."""
+"""Shared fixtures: a tiny random causal LM built offline once per session, and isolated stores.
+
+The suite is in three folders: ``unit/`` (pure functions, configs, keys, the plan: no trained model,
+no pipeline run), ``integration/`` (the tiny model, stages, evaluation, the CLI in-process, one
+store per module) and ``system/`` (servers, several processes, kills, whole pipeline runs, sweeps).
+Every test under ``system/`` carries the ``system`` marker, so ``-m "not system"`` is the quick part.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,21 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+SYSTEM_TESTS = Path(__file__).resolve().parent / "system"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark what lies under system/; leave out ``slow`` tests unless ``-m`` names them, so that a
+    selection such as ``-m "not system"`` does not pull in minutes of the built-in model."""
+    for item in items:
+        if item.path.is_relative_to(SYSTEM_TESTS):
+            item.add_marker(pytest.mark.system)
+    if "slow" in (config.option.markexpr or ""):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @pytest.fixture(scope="session")

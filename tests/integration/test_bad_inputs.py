@@ -884,7 +884,7 @@ TRUST_CASES = [
         None,
         "{cfg}: vllm_server.extra_args: --model is set by posttrain (the stage's model); remove it",
     ),
-    # -- 2. secrets never reach the error line (nor disk: tests/test_secrets.py)
+    # -- 2. secrets never reach the error line (nor disk: tests/integration/test_secrets.py)
     (
         "password with @ : / and %40 in an unreachable MLFLOW_TRACKING_URI",
         ["tracking.tracking_uri=null"],

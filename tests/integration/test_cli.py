@@ -8,7 +8,7 @@ import pytest
 
 from posttrain.cli import eval_table, format_table, main
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_data_preview_on_the_real_gsm8k_file(gsm8k_train_path, capsys):

@@ -95,7 +95,7 @@ def _processes_with_prefect_home(home: Path) -> list[str]:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
 def test_a_config_error_in_run_kills_the_early_server(tmp_path):
     """A config error in `run` is reported as one, and the early Prefect server does not outlive it."""
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         smoke.read_text().replace("learning_rate: 1.0e-3}", "learning_rate: 1.0e-3, kl_coef: 0.1}")
@@ -201,7 +201,7 @@ def test_run_takes_the_lock_before_prefects_server_starts(tmp_path, capsys):
     """A second run on a locked store stops before booting a server whose home is in that store."""
     from posttrain.cli import main
 
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
     store = Store.at(tmp_path / "store")
     sets = [
         "--set",

@@ -187,7 +187,7 @@ def test_yaml_reward_weights_reach_grpo_config(tiny_model_dir, data, tmp_path):
     from posttrain.training.grpo import make_grpo_trainer
     from posttrain.training.stage_run import StageContext
 
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
     cfg = load_config(smoke, ["grpo.stages.1.rewards.0.weight=3.0", "grpo.stages.1.rewards.1.weight=0.25"])
     ctx = StageContext("grpo-correctness", tmp_path, "fp32", 0, "none")
     trainer, _ = make_grpo_trainer(cfg.grpo.stages[1], cfg.model, str(tiny_model_dir), data, ctx)

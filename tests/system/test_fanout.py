@@ -12,7 +12,7 @@ import pytest
 
 from posttrain.pipeline import load_config
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 WAIT_S = 180
 """How long an evaluation waits for the next stage's training to start (only a broken fan-out waits
 it out: a worker process imports torch and transformers first)."""

@@ -143,7 +143,7 @@ def test_an_unreachable_server_is_one_line_before_the_store_is_touched(server, t
     """Loopback ports with nothing listening: the process exits 2 in one line, without having
     created the store, taken its lock or started Prefect's embedded server."""
     url = f"http://127.0.0.1:{closed_port()}" + ("/api" if server == "PREFECT_API_URL" else "")
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
     start = time.monotonic()
     done = posttrain(
         ["run", str(smoke), "--set", f"orchestration.store={tmp_path / 'store'}"],

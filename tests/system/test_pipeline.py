@@ -8,7 +8,7 @@ import pytest
 
 from posttrain.pipeline import load_config
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from posttrain.core.net import free_port
 
 pytestmark = pytest.mark.servers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from posttrain.pipeline import load_config
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 STEPS = ["data", "eval-baseline", "sft", "eval-sft"]
 
 

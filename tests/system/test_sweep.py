@@ -9,7 +9,7 @@ import pytest
 
 from posttrain.cli import main
 
-SMOKE = str(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml")
+SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 
 
 def sets(tmp_path: Path, *extra: str) -> list[str]:

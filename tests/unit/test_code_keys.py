@@ -96,7 +96,7 @@ def test_the_keys_of_a_plan_include_the_code(monkeypatch):
     from posttrain.pipeline.plan import StepInputs, build_plan
     from posttrain.pipeline.steps import ModelRef
 
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
     plan = build_plan(load_config(smoke))
     inputs = StepInputs(ModelRef("/base", "fp"), DataResult("/d", "t", "e"))
     before = {s.name: s.key(plan.config, inputs) for s in plan.steps}

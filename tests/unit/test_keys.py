@@ -26,7 +26,7 @@ from posttrain.core.hashing import stable_hash
 from posttrain.core.sweep import seed_group
 from posttrain.pipeline import load_config
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 
 
 def smoke(*overrides: str):

@@ -21,7 +21,7 @@ from posttrain.pipeline.launcher import (
 from posttrain.pipeline.plan import StepInputs, build_plan
 from posttrain.pipeline.steps import ModelRef
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ACCELERATE_CONFIGS = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
 # (file, accelerate's distributed type, needs CUDA)
 SHIPPED = [

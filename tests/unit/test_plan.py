@@ -22,7 +22,7 @@ from posttrain.pipeline.plan import (
 )
 from posttrain.pipeline.steps import ModelRef
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 
 
 def plan_for(*overrides: str):
