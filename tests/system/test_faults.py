@@ -144,17 +144,14 @@ def test_an_unreachable_server_is_one_line_before_the_store_is_touched(server, t
     created the store, taken its lock or started Prefect's embedded server."""
     url = f"http://127.0.0.1:{closed_port()}" + ("/api" if server == "PREFECT_API_URL" else "")
     smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
-    start = time.monotonic()
     done = posttrain(
         ["run", str(smoke), "--set", f"orchestration.store={tmp_path / 'store'}"],
         cwd=tmp_path,
         **{server: url},
     )
-    elapsed = time.monotonic() - start
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.count("\n") == 1 and f"{server}={url}" in done.stderr and "unreachable" in done.stderr
     assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()
-    assert elapsed < 120  # process start and config validation included; the probe itself is seconds
 
 
 def test_runs_a_killed_run_left_running_are_closed_by_the_next_run_on_its_store(tmp_path, monkeypatch):
