@@ -9,7 +9,7 @@ LINKED := $(VENV)/.linked
 # import-linter needs. A new module needs relinking (5 s): a new file changes its folder's mtime.
 PACKAGE_DIRS := $(shell find src/posttrain flows tasks -type d -not -name __pycache__ 2>/dev/null)
 
-.PHONY: setup test test-slow lint demo mutation clean
+.PHONY: setup test test-quick test-slow lint demo mutation clean
 
 setup: $(LINKED)
 
@@ -25,6 +25,9 @@ $(LINKED): $(STAMP) $(PACKAGE_DIRS)
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+test-quick: setup
+	$(BIN)/python -m pytest -q -m "not system"
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow

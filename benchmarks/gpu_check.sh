@@ -17,7 +17,7 @@
 #   ddp-2gpu        one SFT step on two GPUs with `launch.launcher: accelerate` (only with 2+ GPUs)
 #
 # GPU_CHECK_DRY_RUN=1 runs every check as `posttrain run --dry-run` whatever the hardware: the
-# overrides are validated against the config schema and the plan is printed (tests/test_gpu_check.py).
+# overrides are validated against the config schema and the plan is printed (tests/system/test_gpu_check.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-$(mktemp -d -t posttrain-gpu-check-XXXX)}}

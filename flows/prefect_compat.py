@@ -14,7 +14,7 @@ changes). Linux's ``PR_SET_PDEATHSIG`` is no substitute: it fires when the *thre
 the child ends, and the server is started from a short-lived background thread.
 
 ``PREFECT_VERSIONS`` is the range this was checked against (pyproject pins the same);
-``tests/test_prefect_compat.py`` fails when the installed Prefect leaves it, the singleton's shape
+``tests/system/test_prefect_compat.py`` fails when the installed Prefect leaves it, the singleton's shape
 changes, or Prefect's own uvicorn command differs from the one posttrain runs, which is the signal
 to re-check this module before lifting the pin.
 """

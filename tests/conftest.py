@@ -1,9 +1,18 @@
-"""Shared fixtures: a tiny random causal LM built offline once per session, and isolated stores."""
+"""Shared fixtures: a tiny random causal LM built offline once per session, and isolated stores.
+
+The suite is in three folders: ``unit/`` (pure functions, configs, keys, the plan: no trained model,
+no pipeline run), ``integration/`` (the tiny model, stages, evaluation, the CLI in-process, one
+store per module) and ``system/`` (servers, several processes, kills, whole pipeline runs, sweeps).
+Every test under ``system/`` carries the ``system`` marker, so ``-m "not system"`` is the quick part.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,6 +33,38 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+SYSTEM_TESTS = Path(__file__).resolve().parent / "system"
+SMOKE_CONFIG = REPO_ROOT / "configs" / "smoke.yaml"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark what lies under system/; leave out ``slow`` tests unless ``-m`` names them, so that a
+    selection such as ``-m "not system"`` does not pull in minutes of the built-in model."""
+    for item in items:
+        if item.path.is_relative_to(SYSTEM_TESTS):
+            item.add_marker(pytest.mark.system)
+    if "slow" in (config.option.markexpr or ""):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """A readable id for a case pytest would only number (``kwargs3``): a dict, list or tuple shows
+    what it holds, so a failing case of a table says which one it is."""
+    if isinstance(val, dict | list | tuple):
+        return _case_id(val).encode("ascii", "backslashreplace").decode()[:48] or "empty"
+    return None
+
+
+def _case_id(val) -> str:
+    if isinstance(val, dict):
+        return ",".join(f"{key}={_case_id(value)}" for key, value in val.items())
+    if isinstance(val, list | tuple):
+        return ",".join(_case_id(item) for item in val)
+    return " ".join(str(getattr(val, "__name__", val)).split())
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +80,106 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def smoke_config_path() -> Path:
+    """configs/smoke.yaml: the tiny random model through every stage for 2 steps."""
+    return SMOKE_CONFIG
+
+
+def smoke_places(workdir: Path, store: str = "store") -> list[str]:
+    """Overrides that keep everything a smoke run writes under ``workdir``: the store (named
+    ``store``), the MLflow database and the built tiny model."""
+    return [
+        f"orchestration.store={workdir / store}",
+        f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",
+        f"model.cache_dir={workdir / 'models'}",
+    ]
+
+
+@pytest.fixture(scope="session")
+def smoke_config():
+    """``smoke_config(workdir, *overrides, store="store")``: the smoke config with ``overrides``,
+    writing only under ``workdir`` (smoke_places)."""
+    from posttrain.pipeline import load_config
+
+    def build(workdir: Path, *overrides: str, store: str = "store"):
+        return load_config(SMOKE_CONFIG, [*smoke_places(workdir, store), *overrides])
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def smoke_sets():
+    """``smoke_sets(workdir, *overrides)``: the same overrides as ``--set`` arguments of the CLI."""
+
+    def sets(workdir: Path, *overrides: str) -> list[str]:
+        return [arg for s in (*smoke_places(workdir), *overrides) for arg in ("--set", s)]
+
+    return sets
+
+
+@dataclass(frozen=True)
+class SmokeRun:
+    """The smoke config run once from an empty store: where it wrote and the flow's summary."""
+
+    workdir: Path
+    summary: dict
+
+    @property
+    def store(self) -> Path:
+        return self.workdir / "store"
+
+    @property
+    def tracking_uri(self) -> str:
+        return f"sqlite:///{self.workdir / 'mlflow.db'}"
+
+    def output(self, step: str) -> Path:
+        return Path(next(o["output"] for o in self.summary["outcomes"] if o["step"] == step))
+
+    def restore(self) -> None:
+        """Put the store back as the first run left it (what a test changed goes)."""
+        for entry in self.store.iterdir():
+            if entry.name in _KEPT:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        shutil.copytree(self.workdir / "pristine-store", self.store, symlinks=True, dirs_exist_ok=True)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory, smoke_config) -> SmokeRun:
+    """The whole smoke pipeline, run once per session. Tests that only read its store, its MLflow
+    runs or its summary take this; a test that changes the store takes ``smoke_store``."""
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
+
+    workdir = tmp_path_factory.mktemp("smoke-run")
+    # MLflow samples system metrics every 10 s by default; the smoke stages last a few seconds.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+        summary = posttrain_pipeline(smoke_config(workdir))
+    # The store as the run left it, to put back after each test that changes it. Put back in place,
+    # not copied elsewhere: records name their outputs by absolute path inside the store, and an
+    # output outside the store is recomputed, so a copy at another path would be a cold store.
+    shutil.copytree(workdir / "store", workdir / "pristine-store", symlinks=True, ignore=_PRISTINE_SKIP)
+    return SmokeRun(workdir, summary)
+
+
+_KEPT = ("prefect", "lock", "locks")
+"""Left as they are when a store is put back: a Prefect home (a server may hold it open) and the locks."""
+_PRISTINE_SKIP = shutil.ignore_patterns(*_KEPT)
+
+
+@pytest.fixture
+def smoke_store(smoke_run) -> Iterator[SmokeRun]:
+    """``smoke_run`` for a test that changes its store (damages an output, reruns a step): the store
+    is put back as the first run left it afterwards. MLflow's database is left as it is (a client may
+    hold it open); the records still name the first run's MLflow runs, which it keeps."""
+    yield smoke_run
+    smoke_run.restore()
 
 
 @pytest.fixture

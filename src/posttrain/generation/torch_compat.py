@@ -1,6 +1,6 @@
 """Every place posttrain reaches into torch's internals: oneDNN's prepacked linear weights.
 
-Pinned to ``TORCH_VERSIONS`` (pyproject's pin); ``tests/test_compat.py`` fails when the installed
+Pinned to ``TORCH_VERSIONS`` (pyproject's pin); ``tests/integration/test_compat.py`` fails when the installed
 version leaves that range or when a hooked op below disappears, so lifting the pin means re-checking
 this file first.
 

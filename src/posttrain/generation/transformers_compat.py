@@ -1,6 +1,6 @@
 """Every place posttrain reaches into transformers' internals: the KV-cache layer and skipped weight init.
 
-Pinned to ``TRANSFORMERS_VERSIONS`` (pyproject's pin); ``tests/test_compat.py`` fails when the installed
+Pinned to ``TRANSFORMERS_VERSIONS`` (pyproject's pin); ``tests/integration/test_compat.py`` fails when the installed
 version leaves that range or when a hooked name below changes shape, so lifting the pin means
 re-checking this file first.
 
@@ -17,7 +17,7 @@ re-checking this file first.
    reordered batch flipped 2 of 128 greedy bf16 completions late, at a near-tie), and new rows
    joining are the only full copy. Row layout is the same left padding
    ``generate`` uses: every row's real tokens end at the last filled column and the attention mask
-   hides the columns before its first real token. ``tests/test_eval_generation.py`` pins the result
+   hides the columns before its first real token. ``tests/integration/test_eval_generation.py`` pins the result
    to ``generate`` token for token.
 2. :func:`no_init_weights` is ``transformers.initialization.no_init_weights``, an internal context
    manager: the bf16 shadow policy is built from a config and every weight is overwritten right away,

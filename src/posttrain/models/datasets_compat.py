@@ -1,6 +1,6 @@
 """Every place posttrain reaches into the datasets library's internals: a dataset's ``_fingerprint``.
 
-Pinned to ``DATASETS_VERSIONS`` (pyproject's pin); ``tests/test_compat.py`` fails when the installed
+Pinned to ``DATASETS_VERSIONS`` (pyproject's pin); ``tests/integration/test_compat.py`` fails when the installed
 version leaves that range or when ``Dataset._fingerprint`` stops being the transform-tracking hash,
 so lifting the pin means re-checking this file.
 

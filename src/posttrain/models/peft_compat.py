@@ -1,6 +1,6 @@
 """Every place posttrain reaches into peft's internals: reading a LoRA policy's effective weights.
 
-Pinned to ``PEFT_VERSIONS`` (pyproject's pin); ``tests/test_compat.py`` fails when the installed version
+Pinned to ``PEFT_VERSIONS`` (pyproject's pin); ``tests/integration/test_compat.py`` fails when the installed version
 leaves that range or when a hooked name below changes, so lifting the pin means re-checking this file.
 
 :func:`effective_state_dict` reads, on every ``peft.tuners.lora.LoraLayer`` of the model, the

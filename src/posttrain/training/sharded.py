@@ -18,13 +18,13 @@ The gather is the one transformers' ``Trainer.save_model`` uses:
   ``get_model_state_dict`` with the full-state-dict, CPU-offload options accelerate passes for
   FSDP2. Recognising the model rather than asking accelerate lets the same code run under
   ``fully_shard`` on a CPU, where accelerate 1.x never turns FSDP on (see
-  :mod:`posttrain.pipeline.launcher` and tests/test_launcher_multiprocess.py).
+  :mod:`posttrain.pipeline.launcher` and tests/system/test_launcher_multiprocess.py).
 
 Rank 0 then holds the weights twice for a moment (the gathered dict and the rebuilt model), on
 the CPU; the other ranks return None. With LoRA under ZeRO-3 the frozen base is gathered too
 (``Trainer.save_model`` skips it for an adapter), since a merged policy needs it.
 
-Checked on a CPU: FSDP2 (tests/test_launcher_multiprocess.py). Not run anywhere yet: ZeRO-3 and
+Checked on a CPU: FSDP2 (tests/system/test_launcher_multiprocess.py). Not run anywhere yet: ZeRO-3 and
 FSDP1, which need GPUs (and the deepspeed package for ZeRO-3).
 """
 

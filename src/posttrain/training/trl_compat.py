@@ -1,6 +1,6 @@
 """Every place posttrain reaches into TRL beyond its documented API, with the version pin that protects it.
 
-Pinned to ``TRL_VERSIONS`` (pyproject's pin); ``tests/test_compat.py`` fails when the installed version
+Pinned to ``TRL_VERSIONS`` (pyproject's pin); ``tests/integration/test_compat.py`` fails when the installed version
 leaves that range or when a hooked name below changes, so lifting the pin means re-checking this file.
 
 1. ``trl.trainer.utils._use_triton`` (private), patched by :func:`compact_fused_head_on_cpu`: make
@@ -20,7 +20,7 @@ leaves that range or when a hooked name below changes, so lifting the pin means 
    an override of the private ``GRPOTrainer._generate_single_turn``; :func:`new_grpo_trainer` passes it
    and silences the warning. The rollout reads the trainer's public ``args``, ``processing_class``,
    ``model``, ``accelerator`` and ``state``, and returns ``posttrain.generation.rollout.ROLLOUT_KEYS``;
-   ``tests/test_compat.py`` runs it inside a real trainer.
+   ``tests/integration/test_compat.py`` runs it inside a real trainer.
 3. ``SFTTrainer._total_train_tokens`` / ``DPOTrainer._total_train_tokens`` (private), set by
    :func:`carry_token_count`: the running token count those trainers log as ``num_tokens``. A
    checkpoint does not save it (GRPO's comes from the trainer state, which it does), so a resumed

@@ -6,35 +6,19 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 
-from posttrain.pipeline import load_config
-
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 WAIT_S = 180
 """How long an evaluation waits for the next stage's training to start (only a broken fan-out waits
 it out: a worker process imports torch and transformers first)."""
 
 
-def small(tmp: Path, *overrides: str):
-    """The smoke config cut to data → eval-baseline → sft → eval-sft, in its own store."""
-    return load_config(
-        SMOKE,
-        [
-            f"orchestration.store={tmp / 'store'}",
-            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
-            f"model.cache_dir={tmp / 'models'}",
-            "dpo.enabled=false",
-            "grpo.stages=[]",
-            "tracking.system_metrics=false",
-            *overrides,
-        ],
-    )
+SMALL = ("dpo.enabled=false", "grpo.stages=[]", "tracking.system_metrics=false")
+"""The smoke config cut to data → eval-baseline → sft → eval-sft."""
 
 
-def test_an_evaluation_runs_beside_the_next_training_stage(tmp_path, step_spy):
+def test_an_evaluation_runs_beside_the_next_training_stage(smoke_config, tmp_path, step_spy):
     from mlflow import MlflowClient
 
     from posttrain.flows.pipeline_flow import posttrain_pipeline
@@ -42,7 +26,7 @@ def test_an_evaluation_runs_beside_the_next_training_stage(tmp_path, step_spy):
 
     # The baseline evaluation finishes only once SFT has started: in place, SFT would wait for it.
     step_spy.hook("eval_step:baseline", wait_for=("sft_step", 1), timeout=WAIT_S)
-    cfg = small(tmp_path, "orchestration.concurrent_evals=true")
+    cfg = smoke_config(tmp_path, *SMALL, "orchestration.concurrent_evals=true")
     summary = posttrain_pipeline(cfg)
 
     outcomes = summary["outcomes"]
@@ -88,12 +72,12 @@ def gpu_limit():
         client.delete_concurrency_limit_by_tag("gpu")
 
 
-def test_gpu_slots_let_one_step_hold_the_gpu_at_a_time(tmp_path, step_spy, gpu_limit):
+def test_gpu_slots_let_one_step_hold_the_gpu_at_a_time(smoke_config, tmp_path, step_spy, gpu_limit):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     # Unlimited, SFT would start during this pause (the test above proves it does).
     step_spy.hook("eval_step:baseline", sleep=3)
-    cfg = small(tmp_path, "orchestration.concurrent_evals=true", "orchestration.gpu_slots=1")
+    cfg = smoke_config(tmp_path, *SMALL, "orchestration.concurrent_evals=true", "orchestration.gpu_slots=1")
     summary = posttrain_pipeline(cfg)
 
     assert gpu_limit.read_global_concurrency_limit_by_name("tag:gpu").limit == 1
@@ -105,12 +89,12 @@ def test_gpu_slots_let_one_step_hold_the_gpu_at_a_time(tmp_path, step_spy, gpu_l
         assert a_end <= b_start, f"{a} and {b} held the gpu at once"
 
 
-def test_a_failed_evaluation_fails_the_run_after_the_rest_is_done(tmp_path, step_spy):
+def test_a_failed_evaluation_fails_the_run_after_the_rest_is_done(smoke_config, tmp_path, step_spy):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
     from posttrain.pipeline.plan import preview
 
     step_spy.hook("eval_step:baseline", wait_for=("sft_step", 1), timeout=WAIT_S, fail="evaluation broke")
-    cfg = small(tmp_path, "orchestration.concurrent_evals=true")
+    cfg = smoke_config(tmp_path, *SMALL, "orchestration.concurrent_evals=true")
     with pytest.raises(Exception, match="evaluation broke"):
         posttrain_pipeline(cfg)
     # SFT and its evaluation finished and were recorded; only the failed evaluation reruns.

@@ -181,7 +181,7 @@ def test_prefect_yaml_is_valid_for_prefect_and_queues_runs_of_a_deployment():
     import yaml
     from prefect.cli.deploy._models import PrefectYamlModel  # private: pinned with PREFECT_VERSIONS
 
-    spec = Path(__file__).resolve().parents[1] / "prefect.yaml"
+    spec = Path(__file__).resolve().parents[2] / "prefect.yaml"
     model = PrefectYamlModel.model_validate(yaml.safe_load(spec.read_text()))
     assert model.deployments
     for deployment in model.deployments:
@@ -203,7 +203,7 @@ def test_kubernetes_gpu_template_is_prefect_kubernetes_default_plus_the_gpu_requ
     from prefect.server.schemas.actions import WorkPoolCreate
     from prefect_kubernetes.worker import KubernetesWorker
 
-    template = json.loads((Path(__file__).resolve().parents[1] / KUBERNETES_TEMPLATE).read_text())
+    template = json.loads((Path(__file__).resolve().parents[2] / KUBERNETES_TEMPLATE).read_text())
     ours = json.loads(json.dumps(template))
     assert ours["variables"]["properties"].pop("gpu")["type"] == "integer"
     pod = ours["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
@@ -226,7 +226,7 @@ def test_kubernetes_deployment_job_variables_render_a_job_requesting_gpus():
     from prefect.utilities.schema_tools import ValidationError, is_valid_schema, validate
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     template = json.loads((repo / KUBERNETES_TEMPLATE).read_text())
     spec = yaml.safe_load((repo / "prefect.yaml").read_text())
     (gpu,) = [d for d in spec["deployments"] if d["work_pool"]["name"] == "posttrain-k8s-gpu"]

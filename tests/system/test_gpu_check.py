@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 CHECKS = ("bf16-smoke", "qlora-grpo", "optim-8bit", "vllm-colocate", "ddp-2gpu")
 

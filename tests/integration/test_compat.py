@@ -19,7 +19,7 @@ from posttrain.generation import torch_compat, transformers_compat
 from posttrain.models import datasets_compat, peft_compat
 from posttrain.training import trl_compat
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
 def pinned(package: str) -> SpecifierSet:

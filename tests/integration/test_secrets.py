@@ -6,7 +6,7 @@ secret in every place a user can put one: a custom reward's params (a secret-loo
 password and an hf_ token in plain ones), a --set override, the shared store's URL, and the
 credentials MLflow, the hub and object stores read from the environment. (A trainer option cannot
 hold one: transformers logs those to MLflow as they are, so they are refused; see the
-"credential in a trainer option" case of tests/test_bad_inputs.py.) Afterwards every file the
+"credential in a trainer option" case of tests/integration/test_bad_inputs.py.) Afterwards every file the
 run wrote (the store with its records, stage outputs and Prefect database, mlflow.db and MLflow's
 artifacts, the remembered option checks) and everything it printed or logged is searched for each
 secret, byte for byte: none may appear.

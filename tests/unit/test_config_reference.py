@@ -1,6 +1,6 @@
 """`posttrain config`: the reference generated from the schema's docstrings, one section or key at a time.
 
-That docs/config.md is current and names every key is checked in tests/test_config.py.
+That docs/config.md is current and names every key is checked in tests/unit/test_config.py.
 """
 
 from __future__ import annotations

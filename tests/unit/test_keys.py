@@ -26,11 +26,13 @@ from posttrain.core.hashing import stable_hash
 from posttrain.core.sweep import seed_group
 from posttrain.pipeline import load_config
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def smoke(*overrides: str):
-    return load_config(SMOKE, list(overrides))
+@pytest.fixture(scope="module")
+def smoke(smoke_config_path):
+    """``smoke(*overrides)``: the smoke config with ``overrides``."""
+    return lambda *overrides: load_config(smoke_config_path, list(overrides))
 
 
 def test_cache_key_format_is_pinned(monkeypatch):
@@ -51,7 +53,7 @@ def test_cache_key_includes_code_and_version(monkeypatch):
     assert cache_key("sft", "h", inputs, "code-a") != with_code
 
 
-def test_stage_section_finds_each_training_stage_by_step_name():
+def test_stage_section_finds_each_training_stage_by_step_name(smoke):
     cfg = smoke()
     assert stage_section(cfg, "sft") is cfg.sft and stage_section(cfg, "dpo") is cfg.dpo
     assert stage_section(cfg, "grpo-correctness") is cfg.grpo.stages[1]
@@ -60,7 +62,7 @@ def test_stage_section_finds_each_training_stage_by_step_name():
     assert stage_section(smoke("dpo=null"), "grpo-format").name == "format"
 
 
-def test_data_identity_names_its_step_config_and_inputs():
+def test_data_identity_names_its_step_config_and_inputs(smoke):
     cfg = smoke()
     identity = data_identity(cfg, "tok")
     assert identity.step == "data" and identity.config_hash == stable_hash(cache_form(cfg.data))
@@ -72,39 +74,39 @@ def test_data_identity_names_its_step_config_and_inputs():
     assert identity.code.files and identity.key != identity.lineage
 
 
-def _local(path: Path) -> str:
+def _local(smoke, path: Path) -> str:
     return data_identity(smoke("data.source=local", f"data.path={path}"), "tok").inputs["source"]
 
 
-def test_local_data_is_keyed_by_file_content_not_path(tmp_path):
+def test_local_data_is_keyed_by_file_content_not_path(smoke, tmp_path):
     one = tmp_path / "a" / "train.jsonl"
     one.parent.mkdir()
     one.write_text('{"question": "q", "answer": "#### 1"}\n')
-    fingerprint = _local(one)
+    fingerprint = _local(smoke, one)
     assert len(fingerprint) == 16 and fingerprint != "-"
     moved = tmp_path / "b" / "train.jsonl"
     moved.parent.mkdir()
     moved.write_bytes(one.read_bytes())
-    assert _local(moved) == fingerprint  # same content elsewhere
+    assert _local(smoke, moved) == fingerprint  # same content elsewhere
     one.write_text('{"question": "q", "answer": "#### 2"}\n')
-    assert _local(one) != fingerprint  # same path, new content
+    assert _local(smoke, one) != fingerprint  # same path, new content
     synthetic = smoke("data.source=synthetic", f"data.path={one}")  # a path left over from local data
     assert data_identity(synthetic, "tok").inputs["source"] == "-"
 
 
-def test_a_data_folder_is_keyed_by_its_jsonl_files(tmp_path):
+def test_a_data_folder_is_keyed_by_its_jsonl_files(smoke, tmp_path):
     (tmp_path / "part-1.jsonl").write_text('{"question": "q1", "answer": "#### 1"}\n')
-    before = _local(tmp_path)
+    before = _local(smoke, tmp_path)
     (tmp_path / "notes.txt").write_text("not data")
-    assert _local(tmp_path) == before
+    assert _local(smoke, tmp_path) == before
     (tmp_path / "part-2.jsonl").write_text('{"question": "q2", "answer": "#### 2"}\n')
-    with_two = _local(tmp_path)
+    with_two = _local(smoke, tmp_path)
     assert with_two != before
     (tmp_path / "part-2.jsonl").rename(tmp_path / "part-3.jsonl")
-    assert _local(tmp_path) != with_two  # renamed: another file of the folder
+    assert _local(smoke, tmp_path) != with_two  # renamed: another file of the folder
 
 
-def test_train_identity_depends_on_its_section_trainer_model_seed_and_inputs():
+def test_train_identity_depends_on_its_section_trainer_model_seed_and_inputs(smoke):
     cfg = smoke()
     identity = train_identity(cfg, "grpo-format", "model-fp", "data-fp")
     assert identity.step == "grpo-format" and identity.inputs == {"model": "model-fp", "data": "data-fp"}
@@ -125,7 +127,7 @@ def test_train_identity_depends_on_its_section_trainer_model_seed_and_inputs():
     assert train_key(cfg, "grpo-correctness", "model-fp", "data-fp") != key
 
 
-def test_a_stages_own_lora_keys_that_stage_and_an_unset_one_keeps_old_keys():
+def test_a_stages_own_lora_keys_that_stage_and_an_unset_one_keeps_old_keys(smoke):
     """``lora:`` in a stage section is what that stage trains (full model or adapter); leaving it
     out must keep every key of configs written before stages could set it."""
     cfg = smoke()
@@ -145,7 +147,7 @@ def test_a_stages_own_lora_keys_that_stage_and_an_unset_one_keeps_old_keys():
         )
 
 
-def test_a_custom_reward_module_is_part_of_the_stage_code():
+def test_a_custom_reward_module_is_part_of_the_stage_code(smoke):
     cfg = smoke()
     stage = GRPOStageConfig(name="own", rewards=[{"name": "my_rewards.scoring:score"}])
     cfg = cfg.model_copy(update={"grpo": GRPOSection(stages=[stage])})
@@ -154,7 +156,7 @@ def test_a_custom_reward_module_is_part_of_the_stage_code():
     assert "custom:my_rewards.scoring" not in train_identity(cfg, "sft", "m", "d").code.files
 
 
-def test_eval_identity_depends_on_eval_section_precision_and_inputs():
+def test_eval_identity_depends_on_eval_section_precision_and_inputs(smoke):
     cfg = smoke()
     identity = eval_identity(cfg, "eval-sft", "model-fp", "eval-fp")
     assert identity.step == "eval-sft" and identity.inputs == {"model": "model-fp", "data": "eval-fp"}
@@ -168,7 +170,7 @@ def test_eval_identity_depends_on_eval_section_precision_and_inputs():
         assert eval_key(unchanged, "eval-sft", "model-fp", "eval-fp") == key
 
 
-def test_a_stage_that_keeps_its_best_checkpoint_has_the_choice_in_its_key():
+def test_a_stage_that_keeps_its_best_checkpoint_has_the_choice_in_its_key(smoke):
     """keep, select_metric, patience and eval_every choose the output; the selection slice's content
     (and SFT's and DPO's evaluation length) too, but only for keep: best."""
     base = ["data.selection_size=4"]
@@ -260,7 +262,7 @@ PINNED_CONFIG_HASHES = {
 
 @pytest.mark.parametrize("name", sorted(PINNED_CONFIG_HASHES))
 def test_shipped_configs_keep_the_config_hashes_they_had_before_the_renames(name):
-    cfg = load_config(SMOKE.parent / name)
+    cfg = load_config(CONFIGS / name)
     found = {"data": data_identity(cfg, "m").config_hash}
     found |= {step: train_identity(cfg, step, "m", "d").config_hash for step in cfg.stage_names()}
     found["eval"] = eval_identity(cfg, "eval-baseline", "m", "d").config_hash

@@ -1,6 +1,6 @@
 """Resuming a stage from its checkpoint, in-process on the tiny model: a stage that dies after step k
 and is run again ends exactly where an uninterrupted run ends (same steps, same losses, same weights),
-and the checkpoint bookkeeping around it (tests/test_faults.py kills real processes)."""
+and the checkpoint bookkeeping around it (tests/system/test_faults.py kills real processes)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One rank of tests/test_launcher_multiprocess.py's FSDP2 save test (``torchrun --nproc_per_node 2``).
+"""One rank of tests/system/test_launcher_multiprocess.py's FSDP2 save test (``torchrun --nproc_per_node 2``).
 
 ``python fsdp2_save_worker.py MODEL_DIR OUT_DIR``: for a full fine-tune and for LoRA (saved merged
 and as an adapter), every rank loads the model, keeps a whole copy, shards the other with torch's

@@ -7,7 +7,7 @@ Each rank records a hash of every sequence its training forward passes see
 sequences, and for SFT and DPO (deterministic data) together exactly the 1-process run's.
 
 Saving a sharded policy (FSDP2) is checked with torch's ``fully_shard`` on the CPU
-(tests/fsdp2_save_worker.py): accelerate 1.x never turns FSDP on for a CPU run, so a stage cannot
+(tests/system/fsdp2_save_worker.py): accelerate 1.x never turns FSDP on for a CPU run, so a stage cannot
 train under FSDP2 here (posttrain.pipeline.launcher refuses such a config).
 """
 
@@ -33,7 +33,7 @@ from posttrain.training.distributed import RECORD_INPUTS_ENV
 
 pytestmark = pytest.mark.multiprocess
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOSS_TOLERANCE = 1e-5
 """Relative difference allowed between the 2-process and the 1-process loss at each step (fp32: the
 two runs differ only in how gradients are summed: gloo's all-reduce of two halves vs one batch),

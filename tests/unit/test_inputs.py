@@ -1,5 +1,5 @@
 """What a user hands posttrain, checked before anything reads it (core/inputs.py) and what a config
-points at (pipeline/input_checks.py). The CLI-level cases are in tests/test_bad_inputs.py."""
+points at (pipeline/input_checks.py). The CLI-level cases are in tests/integration/test_bad_inputs.py."""
 
 from __future__ import annotations
 

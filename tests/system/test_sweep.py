@@ -3,31 +3,19 @@ shared between points, and the comparison of the runs at the end."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from posttrain.cli import main
 
-SMOKE = str(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml")
+CUT = ("dpo=null", "grpo.stages=[]")
+"""The smoke config cut to data → (baseline) → sft."""
 
 
-def sets(tmp_path: Path, *extra: str) -> list[str]:
-    """``--set`` arguments for the smoke config cut to data → (baseline) → sft, in ``tmp_path``."""
-    fixed = [
-        f"orchestration.store={tmp_path / 'store'}",
-        f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-        f"model.cache_dir={tmp_path / 'models'}",
-        "dpo=null",
-        "grpo.stages=[]",
-        *extra,
-    ]
-    return [a for s in fixed for a in ("--set", s)]
-
-
-def test_sweep_runs_each_point_reusing_shared_steps_and_compares_them(tmp_path, step_calls, capsys):
+def test_sweep_runs_each_point_reusing_shared_steps_and_compares_them(
+    smoke_config_path, smoke_sets, tmp_path, step_calls, capsys
+):
     db = tmp_path / "mlflow.db"
-    argv = ["sweep", SMOKE, *sets(tmp_path, "eval.baseline=false")]
+    argv = ["sweep", str(smoke_config_path), *smoke_sets(tmp_path, *CUT, "eval.baseline=false")]
     assert main([*argv, "--set", "sft.trainer.learning_rate=1e-3,1e-4"]) == 0
     out = capsys.readouterr().out
     # the data step is shared by both points; SFT and its evaluation ran once per point
@@ -55,13 +43,15 @@ def test_sweep_runs_each_point_reusing_shared_steps_and_compares_them(tmp_path, 
         (["--seeds", "0,1", "--set", "seed=2,3"], "--seeds or --set seed"),  # two ways to say one thing
     ],
 )
-def test_sweep_without_two_points_is_refused_in_one_line(args, message, capsys):
-    assert main(["sweep", SMOKE, *args]) == 2
+def test_sweep_without_two_points_is_refused_in_one_line(smoke_config_path, args, message, capsys):
+    assert main(["sweep", str(smoke_config_path), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
-def test_seeds_share_data_and_baseline_and_compare_aggregates_three_seeds(tmp_path, step_calls, capsys):
+def test_seeds_share_data_and_baseline_and_compare_aggregates_three_seeds(
+    smoke_config_path, smoke_sets, tmp_path, step_calls, capsys
+):
     """`sweep --seeds 0,1,2` on the smoke config (cut to SFT): one run per seed in one seed group,
     the seed-independent steps made once, and the comparison's numbers across the three seeds."""
     import mlflow
@@ -69,7 +59,18 @@ def test_seeds_share_data_and_baseline_and_compare_aggregates_three_seeds(tmp_pa
     from posttrain.core.stats import t_interval
 
     db = tmp_path / "mlflow.db"
-    assert main(["sweep", SMOKE, *sets(tmp_path, "tracking.system_metrics=false"), "--seeds", "0,1,2"]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                str(smoke_config_path),
+                *smoke_sets(tmp_path, *CUT, "tracking.system_metrics=false"),
+                "--seeds",
+                "0,1,2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     # data and the baseline evaluation do not depend on the seed: made once for the three seeds
     assert sorted(step_calls) == ["eval_step"] * 4 + ["prepare_step"] + ["sft_step"] * 3
@@ -111,14 +112,20 @@ def test_seeds_share_data_and_baseline_and_compare_aggregates_three_seeds(tmp_pa
 
 
 def test_parallel_points_run_in_processes_of_their_own_and_make_a_shared_step_once(
-    tmp_path, step_spy, capsys
+    smoke_config_path, smoke_sets, tmp_path, step_spy, capsys
 ):
     import os
 
     # Each point's SFT waits until both have started: one point at a time never gets past it.
     step_spy.hook("sft_step", wait_for=("sft_step", 2), timeout=120)
     db = tmp_path / "mlflow.db"
-    argv = ["sweep", SMOKE, "--parallel", "2", *sets(tmp_path, "tracking.system_metrics=false")]
+    argv = [
+        "sweep",
+        str(smoke_config_path),
+        "--parallel",
+        "2",
+        *smoke_sets(tmp_path, *CUT, "tracking.system_metrics=false"),
+    ]
     assert main([*argv, "--set", "sft.trainer.learning_rate=1e-3,1e-4"]) == 0
     # data and the baseline evaluation are the same step for both points: made once, under its lock
     assert sorted(step_spy) == ["eval_step"] * 3 + ["prepare_step"] + ["sft_step"] * 2
@@ -140,7 +147,7 @@ def test_parallel_points_run_in_processes_of_their_own_and_make_a_shared_step_on
     assert "sft.trainer.learning_rate" in capsys.readouterr().out
 
 
-def test_parallel_below_one_is_refused_in_one_line(capsys):
-    assert main(["sweep", SMOKE, "--set", "seed=0,1", "--parallel", "0"]) == 2
+def test_parallel_below_one_is_refused_in_one_line(smoke_config_path, capsys):
+    assert main(["sweep", str(smoke_config_path), "--set", "seed=0,1", "--parallel", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: sweep: --parallel 0: give 1 or more points at a time"], err

@@ -89,14 +89,14 @@ def test_a_custom_rewards_source_is_part_of_the_key(tmp_path, monkeypatch):
     assert code_fingerprint("grpo").digest not in (first.digest, second.digest)
 
 
-def test_the_keys_of_a_plan_include_the_code(monkeypatch):
+def test_the_keys_of_a_plan_include_the_code(smoke_config_path, monkeypatch):
     from posttrain.cache import keys
     from posttrain.core.results import DataResult
     from posttrain.pipeline import load_config
     from posttrain.pipeline.plan import StepInputs, build_plan
     from posttrain.pipeline.steps import ModelRef
 
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    smoke = smoke_config_path
     plan = build_plan(load_config(smoke))
     inputs = StepInputs(ModelRef("/base", "fp"), DataResult("/d", "t", "e"))
     before = {s.name: s.key(plan.config, inputs) for s in plan.steps}

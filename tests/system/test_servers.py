@@ -21,7 +21,7 @@ from posttrain.core.net import free_port
 
 pytestmark = pytest.mark.servers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
@@ -105,13 +105,13 @@ def servers(tmp_path_factory):
             stop(proc)
 
 
-def test_serve_registers_a_cron_deployment_whose_triggered_run_completes(servers):
+def test_serve_registers_a_cron_deployment_whose_triggered_run_completes(smoke_config_path, servers):
     env, tmp = servers
     serve = start(
         [
             str(BIN / "posttrain"),
             "serve",
-            str(REPO / "configs" / "smoke.yaml"),
+            str(smoke_config_path),
             "--cron",
             "0 3 * * *",
             "--name",

@@ -139,22 +139,19 @@ def test_a_finished_run_leaves_no_mlflow_run_running(secret_run):
 
 
 @pytest.mark.parametrize("server", ["MLFLOW_TRACKING_URI", "PREFECT_API_URL"])
-def test_an_unreachable_server_is_one_line_before_the_store_is_touched(server, tmp_path):
+def test_an_unreachable_server_is_one_line_before_the_store_is_touched(smoke_config_path, server, tmp_path):
     """Loopback ports with nothing listening: the process exits 2 in one line, without having
     created the store, taken its lock or started Prefect's embedded server."""
     url = f"http://127.0.0.1:{closed_port()}" + ("/api" if server == "PREFECT_API_URL" else "")
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
-    start = time.monotonic()
+    smoke = smoke_config_path
     done = posttrain(
         ["run", str(smoke), "--set", f"orchestration.store={tmp_path / 'store'}"],
         cwd=tmp_path,
         **{server: url},
     )
-    elapsed = time.monotonic() - start
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.count("\n") == 1 and f"{server}={url}" in done.stderr and "unreachable" in done.stderr
     assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()
-    assert elapsed < 120  # process start and config validation included; the probe itself is seconds
 
 
 def test_runs_a_killed_run_left_running_are_closed_by_the_next_run_on_its_store(tmp_path, monkeypatch):

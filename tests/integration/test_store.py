@@ -93,9 +93,9 @@ def _processes_with_prefect_home(home: Path) -> list[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
-def test_a_config_error_in_run_kills_the_early_server(tmp_path):
+def test_a_config_error_in_run_kills_the_early_server(smoke_config_path, tmp_path):
     """A config error in `run` is reported as one, and the early Prefect server does not outlive it."""
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    smoke = smoke_config_path
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         smoke.read_text().replace("learning_rate: 1.0e-3}", "learning_rate: 1.0e-3, kl_coef: 0.1}")
@@ -197,11 +197,11 @@ def test_a_lock_file_planted_as_a_link_is_not_written_through(tmp_path):
     assert victim.read_text() == "precious"
 
 
-def test_run_takes_the_lock_before_prefects_server_starts(tmp_path, capsys):
+def test_run_takes_the_lock_before_prefects_server_starts(smoke_config_path, tmp_path, capsys):
     """A second run on a locked store stops before booting a server whose home is in that store."""
     from posttrain.cli import main
 
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    smoke = smoke_config_path
     store = Store.at(tmp_path / "store")
     sets = [
         "--set",

@@ -6,26 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.pipeline import load_config
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("pipeline")
+@pytest.fixture
+def workdir(smoke_store) -> Path:
+    """Where the session's smoke run wrote; its store is put back after the test (smoke_store)."""
+    return smoke_store.workdir
 
 
-def smoke(workdir: Path, *overrides: str):
-    return load_config(
-        SMOKE,
-        [
-            f"orchestration.store={workdir / 'store'}",
-            f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",
-            f"model.cache_dir={workdir / 'models'}",
-            *overrides,
-        ],
-    )
+@pytest.fixture
+def first_run(smoke_store):
+    """The summary of the session's smoke run (tests/conftest.py: smoke_run)."""
+    return smoke_store.summary
 
 
 def statuses(summary) -> dict[str, str]:
@@ -46,16 +37,6 @@ STEPS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def first_run(workdir):
-    from posttrain.flows.pipeline_flow import posttrain_pipeline
-
-    # MLflow samples system metrics every 10 s by default; the smoke stages last a few seconds.
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
-        return posttrain_pipeline(smoke(workdir))
-
-
 def test_first_run_executes_every_step(first_run):
     assert list(statuses(first_run)) == STEPS
     assert set(statuses(first_run).values()) == {"ran"}
@@ -63,43 +44,43 @@ def test_first_run_executes_every_step(first_run):
     assert 0.0 <= eval_final["accuracy_strict"] <= 1.0
 
 
-def test_unchanged_rerun_is_all_cached_and_runs_nothing(first_run, workdir, step_calls):
+def test_unchanged_rerun_is_all_cached_and_runs_nothing(smoke_config, first_run, workdir, step_calls):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
     from posttrain.pipeline.plan import preview as dry_run
 
-    assert {status for _, status, _ in dry_run(smoke(workdir))} == {"cached"}
-    summary = posttrain_pipeline(smoke(workdir))
+    assert {status for _, status, _ in dry_run(smoke_config(workdir))} == {"cached"}
+    summary = posttrain_pipeline(smoke_config(workdir))
     assert set(statuses(summary).values()) == {"cached"}
     assert step_calls == []
     assert [o["key"] for o in summary["outcomes"]] == [o["key"] for o in first_run["outcomes"]]
 
 
-def test_force_reruns_the_stage_and_what_follows(first_run, workdir):
+def test_force_reruns_the_stage_and_what_follows(smoke_config, first_run, workdir):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
     from posttrain.pipeline.plan import preview as dry_run
 
-    planned = {step: status for step, status, _ in dry_run(smoke(workdir), ["grpo-format"])}
-    got = statuses(posttrain_pipeline(smoke(workdir), force=["grpo-format"]))
+    planned = {step: status for step, status, _ in dry_run(smoke_config(workdir), ["grpo-format"])}
+    got = statuses(posttrain_pipeline(smoke_config(workdir), force=["grpo-format"]))
     expected = {s: ("run" if i >= STEPS.index("grpo-format") else "cached") for i, s in enumerate(STEPS)}
     assert planned == expected
     assert got == {s: ("ran" if v == "run" else "cached") for s, v in expected.items()}
 
 
-def test_changing_eval_options_reruns_only_evaluation(first_run, workdir):
+def test_changing_eval_options_reruns_only_evaluation(smoke_config, first_run, workdir):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
-    got = statuses(posttrain_pipeline(smoke(workdir, "eval.max_completion_length=12")))
+    got = statuses(posttrain_pipeline(smoke_config(workdir, "eval.max_completion_length=12")))
     assert {s for s, v in got.items() if v == "ran"} == {s for s in STEPS if s.startswith("eval-")}
 
 
-def test_missing_output_is_recomputed(first_run, workdir):
+def test_missing_output_is_recomputed(smoke_config, first_run, workdir):
     import shutil
 
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     sft_dir = next(o["output"] for o in first_run["outcomes"] if o["step"] == "sft")
     shutil.rmtree(sft_dir)
-    got = statuses(posttrain_pipeline(smoke(workdir)))
+    got = statuses(posttrain_pipeline(smoke_config(workdir)))
     assert got["sft"] == "ran" and got["data"] == "cached"
 
 
@@ -196,7 +177,9 @@ def test_compare_promote_moves_the_champion_alias(first_run, workdir, capsys):
     )
 
 
-def test_cli_dry_run_compare_and_serve_without_server(first_run, workdir, capsys, monkeypatch):
+def test_cli_dry_run_compare_and_serve_without_server(
+    smoke_config_path, first_run, workdir, capsys, monkeypatch
+):
     from posttrain.cli import main
 
     sets = [
@@ -207,7 +190,7 @@ def test_cli_dry_run_compare_and_serve_without_server(first_run, workdir, capsys
         "--set",
         f"tracking.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",
     ]
-    assert main(["run", str(SMOKE), *sets, "--dry-run", "--force", "dpo"]) == 0
+    assert main(["run", str(smoke_config_path), *sets, "--dry-run", "--force", "dpo"]) == 0
     out = capsys.readouterr().out
     assert "sft                    cached" in out and "dpo                    run     forced" in out
 
@@ -222,14 +205,14 @@ def test_cli_dry_run_compare_and_serve_without_server(first_run, workdir, capsys
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    assert main(["serve", str(SMOKE), "--cron", "0 3 * * *", *sets]) == 2
+    assert main(["serve", str(smoke_config_path), "--cron", "0 3 * * *", *sets]) == 2
     assert "prefect server start" in capsys.readouterr().err
 
-    assert main(["run", str(SMOKE), *sets, "--force", "nope"]) == 2
+    assert main(["run", str(smoke_config_path), *sets, "--force", "nope"]) == 2
     assert "not a step of smoke" in capsys.readouterr().err
 
 
-def test_dry_run_and_the_flow_run_the_same_plan(first_run, workdir, monkeypatch):
+def test_dry_run_and_the_flow_run_the_same_plan(smoke_config, first_run, workdir, monkeypatch):
     import dataclasses
 
     import posttrain.flows.pipeline_flow as pipeline_flow
@@ -243,8 +226,8 @@ def test_dry_run_and_the_flow_run_the_same_plan(first_run, workdir, monkeypatch)
     # The one plan both read: the dry run's preview and the flow each build it by this name.
     monkeypatch.setattr(pipeline_flow, "build_plan", without_dpo_eval)
     monkeypatch.setattr(plan_module, "build_plan", without_dpo_eval)
-    planned = [step for step, _, _ in plan_module.preview(smoke(workdir))]
-    ran = list(statuses(pipeline_flow.posttrain_pipeline(smoke(workdir))))
+    planned = [step for step, _, _ in plan_module.preview(smoke_config(workdir))]
+    ran = list(statuses(pipeline_flow.posttrain_pipeline(smoke_config(workdir))))
     expected = [s for s in STEPS if s != "eval-dpo"]
     assert planned == expected
     assert ran == expected
@@ -254,12 +237,12 @@ def output_of(summary, step: str) -> str:
     return next(o["output"] for o in summary["outcomes"] if o["step"] == step)
 
 
-def rerun_of_the_last_stage(workdir: Path, step_calls: list[str], override: str):
-    """Run the smoke config with ``override``, which touches only its last GRPO stage: every step
-    before it must be served from the cache and that stage must train again."""
+def rerun_of_the_last_stage(cfg, step_calls: list[str]):
+    """Run ``cfg``, the smoke config with an override that touches only its last GRPO stage: every
+    step before it must be served from the cache and that stage must train again."""
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
-    summary = posttrain_pipeline(smoke(workdir, override))
+    summary = posttrain_pipeline(cfg)
     got = statuses(summary)
     before = STEPS[: STEPS.index("grpo-correctness")]
     assert {s: got[s] for s in before} == dict.fromkeys(before, "cached")
@@ -267,10 +250,14 @@ def rerun_of_the_last_stage(workdir: Path, step_calls: list[str], override: str)
     return summary
 
 
-def test_one_reward_weight_reruns_exactly_that_stage_and_what_follows(first_run, workdir, step_calls):
+def test_one_reward_weight_reruns_exactly_that_stage_and_what_follows(
+    smoke_config, first_run, workdir, step_calls
+):
     from posttrain.models.artifacts import fingerprint_dir
 
-    summary = rerun_of_the_last_stage(workdir, step_calls, "grpo.stages.1.rewards.1.weight=0.25")
+    summary = rerun_of_the_last_stage(
+        smoke_config(workdir, "grpo.stages.1.rewards.1.weight=0.25"), step_calls
+    )
     got = statuses(summary)
     # The evaluation reruns exactly when the retrained policy differs (its key is the weights' hash).
     outputs = [output_of(run, "grpo-correctness") for run in (first_run, summary)]
@@ -279,14 +266,16 @@ def test_one_reward_weight_reruns_exactly_that_stage_and_what_follows(first_run,
     assert step_calls == (["grpo_step", "eval_step"] if changed else ["grpo_step"])
 
 
-def test_a_stages_own_lora_null_fully_fine_tunes_that_stage_only(first_run, workdir, step_calls):
+def test_a_stages_own_lora_null_fully_fine_tunes_that_stage_only(
+    smoke_config, first_run, workdir, step_calls
+):
     """The smoke config trains LoRA adapters (model.lora); `lora: null` in one stage trains that stage's
     full model, reruns it and what follows, and leaves the stages before it cached."""
     import mlflow
 
     from posttrain.models.artifacts import read_stage_json
 
-    summary = rerun_of_the_last_stage(workdir, step_calls, "grpo.stages.1.lora=null")
+    summary = rerun_of_the_last_stage(smoke_config(workdir, "grpo.stages.1.lora=null"), step_calls)
     infos = [
         read_stage_json(output_of(run, step))
         for run, step in ((first_run, "grpo-correctness"), (summary, "grpo-correctness"), (summary, "dpo"))
@@ -307,7 +296,9 @@ def test_a_stages_own_lora_null_fully_fine_tunes_that_stage_only(first_run, work
     )
 
 
-def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_calls, monkeypatch):
+def test_a_flipped_byte_in_a_stages_weights_reruns_it(
+    smoke_config, first_run, workdir, step_calls, monkeypatch
+):
     """Even when the digest of the weights is remembered and the flip keeps their size and mtime."""
     import json
     import os
@@ -316,7 +307,7 @@ def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_c
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     monkeypatch.setattr(digests, "SETTLE_NS", 0)
-    posttrain_pipeline(smoke(workdir))  # checks every output, remembering the digests
+    posttrain_pipeline(smoke_config(workdir))  # checks every output, remembering the digests
     sft_dir = Path(next(o["output"] for o in first_run["outcomes"] if o["step"] == "sft"))
     weights = next(sft_dir.glob("*.safetensors"))
     memo = json.loads((workdir / "store" / "results" / "digests" / "files.json").read_text())
@@ -331,12 +322,12 @@ def test_a_flipped_byte_in_a_stages_weights_reruns_it(first_run, workdir, step_c
         )  # a byte of the last tensor: the file stays loadable, the model does not
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
     step_calls.clear()
-    got = statuses(posttrain_pipeline(smoke(workdir)))
+    got = statuses(posttrain_pipeline(smoke_config(workdir)))
     assert got["sft"] == "ran" and "sft_step" in step_calls
     assert got["data"] == "cached" and got["eval-baseline"] == "cached"
 
 
-def test_a_run_tidies_what_a_killed_run_left_in_the_store(first_run, workdir):
+def test_a_run_tidies_what_a_killed_run_left_in_the_store(smoke_config, first_run, workdir):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     stages = workdir / "store" / "stages"
@@ -347,19 +338,19 @@ def test_a_run_tidies_what_a_killed_run_left_in_the_store(first_run, workdir):
     aside = dpo_dir.with_name(dpo_dir.name + ".old-beef")
     dpo_dir.rename(aside)  # killed between the two renames: the complete output sits aside
 
-    got = statuses(posttrain_pipeline(smoke(workdir)))
+    got = statuses(posttrain_pipeline(smoke_config(workdir)))
     assert not unfinished.exists() and not aside.exists()
     assert dpo_dir.is_dir()
     assert got["dpo"] == "cached"  # put back, verified, and served
 
 
-def test_cached_stage_runs_point_at_the_run_that_produced_them(first_run, workdir):
+def test_cached_stage_runs_point_at_the_run_that_produced_them(smoke_config, first_run, workdir):
     import mlflow
 
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
-    rerun = posttrain_pipeline(smoke(workdir))
+    rerun = posttrain_pipeline(smoke_config(workdir))
     assert set(statuses(rerun).values()) == {"cached"}
 
     def children(run_id):
@@ -393,7 +384,7 @@ def test_health_alerts_become_prefect_events_naming_the_stage():
     }
 
 
-def test_dry_run_says_which_code_changed(first_run, workdir, monkeypatch):
+def test_dry_run_says_which_code_changed(smoke_config, first_run, workdir, monkeypatch):
     from posttrain.cache import keys
     from posttrain.cache.code import CodeFingerprint
     from posttrain.pipeline.plan import preview as dry_run
@@ -407,7 +398,7 @@ def test_dry_run_says_which_code_changed(first_run, workdir, monkeypatch):
         )
 
     monkeypatch.setattr(keys, "code_fingerprint", reward_fixed)
-    rows = {step: (status, why) for step, status, why in dry_run(smoke(workdir))}
+    rows = {step: (status, why) for step, status, why in dry_run(smoke_config(workdir))}
     before = STEPS[: STEPS.index("grpo-format")]
     assert {s: rows[s][0] for s in before} == dict.fromkeys(before, "cached")
     assert rows["grpo-format"] == ("run", "code changed: posttrain/rewards/format.py")
@@ -415,12 +406,14 @@ def test_dry_run_says_which_code_changed(first_run, workdir, monkeypatch):
 
 
 @pytest.mark.parametrize(("step", "file"), [("eval-baseline", "examples.jsonl"), ("data", "stats.json")])
-def test_a_modified_data_or_eval_output_is_recomputed(first_run, workdir, step_calls, step, file):
+def test_a_modified_data_or_eval_output_is_recomputed(
+    smoke_config, first_run, workdir, step_calls, step, file
+):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
     from posttrain.pipeline.plan import preview as dry_run
 
     output = Path(
-        next(o["output"] for o in posttrain_pipeline(smoke(workdir))["outcomes"] if o["step"] == step)
+        next(o["output"] for o in posttrain_pipeline(smoke_config(workdir))["outcomes"] if o["step"] == step)
     )
     step_calls.clear()
     target = output / file
@@ -428,15 +421,16 @@ def test_a_modified_data_or_eval_output_is_recomputed(first_run, workdir, step_c
         target.read_text().replace("1", "7", 1)
     )  # still well-formed, no longer what was written
     assert (
-        dict((s, why) for s, _, why in dry_run(smoke(workdir)))[step] == "cached output missing or modified"
+        dict((s, why) for s, _, why in dry_run(smoke_config(workdir)))[step]
+        == "cached output missing or modified"
     )
-    got = statuses(posttrain_pipeline(smoke(workdir)))
+    got = statuses(posttrain_pipeline(smoke_config(workdir)))
     assert got[step] == "ran"
     assert step_calls[0] == ("prepare_step" if step == "data" else "eval_step")
 
 
 def test_a_cached_cli_rerun_skips_prefect_and_logs_what_the_flow_logs(
-    first_run, workdir, step_calls, monkeypatch, capsys, caplog
+    smoke_config, smoke_config_path, first_run, workdir, step_calls, monkeypatch, capsys, caplog
 ):
     """`posttrain run` serves an all-cached plan without the Prefect flow (no server to boot), with
     the same MLflow runs as the flow's rerun; a modified output still goes through the flow and runs."""
@@ -459,8 +453,8 @@ def test_a_cached_cli_rerun_skips_prefect_and_logs_what_the_flow_logs(
     real_flow = pipeline_flow.posttrain_pipeline
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setattr(pipeline_flow, "posttrain_pipeline", flow_spy)
-    by_flow = real_flow(smoke(workdir))  # the flow's own all-cached rerun, to compare with
-    assert main(["run", str(SMOKE), *sets]) == 0
+    by_flow = real_flow(smoke_config(workdir))  # the flow's own all-cached rerun, to compare with
+    assert main(["run", str(smoke_config_path), *sets]) == 0
     out = capsys.readouterr().out
     assert flow_calls == [] and step_calls == []
     table = out.split("\n\n")[0].splitlines()[2:]  # the step table (the eval table follows)
@@ -499,7 +493,7 @@ def test_a_cached_cli_rerun_skips_prefect_and_logs_what_the_flow_logs(
     target = report / "examples.jsonl"
     target.write_text(target.read_text().replace("1", "7", 1))
     with caplog.at_level("WARNING"):
-        assert main(["run", str(SMOKE), *sets]) == 0
+        assert main(["run", str(smoke_config_path), *sets]) == 0
     assert len(flow_calls) == 1 and step_calls == ["eval_step"]
     assert "running the pipeline flow" not in caplog.text  # decided before anything was logged
 
@@ -527,10 +521,14 @@ def with_extra_sets(workdir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def extra_run(first_run, workdir):
+def extra_run(smoke_run, smoke_config):
+    """The session's smoke run again with two extra evaluation sets. The tests below read what it
+    left in turn (the last one damages a report), so the store is put back after all of them."""
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
-    return posttrain_pipeline(smoke(workdir, *with_extra_sets(workdir)))
+    workdir = smoke_run.workdir
+    yield posttrain_pipeline(smoke_config(workdir, *with_extra_sets(workdir)))
+    smoke_run.restore()
 
 
 def test_extra_eval_sets_rerun_only_the_evaluations_and_report_each_set(extra_run):
@@ -557,13 +555,14 @@ def test_extra_eval_sets_rerun_only_the_evaluations_and_report_each_set(extra_ru
         assert metrics["accuracy_strict/gsm8k/ops_2"] == heads["gsm8k"]["by_ops"]["2"]["accuracy_strict"]
 
 
-def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, workdir, capsys):
+def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, smoke_run, capsys):
     import json
 
     import mlflow
 
     from posttrain.cli import eval_table, main
 
+    workdir = smoke_run.workdir
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
     parent = client.get_run(extra_run["run_id"])
@@ -627,11 +626,15 @@ def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, workdi
     ]
 
 
-def test_a_modified_extra_set_report_reruns_the_evaluation(extra_run, workdir, step_calls, capsys):
+def test_a_modified_extra_set_report_reruns_the_evaluation(
+    smoke_config, extra_run, smoke_run, step_calls, capsys
+):
     from posttrain.cli import main
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
-    config = smoke(workdir, *with_extra_sets(workdir))
+    workdir = smoke_run.workdir
+
+    config = smoke_config(workdir, *with_extra_sets(workdir))
     assert set(statuses(posttrain_pipeline(config)).values()) == {"cached"} and step_calls == []
     baseline, sft = (
         Path(next(o["output"] for o in extra_run["outcomes"] if o["step"] == s))

@@ -11,26 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.pipeline import load_config
-
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 STEPS = ["data", "eval-baseline", "sft", "eval-sft"]
 
 
-def smoke(tmp: Path, store: str, shared: Path, *overrides: str):
-    """Data, baseline evaluation, SFT and its evaluation (one step of each kind)."""
-    return load_config(
-        SMOKE,
-        [
-            f"orchestration.store={tmp / store}",
-            f"orchestration.shared_store=file://{shared}",
-            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
-            f"model.cache_dir={tmp / 'models'}",
-            "dpo=null",
-            "grpo.stages=[]",
-            *overrides,
-        ],
-    )
+@pytest.fixture(scope="module")
+def smoke(smoke_config):
+    """``smoke(tmp, store, shared, *overrides)``: data, baseline evaluation, SFT and its evaluation (one
+    step of each kind) in ``tmp/store``, sharing through the folder ``shared``."""
+
+    def build(tmp: Path, store: str, shared: Path, *overrides: str):
+        cut = ("dpo=null", "grpo.stages=[]")
+        return smoke_config(tmp, f"orchestration.shared_store=file://{shared}", *cut, *overrides, store=store)
+
+    return build
 
 
 def statuses(summary) -> dict[str, str]:
@@ -38,7 +31,7 @@ def statuses(summary) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def shared_run(tmp_path_factory):
+def shared_run(smoke, tmp_path_factory):
     """One run into store A that fills the shared store."""
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
@@ -47,7 +40,7 @@ def shared_run(tmp_path_factory):
     return tmp, summary
 
 
-def test_a_fresh_store_reuses_every_step_from_the_shared_store(shared_run, step_calls):
+def test_a_fresh_store_reuses_every_step_from_the_shared_store(smoke, shared_run, step_calls):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     tmp, first = shared_run
@@ -67,7 +60,7 @@ def test_a_fresh_store_reuses_every_step_from_the_shared_store(shared_run, step_
     assert step_calls == []
 
 
-def test_a_tampered_shared_output_is_verified_and_recomputed(shared_run, step_calls):
+def test_a_tampered_shared_output_is_verified_and_recomputed(smoke, shared_run, step_calls):
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
     tmp, first = shared_run

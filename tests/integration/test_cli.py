@@ -8,7 +8,7 @@ import pytest
 
 from posttrain.cli import eval_table, format_table, main
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_data_preview_on_the_real_gsm8k_file(gsm8k_train_path, capsys):
@@ -19,8 +19,8 @@ def test_data_preview_on_the_real_gsm8k_file(gsm8k_train_path, capsys):
     assert "<<" not in out.split("[sft target]")[1]  # calculator annotations removed
 
 
-def test_data_preview_with_a_config_measures_prompts(capsys):
-    assert main(["data", "preview", str(CONFIGS / "smoke.yaml"), "-n", "1"]) == 0
+def test_data_preview_with_a_config_measures_prompts(smoke_config_path, capsys):
+    assert main(["data", "preview", str(smoke_config_path), "-n", "1"]) == 0
     out = capsys.readouterr().out
     assert "dropped_long_prompts" in out and "prompt lengths not checked" not in out
 

@@ -13,7 +13,7 @@ from posttrain.core.config import ConfigError, apply_override, parse_config
 from posttrain.core.hashing import stable_hash
 from posttrain.pipeline import load_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
 def write(tmp_path: Path, data: dict) -> Path:
@@ -213,9 +213,9 @@ def test_grpo_defaults_merge_under_each_stage_as_if_written_out():
     )
 
 
-def test_overrides_reach_defaults_and_single_stages():
+def test_overrides_reach_defaults_and_single_stages(smoke_config_path):
     cfg = load_config(
-        Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml",
+        smoke_config_path,
         ["grpo.defaults.trainer.learning_rate=2e-5", "grpo.stages.1.trainer.max_steps=3"],
     )
     first, second = cfg.grpo.stages
@@ -284,8 +284,8 @@ def test_trainer_values_are_coerced_from_yaml_strings(tmp_path):
         ("sft.enabled=false", lambda c: c.stage_names()[0] == "dpo"),  # bool
     ],
 )
-def test_overrides(override, check):
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml", [override])
+def test_overrides(smoke_config_path, override, check):
+    cfg = load_config(smoke_config_path, [override])
     assert check(cfg)
 
 
@@ -297,9 +297,9 @@ def test_overrides(override, check):
         ("seed.x=1", "'seed' is a value"),  # descending into a scalar
     ],
 )
-def test_bad_overrides(override, fragment):
+def test_bad_overrides(smoke_config_path, override, fragment):
     with pytest.raises(ConfigError, match=fragment):
-        load_config(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml", [override])
+        load_config(smoke_config_path, [override])
 
 
 def test_override_fills_a_null_section():
@@ -335,7 +335,7 @@ def test_cli_validate_exit_codes(tmp_path, capsys):
     assert err.count("\n") == 0 and "kl_coef" in err
 
 
-DOCS_CONFIG = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+DOCS_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def _schema_keys(model_cls, path: str = "") -> dict[str, object]:

@@ -182,12 +182,12 @@ def test_grpo_without_reward_differences_leaves_the_weights_as_they_were(tiny_mo
     assert moved(weights(tiny_model_dir), weights(result.output_dir)) == []
 
 
-def test_yaml_reward_weights_reach_grpo_config(tiny_model_dir, data, tmp_path):
+def test_yaml_reward_weights_reach_grpo_config(smoke_config_path, tiny_model_dir, data, tmp_path):
     from posttrain.pipeline import load_config
     from posttrain.training.grpo import make_grpo_trainer
     from posttrain.training.stage_run import StageContext
 
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    smoke = smoke_config_path
     cfg = load_config(smoke, ["grpo.stages.1.rewards.0.weight=3.0", "grpo.stages.1.rewards.1.weight=0.25"])
     ctx = StageContext("grpo-correctness", tmp_path, "fp32", 0, "none")
     trainer, _ = make_grpo_trainer(cfg.grpo.stages[1], cfg.model, str(tiny_model_dir), data, ctx)

@@ -12,7 +12,7 @@ def test_real_data_is_looked_up_beside_the_repository_from_any_working_directory
 ):
     import conftest
 
-    expected = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+    expected = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
     assert expected == conftest.GSM8K_TRAIN  # absolute: not ../shared under whatever the cwd is
     monkeypatch.chdir(tmp_path)
     path = request.getfixturevalue("gsm8k_train_path")  # a bare clone outside CI skips here

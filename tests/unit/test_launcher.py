@@ -21,7 +21,7 @@ from posttrain.pipeline.launcher import (
 from posttrain.pipeline.plan import StepInputs, build_plan
 from posttrain.pipeline.steps import ModelRef
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ACCELERATE_CONFIGS = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
 # (file, accelerate's distributed type, needs CUDA)
 SHIPPED = [
@@ -150,7 +150,7 @@ def test_a_stage_overrides_the_global_launcher():
 
 
 @pytest.mark.parametrize("stage_lora", [None, "grpo.stages.1.lora=null", "sft.lora={r: 4}"])
-def test_a_launched_child_rebuilds_the_same_config(stage_lora):
+def test_a_launched_child_rebuilds_the_same_config(smoke_config_path, stage_lora):
     """The child of `accelerate launch` validates the request's config again: it must train exactly
     what the parent planned, down to a stage's unset `lora:` (follow model.lora) vs an explicit null."""
     import json
@@ -158,7 +158,7 @@ def test_a_launched_child_rebuilds_the_same_config(stage_lora):
     from posttrain.pipeline import load_config
     from posttrain.pipeline.launcher import _request
 
-    cfg = load_config(REPO / "configs" / "smoke.yaml", [stage_lora] if stage_lora else [])
+    cfg = load_config(smoke_config_path, [stage_lora] if stage_lora else [])
     inputs = StepInputs(ModelRef(path="m", fingerprint="f"), None)
     sent = json.loads(json.dumps(_request(cfg, "sft", inputs, "out"), default=str))
     child = PipelineConfig.model_validate(sent["config"])

@@ -22,11 +22,11 @@ from posttrain.pipeline.plan import (
 )
 from posttrain.pipeline.steps import ModelRef
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
-
-def plan_for(*overrides: str):
-    return build_plan(load_config(SMOKE, list(overrides)))
+@pytest.fixture(scope="module")
+def plan_for(smoke_config_path):
+    """``plan_for(*overrides)``: the plan of the smoke config with ``overrides``."""
+    return lambda *overrides: build_plan(load_config(smoke_config_path, list(overrides)))
 
 
 @pytest.mark.parametrize(
@@ -47,11 +47,11 @@ def plan_for(*overrides: str):
         ),  # GRPO only
     ],
 )
-def test_plan_follows_the_config(overrides, names):
+def test_plan_follows_the_config(plan_for, overrides, names):
     assert plan_for(*overrides).names == names
 
 
-def test_steps_are_typed():
+def test_steps_are_typed(plan_for):
     plan = plan_for()
     assert isinstance(plan.step("data"), DataStep)
     assert isinstance(plan.step("sft"), SFTStep) and plan.step("sft").kind == "sft"
@@ -62,7 +62,7 @@ def test_steps_are_typed():
     assert [s.name for s in plan.training_steps] == ["sft", "dpo", "grpo-format", "grpo-correctness"]
 
 
-def test_force_names_steps_of_the_plan():
+def test_force_names_steps_of_the_plan(plan_for):
     plan = plan_for()
     plan.check_force(["data", "grpo-correctness"])
     with pytest.raises(ConfigError, match="--force a, b: not a step"):
@@ -79,7 +79,7 @@ def _data(fp: str = "d") -> DataResult:
     return DataResult(data_dir="/data", train_fingerprint=f"train-{fp}", eval_fingerprint=f"eval-{fp}")
 
 
-def test_walk_threads_model_and_data_through_the_steps(monkeypatch):
+def test_walk_threads_model_and_data_through_the_steps(plan_for, monkeypatch):
     from posttrain.core.results import StageResult
 
     plan = plan_for("eval.after_each_stage=false", "eval.baseline=false")
@@ -106,7 +106,7 @@ def test_walk_threads_model_and_data_through_the_steps(monkeypatch):
     assert final.model == ModelRef("/out/grpo-correctness", "fp-grpo-correctness")
 
 
-def test_keys_after_an_unknown_output_are_unknown():
+def test_keys_after_an_unknown_output_are_unknown(plan_for):
     plan = plan_for("eval.after_each_stage=false", "eval.baseline=false")
     keys = {}
 
@@ -121,7 +121,7 @@ def test_keys_after_an_unknown_output_are_unknown():
     )
 
 
-def test_data_and_eval_keys_change_with_their_inputs():
+def test_data_and_eval_keys_change_with_their_inputs(plan_for):
     plan = plan_for()
     data, evaluate = plan.step("data"), plan.step("eval-sft")
     base = _inputs()
@@ -134,7 +134,7 @@ def test_data_and_eval_keys_change_with_their_inputs():
     assert evaluate.key(plan.config, base) == evaluate.key(plan.config, other_train_split)
 
 
-def test_keys_change_with_the_inputs():
+def test_keys_change_with_the_inputs(plan_for):
     plan = plan_for()
     sft = plan.step("sft")
     base = StepInputs(ModelRef("/base", "fp-base"), _data())
@@ -194,7 +194,9 @@ NOT_ADOPTED = ("run", "output without a cache record failed verification: recomp
         (drop_result, "m1", NOT_ADOPTED),  # an output without its result (from before results existed)
     ],
 )
-def test_an_output_without_its_record_is_adopted_only_if_it_verifies(tmp_path, change, model_fp, expected):
+def test_an_output_without_its_record_is_adopted_only_if_it_verifies(
+    plan_for, tmp_path, change, model_fp, expected
+):
     from posttrain.cache.digests import fingerprint_tree
     from posttrain.cache.planner import Planner
     from posttrain.cache.records import StoreRecords
@@ -231,7 +233,7 @@ def test_an_output_without_its_record_is_adopted_only_if_it_verifies(tmp_path, c
     ],
 )
 def test_a_stage_or_data_output_without_its_record_is_adopted_only_if_made_from_these_inputs(
-    tmp_path, name, model_fp, expected
+    plan_for, tmp_path, name, model_fp, expected
 ):
     from posttrain.cache.digests import fingerprint_tree
     from posttrain.cache.planner import dry_run
@@ -279,7 +281,7 @@ EXTRA_SET_CASES = [
 ]
 
 
-def test_extra_eval_sets_are_part_of_the_evaluation_keys(tmp_path):
+def test_extra_eval_sets_are_part_of_the_evaluation_keys(plan_for, tmp_path):
     inputs = StepInputs(ModelRef("/base", "fp-base"), _data())
 
     def keys(*overrides: str) -> tuple[str, str, str]:
@@ -305,12 +307,12 @@ def test_extra_eval_sets_are_part_of_the_evaluation_keys(tmp_path):
     assert after[0] != before[0] and after[2] != before[2] and after[1] == before[1]
 
 
-def test_each_extra_set_gets_its_own_questions_and_generation_limit():
+def test_each_extra_set_gets_its_own_questions_and_generation_limit(smoke_config_path):
     from posttrain.data.eval_sets import SYNTHETIC_EVAL_SEED
     from posttrain.pipeline.steps import _set_records
 
     cfg = load_config(
-        SMOKE,
+        smoke_config_path,
         [
             "eval.extra_sets=[{name: hard, data: synthetic, limit: 6, min_ops: 3, max_ops: 3, max_completion_length: 5},"
             " {name: mixed, data: synthetic, limit: 6}, {name: small, data: synthetic, limit: 4, numbers: small}]"
@@ -423,7 +425,7 @@ def test_a_data_or_eval_output_stands_while_its_folder_is_unmodified(tmp_path, m
     assert not step.output_is_valid(result)
 
 
-def test_a_stage_output_stands_while_complete_and_unmodified(tmp_path):
+def test_a_stage_output_stands_while_complete_and_unmodified(plan_for, tmp_path):
     step = plan_for().step("sft")
     result = stage_output(tmp_path, "sft")
     assert step.output_is_valid(result)
@@ -435,7 +437,7 @@ def test_a_stage_output_stands_while_complete_and_unmodified(tmp_path):
     assert not step.output_is_valid(fresh)
 
 
-def test_each_step_writes_into_its_store_folder_and_reports_its_result(tmp_path):
+def test_each_step_writes_into_its_store_folder_and_reports_its_result(plan_for, tmp_path):
     from posttrain.cache.store import Store
 
     store, key, plan = Store.at(tmp_path / "store"), "0123456789abcdef01234567", plan_for()
@@ -461,7 +463,7 @@ def test_each_step_writes_into_its_store_folder_and_reports_its_result(tmp_path)
     ]
 
 
-def test_each_step_runs_its_own_step_function(monkeypatch):
+def test_each_step_runs_its_own_step_function(plan_for, monkeypatch):
     import posttrain.pipeline.plan as plan_module
     import posttrain.pipeline.steps as steps
 
@@ -499,7 +501,7 @@ def test_each_step_runs_its_own_step_function(monkeypatch):
     assert calls[-1] == ("sft_step", ("sft", cfg, model, data, "/out", "none"), {})
 
 
-def test_planner_serves_a_verified_record_and_says_why_anything_else_runs(tmp_path, caplog):
+def test_planner_serves_a_verified_record_and_says_why_anything_else_runs(plan_for, tmp_path, caplog):
     plan = plan_for()
     sft = plan.step("sft")
     key = sft.key(plan.config, _inputs())
@@ -520,14 +522,14 @@ def test_planner_serves_a_verified_record_and_says_why_anything_else_runs(tmp_pa
     assert caplog.messages == ["cache record bad is unreadable (not JSON); recomputing"]
 
 
-def test_planner_with_caching_off_runs_everything(tmp_path):
+def test_planner_with_caching_off_runs_everything(plan_for, tmp_path):
     plan = plan_for("orchestration.cache=false")
     key = plan.step("data").key(plan.config, _inputs())
     decision = Planner(plan, FakeRecords({key: data_output(tmp_path)})).decide(plan.step("data"), key)
     assert decision == Decision("run", "caching disabled (orchestration.cache: false)")
 
 
-def test_force_reruns_the_named_step_and_everything_after_it(tmp_path):
+def test_force_reruns_the_named_step_and_everything_after_it(plan_for, tmp_path):
     plan = plan_for()
     records = FakeRecords({name: output_for(tmp_path / name, plan.step(name)) for name in plan.names})
     with pytest.raises(ConfigError, match="--force nope: not a step"):
@@ -548,7 +550,7 @@ def test_force_reruns_the_named_step_and_everything_after_it(tmp_path):
     ]
 
 
-def _why_missing(changed: int, records_cls=None, with_inputs=True) -> tuple[str, list[str]]:
+def _why_missing(plan_for, changed: int, records_cls=None, with_inputs=True) -> tuple[str, list[str]]:
     plan = plan_for()
     step = plan.step("grpo-format")
     identity = step.identity(plan.config, _inputs())
@@ -558,30 +560,30 @@ def _why_missing(changed: int, records_cls=None, with_inputs=True) -> tuple[str,
     return Planner(plan, records)._why_missing(step, _inputs() if with_inputs else None), files
 
 
-def test_a_missing_key_says_which_code_changed_since_its_lineage_last_ran():
+def test_a_missing_key_says_which_code_changed_since_its_lineage_last_ran(plan_for):
     missing = "no cache entry for these inputs/config"
-    why, files = _why_missing(1)
+    why, files = _why_missing(plan_for, 1)
     assert why == f"code changed: {files[0]}"
-    assert _why_missing(3)[0] == f"code changed: {', '.join(files[:3])}"
-    assert _why_missing(4)[0] == f"code changed: {', '.join(files[:3])} (+1 more)"
-    assert _why_missing(5)[0] == f"code changed: {', '.join(files[:3])} (+2 more)"
-    assert _why_missing(0)[0] == missing  # same code: the config or inputs changed
-    assert _why_missing(1, with_inputs=False)[0] == missing
+    assert _why_missing(plan_for, 3)[0] == f"code changed: {', '.join(files[:3])}"
+    assert _why_missing(plan_for, 4)[0] == f"code changed: {', '.join(files[:3])} (+1 more)"
+    assert _why_missing(plan_for, 5)[0] == f"code changed: {', '.join(files[:3])} (+2 more)"
+    assert _why_missing(plan_for, 0)[0] == missing  # same code: the config or inputs changed
+    assert _why_missing(plan_for, 1, with_inputs=False)[0] == missing
     assert Planner(plan_for(), FakeRecords())._why_missing(plan_for().step("sft"), _inputs()) == missing
 
     class NoLineages(FakeRecords):  # records that cannot look up lineages
         code_of_lineage = None
 
-    assert _why_missing(1, records_cls=NoLineages)[0] == missing
+    assert _why_missing(plan_for, 1, records_cls=NoLineages)[0] == missing
 
     class OldRecords:  # an older records class: no lineage lookup at all
         def __init__(self, lineages):
             pass
 
-    assert _why_missing(1, records_cls=OldRecords)[0] == missing
+    assert _why_missing(plan_for, 1, records_cls=OldRecords)[0] == missing
 
 
-def test_decide_passes_the_inputs_on_to_say_why_a_key_is_missing():
+def test_decide_passes_the_inputs_on_to_say_why_a_key_is_missing(plan_for):
     plan = plan_for()
     step = plan.step("grpo-format")
     identity = step.identity(plan.config, _inputs())
@@ -590,7 +592,7 @@ def test_decide_passes_the_inputs_on_to_say_why_a_key_is_missing():
     assert Planner(plan, records).decide(step, identity.key, _inputs()).reason == f"code changed: {name}"
 
 
-def test_dry_run_reports_cached_steps_and_what_an_upstream_rerun_hides(tmp_path):
+def test_dry_run_reports_cached_steps_and_what_an_upstream_rerun_hides(plan_for, tmp_path):
     from posttrain.cache.planner import dry_run
 
     plan = plan_for("eval.after_each_stage=false")
@@ -625,11 +627,11 @@ def test_dry_run_reports_cached_steps_and_what_an_upstream_rerun_hides(tmp_path)
     assert dry_run(plan, records, base)[2] == ("sft", "run", f"code changed: {changed}")
 
 
-def test_preview_reads_the_store_without_creating_it(tiny_model_dir, tmp_path):
+def test_preview_reads_the_store_without_creating_it(smoke_config_path, tiny_model_dir, tmp_path):
     from posttrain.pipeline.plan import preview
 
     store = tmp_path / "store"
-    cfg = load_config(SMOKE, [f"model.name={tiny_model_dir}", f"orchestration.store={store}"])
+    cfg = load_config(smoke_config_path, [f"model.name={tiny_model_dir}", f"orchestration.store={store}"])
     rows = preview(cfg)
     assert [name for name, _, _ in rows] == build_plan(cfg).names
     assert rows[0] == ("data", "run", "no cache entry for these inputs/config")

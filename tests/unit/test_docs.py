@@ -11,7 +11,7 @@ import pytest
 
 from posttrain.cli import build_parser, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
