@@ -221,14 +221,13 @@ PINNED_CONFIG_HASHES = {
         "eval": "03f0a046e815ec7a",
         "seed_group": "84c69318d4fd",
     },
+    # Its stages changed on purpose (SFT on 256 solutions, one GRPO stage with the setup reward).
     "smollm2-arith-calc-cpu.yaml": {
         "data": "70b390f9d4f7484b",
-        "sft": "cf1a7e05468b20f6",
-        "grpo-ops1": "38e30ac3700603e9",
-        "grpo-ops1-2": "f2ec266dfe0f6f54",
-        "grpo-ops1-3": "94caeb1420a447dc",
+        "sft": "24eec0eeeee0deea",
+        "grpo-ops1-3": "cfab9b591674b7a3",
         "eval": "4e0aa49d1f42474a",
-        "seed_group": "c210a5ec2277",
+        "seed_group": "8cf7bbd1d291",
     },
     "smollm2-arith-cpu.yaml": {
         "data": "70b390f9d4f7484b",
