@@ -7,6 +7,7 @@ and copied for each test: every test still gets its own ``sqlite:///{tmp_path}/m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -645,3 +646,18 @@ def test_compare_shows_the_headline_by_default_and_aggregates_seeds(uri):
     row = next(x for x in across if x.startswith("  change from baseline"))
     assert f"[{100 * gains.low:+.1f}, {100 * gains.high:+.1f}]" in row
     assert row.endswith("*") == gains.excludes(0)
+
+
+def test_logging_a_local_model_drops_only_mlflows_hub_lookup_notices(caplog):
+    from posttrain.tracking.parent_run import _without_local_model_notices
+
+    mlflow_logger = logging.getLogger("mlflow.transformers")
+    with caplog.at_level(logging.WARNING), _without_local_model_notices():
+        mlflow_logger.warning("The model card could not be retrieved from the hub due to Repo id ...")
+        mlflow_logger.warning("Unable to find license information for this model. Please verify ...")
+        mlflow_logger.warning("something else went wrong")
+    mlflow_logger.warning("The model card could not be retrieved (outside: kept)")
+    assert [r.getMessage() for r in caplog.records] == [
+        "something else went wrong",
+        "The model card could not be retrieved (outside: kept)",
+    ]

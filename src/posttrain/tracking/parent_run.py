@@ -45,6 +45,26 @@ from posttrain.tracking.stage import StageRun
 
 logger = logging.getLogger(__name__)
 
+_LOCAL_MODEL_NOTICES = ("The model card could not be retrieved", "Unable to find license information")
+"""What ``mlflow.transformers.log_model`` warns for every model that is a local directory: it looks
+the model's card and license up on the hub, and a stage's output has neither."""
+
+
+@contextlib.contextmanager
+def _without_local_model_notices() -> Iterator[None]:
+    """Drop :data:`_LOCAL_MODEL_NOTICES` while a stage's model is logged; other warnings pass."""
+    mlflow_logger = logging.getLogger("mlflow.transformers")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_LOCAL_MODEL_NOTICES)
+
+    mlflow_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        mlflow_logger.removeFilter(keep)
+
+
 # --------------------------------------------------------------------------- the pipeline run
 
 
@@ -305,14 +325,15 @@ class Tracker:
             content="weights",
         )
         try:
-            info = mlflow.transformers.log_model(
-                {"model": model, "tokenizer": tokenizer},
-                task="text-generation",
-                model_id=logged.model_id,
-                run_id=source_run_id,
-                pip_requirements=model_requirements(peft=adapter),
-                **extra,
-            )
+            with _without_local_model_notices():
+                info = mlflow.transformers.log_model(
+                    {"model": model, "tokenizer": tokenizer},
+                    task="text-generation",
+                    model_id=logged.model_id,
+                    run_id=source_run_id,
+                    pip_requirements=model_requirements(peft=adapter),
+                    **extra,
+                )
         except Exception:
             client.finalize_logged_model(logged.model_id, "FAILED")
             raise
