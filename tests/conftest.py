@@ -52,9 +52,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_make_parametrize_id(config, val, argname):
-    """A readable id for a case pytest would only number (``kwargs3``): a dict, list or tuple shows
-    what it holds, so a failing case of a table says which one it is."""
-    if isinstance(val, dict | list | tuple):
+    """A readable id for a case pytest would only number (``kwargs3``): a dict, list, tuple or set
+    shows what it holds, so a failing case of a table says which one it is."""
+    if isinstance(val, dict | list | tuple | set | frozenset):
         return _case_id(val).encode("ascii", "backslashreplace").decode()[:48] or "empty"
     return None
 
@@ -64,6 +64,8 @@ def _case_id(val) -> str:
         return ",".join(f"{key}={_case_id(value)}" for key, value in val.items())
     if isinstance(val, list | tuple):
         return ",".join(_case_id(item) for item in val)
+    if isinstance(val, set | frozenset):
+        return ",".join(sorted(_case_id(item) for item in val))
     return " ".join(str(getattr(val, "__name__", val)).split())
 
 

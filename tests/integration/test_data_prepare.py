@@ -68,22 +68,24 @@ def test_split_needs_a_training_record(eval_size):
 @pytest.mark.parametrize(
     ("train_question", "n", "removed"),
     [
-        (NATALIA, 8, True),  # verbatim copy
-        (NATALIA.upper().replace(",", ""), 8, True),  # case and punctuation differences
-        (
+        pytest.param(NATALIA, 8, True, id="verbatim"),
+        pytest.param(NATALIA.upper().replace(",", ""), 8, True, id="case-and-punctuation"),
+        pytest.param(
             "Maria sold clips to 48 of her friends in April, and then she sold a third as many in June. "
             "How many clips did Maria sell in total?",
             8,
             True,
-        ),  # paraphrase sharing "clips to 48 of her friends in april and"
-        (
+            id="paraphrase-sharing-8-words",  # "clips to 48 of her friends in april and"
+        ),
+        pytest.param(
             "In April Natalia sold 48 clips. In May she sold half of that. How many clips in both months?",
             8,
             False,
-        ),  # same story, no 8-word run in common
-        ("Tom has 3 apples. How many apples does Tom have?", 8, False),  # unrelated
-        (NATALIA.replace("Natalia", "Maria"), None, False),  # exact mode: a paraphrase is not a duplicate
-        (NATALIA.lower() + "!", None, True),  # exact mode: normalized duplicate
+            id="same-story-no-8-word-run",
+        ),
+        pytest.param("Tom has 3 apples. How many apples does Tom have?", 8, False, id="unrelated"),
+        pytest.param(NATALIA.replace("Natalia", "Maria"), None, False, id="exact-mode-paraphrase-kept"),
+        pytest.param(NATALIA.lower() + "!", None, True, id="exact-mode-normalized-duplicate"),
     ],
 )
 def test_decontaminate(train_question, n, removed):
@@ -294,11 +296,11 @@ def ops_ds():
 @pytest.mark.parametrize(
     ("lo", "hi", "expected"),
     [
-        (1, 1, {1}),  # a single difficulty
-        (2, 3, {2, 3}),  # a band
-        (3, None, {3, 4}),  # open upper bound
-        (None, 2, {1, 2}),  # open lower bound
-        (None, None, {1, 2, 3, 4}),  # no filter
+        pytest.param(1, 1, {1}, id="single-difficulty"),
+        pytest.param(2, 3, {2, 3}, id="band"),
+        pytest.param(3, None, {3, 4}, id="open-upper-bound"),
+        pytest.param(None, 2, {1, 2}, id="open-lower-bound"),
+        pytest.param(None, None, {1, 2, 3, 4}, id="no-filter"),
     ],
 )
 def test_filter_by_ops(ops_ds, lo, hi, expected):

@@ -203,8 +203,9 @@ RAMBLING = " ".join(["then"] * 30)  # no format, 30 words
 @pytest.mark.parametrize(
     "format_weight, length_weight, chosen",
     [
-        (1.0, 0.1, FORMATTED),  # 1.0 + 0.1 * 0.2 beats 0.1 * 1.0
-        (0.1, 1.0, RAMBLING),  # 0.1 + 0.2 loses to 1.0
+        # 1.0 + 0.1 * 0.2 beats 0.1 * 1.0; then 0.1 + 0.2 loses to 1.0
+        pytest.param(1.0, 0.1, FORMATTED, id="format-heavy-picks-formatted"),
+        pytest.param(0.1, 1.0, RAMBLING, id="length-heavy-picks-rambling"),
     ],
 )
 def test_yaml_reward_weights_decide_the_dpo_pair(format_weight, length_weight, chosen):

@@ -423,7 +423,9 @@ def test_take_rows_pads_each_tensor_with_its_own_value_and_side():
     assert out["importance_sampling_ratio"].tolist() == [[0.5] * 3, [0.5, 0.5, 1.0], [0.5, 1.0, 1.0]]
 
 
-@pytest.mark.parametrize("odd", [0, 1, 2])
+@pytest.mark.parametrize(
+    "odd", [0, 1, 2], ids=["first-round-differs", "second-round-differs", "third-round-differs"]
+)
 def test_take_rows_refuses_rounds_with_different_keys(odd):
     batches = [_round(1, 1, [1]), _round(1, 1, [2]), _round(1, 1, [3])]
     batches[odd]["tool_mask"] = torch.ones(1, 1)

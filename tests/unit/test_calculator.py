@@ -46,13 +46,13 @@ def test_calls_and_what_the_calculator_writes(text, expression, insert):
 @pytest.mark.parametrize(
     "text",
     [
-        "2**99 =",  # a power
-        "__import__ =",  # a name
-        "1/0 =",  # division by zero
-        "25% * 80 =",  # percent is not an operator
-        "9999999 * 9999999 =",  # too large to be a step's result
-        "2 + =",  # malformed
-        "(" * 70 + "1" + ")" * 70 + " + 1 =",  # longer than any step: not parsed
+        pytest.param("2**99 =", id="power"),
+        pytest.param("__import__ =", id="name"),
+        pytest.param("1/0 =", id="division-by-zero"),
+        pytest.param("25% * 80 =", id="percent-is-no-operator"),
+        pytest.param("9999999 * 9999999 =", id="too-large-for-a-step"),
+        pytest.param("2 + =", id="malformed"),
+        pytest.param("(" * 70 + "1" + ")" * 70 + " + 1 =", id="longer-than-any-step"),
     ],
 )
 def test_failed_calls_are_calls_without_a_value(text):

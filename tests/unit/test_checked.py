@@ -124,11 +124,11 @@ def test_options_holding_a_secret_are_checked_every_time_and_never_written(optio
 @pytest.mark.parametrize(
     "content",
     [
-        b"[" * 100_000 + b"]" * 100_000,  # nested past the recursion limit
-        b'{"posttrain_checked": 2, "name": "trainer.grpo", "changed": "x"}',
-        b"\xff\xfe not text",
-        b'{"posttrain_checked": 2',  # truncated
-        b" " * (70 << 10),  # larger than an entry can be
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, id="nested-past-the-recursion-limit"),
+        pytest.param(b'{"posttrain_checked": 2, "name": "trainer.grpo", "changed": "x"}', id="wrong-shape"),
+        pytest.param(b"\xff\xfe not text", id="not-text"),
+        pytest.param(b'{"posttrain_checked": 2', id="truncated"),
+        pytest.param(b" " * (70 << 10), id="larger-than-an-entry"),
     ],
 )
 def test_a_damaged_memo_file_is_a_miss(content, memo, tmp_path):
