@@ -23,11 +23,16 @@ $(LINKED): $(STAMP) $(PACKAGE_DIRS)
 	$(BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=strict
 	touch $(LINKED)
 
+# pytest-xdist workers; each takes whole test modules (--dist loadscope), so a module's fixtures (a
+# trained tiny model, a store) are built once. TEST_WORKERS=0 runs in one process, =auto one per core.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadscope
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 test-quick: setup
-	$(BIN)/python -m pytest -q -m "not system"
+	$(BIN)/python -m pytest -q $(XDIST) -m "not system"
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
