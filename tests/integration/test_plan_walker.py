@@ -1,0 +1,283 @@
+"""The plan walker (flows/plan_walker.py) without Prefect: which steps run and which are served from
+cache, what ``--force`` reruns, what each step leaves in MLflow, and how evaluations submitted
+beside the walk are collected. Steps run in this process through a :class:`PlanRunner` that calls
+each step directly, as the flow's runner does through its Prefect task (tests/system/test_pipeline.py
+runs the flow itself)."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+CONFIG = """\
+name: walk
+seed: 0
+model: {name: tiny-random, precision: fp32}
+data:
+  source: synthetic
+  synthetic: {num_examples: 24, min_ops: 1, max_ops: 2}
+  eval_size: 4
+  max_prompt_tokens: 1024
+sft:
+  limit: 8
+  trainer: {max_steps: 1, per_device_train_batch_size: 4, learning_rate: 1.0e-3}
+eval: {limit: 4, max_completion_length: 4, batch_size: 4}
+tracking: {log_model: true}
+"""
+
+STEPS = ["data", "eval-baseline", "sft", "eval-sft"]
+
+
+def _in_process():
+    from posttrain.flows.plan_walker import PlanRunner
+
+    class InProcess(PlanRunner):
+        """Runs each step here; with ``concurrent_evals`` an evaluation is submitted as a finished
+        (or failed, for a step named in ``failing``) future, collected later by the walk."""
+
+        failing: set[str] = set()
+        ran: list[str] = []
+
+        def execute(self, step, call, run):
+            InProcess.ran.append(step.name)
+            return step.run(call["cfg"], call["inputs"], call["output_dir"], report_to=run.report_to)
+
+        def submit(self, step, call):
+            if not self.cfg.orchestration.concurrent_evals:
+                return None
+            InProcess.ran.append(step.name)
+            future: Future = Future()
+            if step.name in self.failing:
+                future.set_exception(RuntimeError(f"{step.name} broke"))
+            else:
+                future.set_result(step.run(call["cfg"], call["inputs"], call["output_dir"]))
+            return future
+
+    InProcess.ran = []
+    return InProcess
+
+
+@dataclass
+class Walk:
+    tmp: Path
+    cfg: object
+    summary: object
+
+    @property
+    def client(self):
+        import mlflow
+
+        return mlflow.MlflowClient(self.cfg.tracking.tracking_uri)
+
+    def children(self, run_id: str) -> dict:
+        parent = self.client.get_run(run_id)
+        runs = self.client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
+        return {r.info.run_name: r for r in runs}
+
+    def walk(self, force=(), runner=None, **overrides):
+        from posttrain.flows.plan_walker import run_plan
+        from posttrain.pipeline.plan import build_plan
+
+        cfg = self.load(**overrides)
+        return run_plan(build_plan(cfg), force, runner or _in_process())
+
+    def load(self, **overrides):
+        from posttrain.pipeline import load_config
+
+        sets = [
+            f"orchestration.store={self.tmp / 'store'}",
+            f"tracking.tracking_uri=sqlite:///{self.tmp / 'mlflow.db'}",
+            f"model.cache_dir={self.tmp / 'models'}",
+            *(f"{key.replace('__', '.')}={value}" for key, value in overrides.items()),
+        ]
+        return load_config(self.tmp / "walk.yaml", sets)
+
+    def output(self, summary, step: str) -> Path:
+        return Path(next(o.output for o in summary.outcomes if o.step == step))
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory) -> Walk:
+    from posttrain.flows.plan_walker import run_plan
+    from posttrain.pipeline.plan import build_plan
+
+    tmp = tmp_path_factory.mktemp("walk")
+    (tmp / "walk.yaml").write_text(CONFIG)
+    walk = Walk(tmp, None, None)
+    walk.cfg = walk.load()
+    walk.summary = run_plan(build_plan(walk.cfg), (), _in_process())
+    shutil.copytree(tmp / "store", tmp / "pristine", symlinks=True)
+    return walk
+
+
+@pytest.fixture
+def walk(first) -> Walk:
+    """The first walk, with its store put back afterwards for a test that changes it."""
+    yield first
+    store = first.tmp / "store"
+    shutil.rmtree(store)
+    shutil.copytree(first.tmp / "pristine", store, symlinks=True)
+
+
+def statuses(summary) -> list[tuple[str, str]]:
+    return [(o.step, o.status) for o in summary.outcomes]
+
+
+def test_a_first_walk_runs_every_step_in_plan_order(first):
+    from posttrain.cache.records import StoreRecords
+    from posttrain.cache.store import Store
+
+    summary = first.summary
+    assert statuses(summary) == [(s, "ran") for s in STEPS]
+    assert [o.kind for o in summary.outcomes] == ["data", "eval", "sft", "eval"]
+    assert summary.config == "walk" and summary.run_id
+    records = StoreRecords(Store.at(first.tmp / "store"))
+    for outcome in summary.outcomes:
+        assert records.exists(outcome.key) and Path(outcome.output).is_dir(), outcome.step
+    assert "accuracy_strict" in summary.outcomes[-1].metrics
+    assert summary.as_dict()["outcomes"][2]["step"] == "sft"
+
+
+def test_each_step_has_its_mlflow_run_and_the_stage_its_logged_model(first):
+    runs = first.children(first.summary.run_id)
+    assert set(runs) == set(STEPS)
+    sft = runs["sft"]
+    assert sft.data.tags["posttrain.cache_key"] == first.summary.outcomes[2].key
+    model_id = sft.data.tags["posttrain.model_id"]
+    model = first.client.get_logged_model(model_id)
+    # the last training stage with tracking.log_model: its weights, not a reference
+    assert model.name == "sft" and model.tags["posttrain.model_content"] == "weights"
+    assert model.params["model.name"] == "tiny-random" and model.params["stage.trainer.max_steps"] == "1"
+    # the evaluation of the stage is logged against the stage's model; the baseline against none
+    linked = {m.run_id for m in model.metrics}
+    assert runs["eval-sft"].info.run_id in linked and runs["eval-baseline"].info.run_id not in linked
+    # the stage's summary lands on its last step; the data step logs its counts and both datasets
+    assert {m.step for m in first.client.get_metric_history(sft.info.run_id, "train_loss")} == {1}
+    assert runs["data"].data.metrics and {d.dataset.name for d in runs["data"].inputs.dataset_inputs} >= {
+        "train",
+        "heldout",
+    }
+    parent = first.client.get_run(first.summary.run_id)
+    assert "eval-sft/delta_accuracy_strict" in parent.data.metrics  # the paired change per stage
+
+
+def test_an_unchanged_walk_is_served_from_cache_and_points_at_the_producers(walk):
+    from posttrain.flows.plan_walker import run_cached
+
+    again = run_cached(walk.cfg)
+    assert again is not None and [(o["step"], o["status"]) for o in again["outcomes"]] == [
+        (s, "cached") for s in STEPS
+    ]
+    assert [o["key"] for o in again["outcomes"]] == [o.key for o in walk.summary.outcomes]
+    before, cached = walk.children(walk.summary.run_id), walk.children(again["run_id"])
+    assert cached["sft"].data.tags["cached"] == "true"
+    # the cached stage's run names the model its producer logged; no new model is made
+    assert cached["sft"].data.tags["posttrain.model_id"] == before["sft"].data.tags["posttrain.model_id"]
+    models = walk.client.search_logged_models([cached["sft"].info.experiment_id])
+    assert [m.name for m in models] == ["sft"]
+
+
+def test_force_reruns_the_named_step_and_what_follows(walk):
+    from posttrain.flows.plan_walker import run_cached
+
+    assert run_cached(walk.cfg, ["sft"]) is None  # a step would run: nothing done without Prefect
+    checkpoints = Path(walk.output(walk.summary, "sft").as_posix() + ".ckpt")
+    checkpoints.mkdir()  # left by an interrupted run: a forced stage retrains from its input
+    forced = walk.walk(["sft"])
+    assert statuses(forced) == [
+        ("data", "cached"),
+        ("eval-baseline", "cached"),
+        ("sft", "ran"),
+        ("eval-sft", "ran"),
+    ]
+    assert forced.outcomes[2].reason.startswith("forced") and not checkpoints.exists()
+    runs = walk.children(forced.run_id)
+    assert "cached" not in runs["sft"].data.tags
+    assert (
+        runs["sft"].data.tags["posttrain.model_id"]
+        != walk.children(walk.summary.run_id)["sft"].data.tags["posttrain.model_id"]
+    )
+
+
+def test_a_cached_stage_drops_the_checkpoints_of_an_interrupted_run(walk, caplog):
+    checkpoints = Path(walk.output(walk.summary, "sft").as_posix() + ".ckpt")
+    (checkpoints / "checkpoint-1").mkdir(parents=True)
+    with caplog.at_level(logging.INFO, logger="posttrain.flows.plan_walker"):
+        again = walk.walk()
+    assert {s for _, s in statuses(again)} == {"cached"} and not checkpoints.exists()
+    assert "sft: deleted the checkpoints of an interrupted run" in caplog.messages
+
+
+def test_an_output_whose_record_is_missing_is_adopted_and_recorded(walk):
+    from posttrain.cache.records import StoreRecords
+    from posttrain.cache.store import Store
+
+    records = StoreRecords(Store.at(walk.tmp / "store"))
+    key = walk.summary.outcomes[2].key
+    records.path(key).unlink()  # a kill between the output's rename and its record
+    runner = _in_process()
+    again = walk.walk(runner=runner)
+    assert statuses(again)[2] == ("sft", "cached") and "adopted" in again.outcomes[2].reason
+    assert runner.ran == [] and records.exists(key)
+    sft = walk.children(again.run_id)["sft"]
+    assert sft.data.tags["adopted"] == "true" and "train_loss" in sft.data.metrics
+
+
+def test_evaluations_beside_the_walk_are_collected_in_plan_order(walk):
+    runner = _in_process()
+    again = walk.walk((), runner, orchestration__concurrent_evals="true", eval__max_completion_length=5)
+    assert runner.ran == ["eval-baseline", "eval-sft"]
+    assert statuses(again) == [
+        ("data", "cached"),
+        ("eval-baseline", "ran"),
+        ("sft", "cached"),
+        ("eval-sft", "ran"),
+    ]
+    runs = walk.children(again.run_id)
+    assert "eval/accuracy_strict" in runs["eval-baseline"].data.metrics
+
+
+def test_a_failed_evaluation_beside_the_walk_fails_it_after_the_rest(walk):
+    runner = _in_process()
+    runner.failing = {"eval-baseline"}
+    with pytest.raises(RuntimeError, match="eval-baseline broke"):
+        walk.walk((), runner, orchestration__concurrent_evals="true", eval__max_completion_length=5)
+    assert runner.ran == ["eval-baseline", "eval-sft"]  # the walk went on, and waited for the rest
+    from posttrain.cache.store import Store
+
+    # its key's lock was released: taking it without waiting succeeds
+    path = Store.at(walk.tmp / "store").step_lock(walk.summary.outcomes[1].key).path
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_pair_of_evaluations_without_readable_reports_has_no_delta(tmp_path, caplog):
+    from posttrain.flows.plan_walker import PipelineSummary, StepOutcome, stage_deltas
+
+    summary = PipelineSummary("walk", None)
+    for step in ("eval-baseline", "eval-sft"):
+        summary.outcomes.append(StepOutcome(step, "ran", "", "k", str(tmp_path / step), kind="eval"))
+    summary.outcomes.insert(1, StepOutcome("sft", "ran", "", "k", str(tmp_path), kind="sft"))
+    with caplog.at_level(logging.WARNING, logger="posttrain.flows.plan_walker"):
+        assert stage_deltas(summary) == {}
+    assert caplog.messages[0].startswith("no paired change from eval-baseline to eval-sft: ")
+
+
+def test_checkpoints_of_unfinished_stages_are_named_after_a_walk(walk, caplog):
+    from posttrain.cache.store import Store
+    from posttrain.flows.plan_walker import warn_unfinished
+
+    store = Store.at(walk.tmp / "store")
+    (walk.tmp / "store" / "stages" / "grpo-0123456789ab.ckpt").mkdir()
+    with caplog.at_level(logging.WARNING, logger="posttrain.flows.plan_walker"):
+        warn_unfinished(store)
+    assert caplog.messages == [
+        "1 checkpoint folder(s) of unfinished stages of other configs or code: grpo-0123456789ab.ckpt "
+        "(a rerun of that config resumes from them; delete them otherwise)"
+    ]
