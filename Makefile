@@ -54,14 +54,18 @@ demo: setup
 	@echo "Prefect UI: PREFECT_HOME=.posttrain/prefect $(BIN)/prefect server start   then open http://127.0.0.1:4200"
 	@echo "Compare runs: $(BIN)/posttrain compare --experiment smollm2-gsm8k-cpu"
 
-# Mutation testing of the core modules ([tool.mutmut] in pyproject.toml); 15-30 min on 2 cores, not in
-# CI. Prints the score per module; `.venv/bin/mutmut results` lists the surviving mutants.
+# Mutation testing of the modules [tool.mutmut] in pyproject.toml names; hours on 2 cores, not in CI.
+# MUTANTS narrows it to mutmut's name patterns (MUTANTS='posttrain.evaluation.*'). Prints the score per
+# module; `.venv/bin/mutmut results` lists the surviving mutants.
+MUTANTS ?=
 mutation: setup
 	$(BIN)/python -m pip install -q -c requirements/constraints.txt "mutmut==3.8.1"
 	rm -rf mutants
-	# mutmut imports posttrain from mutants/src; flows/ and tasks/ install as its subpackages.
+	# mutmut imports posttrain from mutants/src; flows/ and tasks/ install as its subpackages. flows/ is
+	# linked into src/posttrain for the run, so that mutmut names its mutants posttrain.flows.*.
 	mkdir -p mutants/src/posttrain && cp -r flows mutants/src/posttrain/flows && cp -r tasks mutants/src/posttrain/tasks
-	$(BIN)/mutmut run > /dev/null || true
+	ln -sfn ../../flows src/posttrain/flows
+	$(BIN)/mutmut run $(MUTANTS) > /dev/null || true; rm -f src/posttrain/flows
 	$(BIN)/python tools/mutation_score.py
 
 clean:
