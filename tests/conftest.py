@@ -23,10 +23,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Idle OpenMP threads spin-wait; on a loaded 2-core machine that makes each small op ~100x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Several workers share the cores: one torch thread each (and in the processes they start)
-    # instead of a pool per worker contending for every core. The tiny model gains nothing from more.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Prefect: an isolated ephemeral API per test session, never a developer's configured server.
 os.environ.pop("PREFECT_API_URL", None)
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="posttrain-prefect-")
