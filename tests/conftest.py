@@ -38,17 +38,11 @@ SMOKE_CONFIG = REPO_ROOT / "configs" / "smoke.yaml"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark what lies under system/ and run it first; leave out ``slow`` tests unless ``-m`` names
-    them, so that a selection such as ``-m "not system"`` does not pull in minutes of the built-in
-    model.
-
-    First, because ``make test``'s workers take whole modules in collection order: the long system
-    modules start at once and the many short ones fill in after, instead of one worker finishing a
-    long module alone at the end."""
+    """Mark what lies under system/; leave out ``slow`` tests unless ``-m`` names them, so that a
+    selection such as ``-m "not system"`` does not pull in minutes of the built-in model."""
     for item in items:
         if item.path.is_relative_to(SYSTEM_TESTS):
             item.add_marker(pytest.mark.system)
-    items.sort(key=lambda item: item.get_closest_marker("system") is None)  # stable: modules stay whole
     if "slow" in (config.option.markexpr or ""):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
