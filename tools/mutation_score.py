@@ -24,6 +24,7 @@ def main() -> int:
     )
     total: Counter[str] = Counter()
     killed: Counter[str] = Counter()
+    crashed: Counter[str] = Counter()
     for line in out.stdout.splitlines():
         match = re.match(r"\s*(\S+?)\.x[_ǁ]\S*__mutmut_\d+: (.+)$", line)
         if not match or match.group(2) in NOT_RUN:
@@ -31,16 +32,24 @@ def main() -> int:
         module, status = match.groups()
         total[module] += 1
         killed[module] += status in KILLED
+        crashed[module] += status in KILLED - {"killed"}
     if not total:
         print("no mutmut results: run `.venv/bin/mutmut run` first", file=sys.stderr)
         return 1
     width = max(map(len, total))
+    # A timeout or a crash counts as killed (a test noticed); they are shown apart because a limit
+    # set too tight also reads as a timeout.
+    print(f"{'module':<{width}}  killed / total  score  (timeouts and crashes among the killed)")
     for module in sorted(total):
         print(
-            f"{module:<{width}}  {killed[module]:>4} / {total[module]:<4} {killed[module] / total[module]:6.1%}"
+            f"{module:<{width}}  {killed[module]:>6} / {total[module]:<5} {killed[module] / total[module]:6.1%}"
+            f"  ({crashed[module]})"
         )
     all_killed, all_total = sum(killed.values()), sum(total.values())
-    print(f"{'all core modules':<{width}}  {all_killed:>4} / {all_total:<4} {all_killed / all_total:6.1%}")
+    print(
+        f"{'all':<{width}}  {all_killed:>6} / {all_total:<5} {all_killed / all_total:6.1%}"
+        f"  ({sum(crashed.values())})"
+    )
     return 0
 
 

@@ -494,3 +494,30 @@ def test_by_ops_groups_questions_by_difficulty_easiest_first_and_skips_unknown()
     assert by_ops["10"]["n"] == 2 and by_ops["10"]["accuracy_strict"] == 1.0
     with pytest.raises(ValueError, match="^2 questions but 1 ops values$"):
         summarize_by_ops([[ok], [bad]], [1])
+
+
+def _answered(example_id: str, completion: str, question: str) -> EvalRecord:
+    return EvalRecord.from_samples(example_id, question, "42", [score_completion(completion, "42", tokens=9)])
+
+
+def test_diff_examples_show_the_question_both_answers_and_bs_completion():
+    long_question = "How   many\napples " + "x" * 120
+    wrong = "<reasoning>\nso\n</reasoning>\n<answer>\n41\n</answer>"
+    loose = "it is 42 " + "y" * 200  # right only when read flexibly
+    a = EvalReport(model="a", summary={}, records=(_answered("q1", wrong, long_question),))
+    b = EvalReport(model="b", summary={}, records=(_answered("q1", loose, long_question),))
+    text = format_diff(diff_reports(a, b, mode="flexible"), n_examples=1)
+    shortened_question = ("How many apples " + "x" * 120)[:97] + "..."
+    assert text.splitlines()[-3:] == [
+        f"  [q1] {shortened_question}",
+        "    gold 42 | A answered 41 | B answered 42",
+        f"    B: {(loose[:157] + '...')}",
+    ]
+    strict = format_diff(diff_reports(a, b), n_examples=1)  # strict: B has no <answer>, nothing fixed
+    assert "[q1]" not in strict
+    short = EvalReport(model="b", summary={}, records=(_answered("q1", "42", "Short?"),))
+    assert format_diff(diff_reports(a, short, mode="flexible")).splitlines()[-3:] == [
+        f"  [q1] {shortened_question}",  # the question as A's report holds it
+        "    gold 42 | A answered 41 | B answered 42",
+        "    B: 42",
+    ]
