@@ -17,6 +17,7 @@ from posttrain.evaluation import (
     score_completion,
     summarize,
 )
+from posttrain.evaluation.report import format_by_ops, rate_text
 
 GOOD = "<reasoning>\n6 * 7 = 42\n</reasoning>\n<answer>\n42\n</answer>"
 
@@ -521,3 +522,94 @@ def test_diff_examples_show_the_question_both_answers_and_bs_completion():
         "    gold 42 | A answered 41 | B answered 42",
         "    B: 42",
     ]
+
+
+SUMMARY = {
+    "num_examples": 4,
+    "samples_per_example": 2,
+    "accuracy_strict": 0.5,
+    "accuracy_strict_ci_low": 0.25,
+    "accuracy_strict_ci_high": 0.75,
+    "accuracy_flexible": 0.75,
+    "strict_format_rate": 1.0,
+    "mean_completion_tokens": 12.34,
+    "truncation_rate": 0.25,
+    "tool_calls_per_completion": 1.5,
+    "tool_failed_calls_per_completion": 0.25,
+    "pass@2_strict": 0.75,
+    "pass@2_strict_ci_low": 0.5,
+    "pass@2_strict_ci_high": 1.0,
+}
+
+
+def test_summary_table_exactly():
+    config = {"data_source": "heldout", "tools": ["calculator"], "temperature": 0.7}
+    timings = {"tokens_per_second": 123.4, "seconds": 5.67}
+    report = EvalReport(model="m", summary=SUMMARY, records=(), config=config, timings=timings)
+    assert format_summary_table(report).splitlines() == [
+        "model: m",
+        "data: heldout, 4 examples x 2 samples (temperature 0.7)",
+        "tools: calculator (accuracy with the tool; compare only with runs that used it)",
+        "[brackets]: 95% Wilson score intervals over the questions",
+        "-" * 54,
+        "accuracy (strict, <answer>)         50.0% [25.0, 75.0]",
+        "accuracy (flexible, last number)                 75.0%",
+        "strict format                                   100.0%",
+        "mean completion tokens                            12.3",
+        "truncated (no EOS)                               25.0%",
+        "tool calls per completion                         1.50",
+        "failed tool calls per completion                  0.25",
+        "pass@2 (strict)                    75.0% [50.0, 100.0]",
+        "throughput                        123 tok/s, 5.7 s generating",
+    ]
+
+
+def test_summary_table_of_a_bare_report():
+    """No intervals, tools, samples, timings or questions: defaults, and nothing that is not there."""
+    report = EvalReport(model="m2", summary={"accuracy_strict": 0.5}, records=(), config={"data": "gsm8k"})
+    assert format_summary_table(report).splitlines() == [
+        "model: m2",
+        "data: gsm8k, 0 examples",
+        "-" * 54,
+        "accuracy (strict, <answer>)                      50.0%",
+        "accuracy (flexible, last number)                  0.0%",
+        "strict format                                     0.0%",
+        "mean completion tokens                             0.0",
+        "truncated (no EOS)                                0.0%",
+    ]
+
+
+def test_by_ops_table_exactly():
+    by_ops = {
+        "1": {
+            "n": 3,
+            "accuracy_strict": 2 / 3,
+            "accuracy_strict_ci_low": 0.2,
+            "accuracy_strict_ci_high": 0.94,
+            "accuracy_flexible": 1.0,
+            "strict_format_rate": 0.5,
+            "pass@2_strict": 1.0,
+            "pass@2_strict_ci_low": 0.44,
+            "pass@2_strict_ci_high": 1.0,
+        },
+        "2": {
+            "n": 1,
+            "accuracy_strict": 0.0,
+            "accuracy_flexible": 0.0,
+            "strict_format_rate": 1.0,
+            "pass@2_strict": 0.0,
+        },
+    }
+    assert format_by_ops(by_ops).splitlines() == [
+        " ops      n       strict [95% CI]  flexible   format             pass@2 strict",
+        "   1      3    66.7% [20.0, 94.0]    100.0%    50.0%      100.0% [44.0, 100.0]",
+        "   2      1                  0.0%      0.0%   100.0%                      0.0%",
+    ]
+    assert format_by_ops({}) == ""
+
+
+def test_rate_text_with_and_without_its_interval():
+    assert rate_text(SUMMARY, "accuracy_strict") == "50.0% [25.0, 75.0]"
+    assert rate_text(SUMMARY, "accuracy_flexible") == "75.0%"
+    assert rate_text({"accuracy_strict_ci_low": 0.1}, "accuracy_strict") == "0.0%"  # half an interval: none
+    assert rate_text({}, "pass@2_strict") == "0.0%"

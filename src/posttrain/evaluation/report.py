@@ -290,10 +290,10 @@ def format_summary_table(report: EvalReport) -> str:
     samples = int(s.get("samples_per_example", 1))
     source = report.config.get("data_source", report.config.get("data", "?"))
     title = f"model: {report.model}\ndata: {source}, {int(s.get('num_examples', 0))} examples"
-    if tools := report.config.get("tools"):
-        title += f"\ntools: {', '.join(tools)} (accuracy with the tool; compare only with runs that used it)"
     if samples > 1:
         title += f" x {samples} samples (temperature {report.config.get('temperature')})"
+    if tools := report.config.get("tools"):
+        title += f"\ntools: {', '.join(tools)} (accuracy with the tool; compare only with runs that used it)"
     rows = _metric_rows(s)
     if report.timings:
         rows.append(
