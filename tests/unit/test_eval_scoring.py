@@ -503,7 +503,7 @@ def _answered(example_id: str, completion: str, question: str) -> EvalRecord:
 
 def test_diff_examples_show_the_question_both_answers_and_bs_completion():
     long_question = "How   many\napples " + "x" * 120
-    wrong = "<reasoning>\nso\n</reasoning>\n<answer>\n41\n</answer>"
+    wrong = "<reasoning>\nso\n</reasoning>\n<answer>\n41\n</answer>\nor 43"  # strict 41, flexible 43
     loose = "it is 42 " + "y" * 200  # right only when read flexibly
     a = EvalReport(model="a", summary={}, records=(_answered("q1", wrong, long_question),))
     b = EvalReport(model="b", summary={}, records=(_answered("q1", loose, long_question),))
@@ -511,15 +511,19 @@ def test_diff_examples_show_the_question_both_answers_and_bs_completion():
     shortened_question = ("How many apples " + "x" * 120)[:97] + "..."
     assert text.splitlines()[-3:] == [
         f"  [q1] {shortened_question}",
-        "    gold 42 | A answered 41 | B answered 42",
+        "    gold 42 | A answered 43 | B answered 42",
         f"    B: {(loose[:157] + '...')}",
     ]
     strict = format_diff(diff_reports(a, b), n_examples=1)  # strict: B has no <answer>, nothing fixed
     assert "[q1]" not in strict
+    boxed = EvalReport(model="b", summary={}, records=(_answered("q1", "<answer>\n42\n</answer> 7", "Q?"),))
+    assert format_diff(diff_reports(a, boxed), n_examples=1).splitlines()[-2] == (
+        "    gold 42 | A answered 41 | B answered 42"  # strict: each <answer>, not the last number
+    )
     short = EvalReport(model="b", summary={}, records=(_answered("q1", "42", "Short?"),))
     assert format_diff(diff_reports(a, short, mode="flexible")).splitlines()[-3:] == [
         f"  [q1] {shortened_question}",  # the question as A's report holds it
-        "    gold 42 | A answered 41 | B answered 42",
+        "    gold 42 | A answered 43 | B answered 42",
         "    B: 42",
     ]
 
