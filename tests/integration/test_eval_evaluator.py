@@ -152,6 +152,28 @@ def test_run_eval_from_a_local_file(tiny_model_dir, tmp_path):
     assert EvalReport.load(out).summary == report.summary
 
 
+def test_run_eval_defaults_come_from_its_config_and_are_recorded(tiny_model_dir, capsys):
+    """Without a limit the config's applies; precision ``auto``, the default system prompt and a
+    progress bar unless asked otherwise; what was used is what the report records."""
+    from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT
+
+    report = run_eval(str(tiny_model_dir), "synthetic", cfg=EvalConfig(limit=2, max_completion_length=4))
+    assert len(report.records) == 2 and report.config["limit"] == 2
+    assert (report.config["data"], report.config["data_source"]) == ("synthetic", "synthetic")
+    assert report.config["precision"] == "auto" and report.config["system_prompt"] == DEFAULT_SYSTEM_PROMPT
+    assert "2/2" in capsys.readouterr().err  # the progress bar
+    quiet = run_eval(
+        str(tiny_model_dir),
+        "synthetic",
+        limit=1,
+        cfg=EvalConfig(limit=2, max_completion_length=4),
+        system_prompt="Answer.",
+        progress=False,
+    )
+    assert len(quiet.records) == 1 and quiet.config["system_prompt"] == "Answer."
+    assert "1/1" not in capsys.readouterr().err
+
+
 def test_vllm_backend_fails_clearly_without_gpu(tiny_model_dir, monkeypatch):
     records = [{"id": "1", "question": "1+1?", "answer": "2"}]
     monkeypatch.setattr(hardware, "cuda_available", lambda: False)
