@@ -227,3 +227,83 @@ def test_promotion_needs_the_metric_and_a_name(registry):
         ValueError, match=r"^the best stage model has no config name: pass a registered model name$"
     ):
         registry.promote(parent)
+
+
+def test_a_tie_goes_to_the_first_candidate_and_to_the_candidate_over_the_champion(registry):
+    first, second = registry.pipeline(), registry.pipeline()
+    registry.model(first, "sft", 0.5)
+    registry.model(first, "dpo", 0.5)
+    done = registry.promote(first)
+    leader = registry.candidates(first)[0].model_id
+    assert done.model.model_id == leader and registry.champion() == (1, leader)
+    equal = registry.model(second, "grpo", 0.5)
+    moved = registry.promote(second)  # only a champion that scores higher is kept
+    assert (moved.moved, moved.previous_value) == (True, 0.5) and registry.champion() == (2, equal)
+
+
+def test_what_a_kept_champion_reports(registry):
+    first, second = registry.pipeline(), registry.pipeline()
+    registry.model(first, "sft", 0.5)
+    registry.promote(first)
+    worse = registry.model(second, "dpo", 0.25)
+    kept = registry.promote(second)
+    assert (kept.registered_model, kept.metric, kept.model.model_id) == ("cfg", METRIC, worse)
+
+
+def test_the_registered_model_and_its_versions_name_their_source(registry):
+    import dataclasses
+
+    from posttrain.tracking.logged_models import promote_champion
+
+    parent = registry.pipeline()
+    model_id = registry.model(parent, "sft", 0.5)
+    [candidate] = registry.candidates(parent)
+    done = promote_champion(registry.uri, [dataclasses.replace(candidate, pipeline_run_id=None)])
+    assert done.message == f"champion: cfg v1 = sft of run ? ({METRIC} 0.5; no champion before)"
+    assert registry.client.get_registered_model("cfg").tags == {"posttrain.config_name": "cfg"}
+    version = registry.client.get_model_version("cfg", "1")
+    assert version.run_id == candidate.source_run_id and version.source == f"models:/{model_id}"
+
+
+def test_a_model_registered_under_another_name_gets_its_own_version(registry):
+    first, second = registry.pipeline(), registry.pipeline()
+    registry.model(first, "sft", 0.5)
+    registry.promote(first, registered_model="other")
+    better = registry.model(second, "dpo", 0.75)
+    assert registry.promote(second, registered_model="other").version == 2  # other v2 = better
+    assert registry.promote(second).version == 1  # cfg's first version, not other's
+    assert registry.champion() == (1, better)
+
+
+class _Versions:
+    """A registry client whose new version is pending ``pending`` times (a remote registry)."""
+
+    def __init__(self, pending: int):
+        self.pending, self.calls = pending, 0
+
+    def get_model_version(self, name, version):
+        self.calls += 1
+        status = "PENDING_REGISTRATION" if self.calls <= self.pending else "READY"
+        return type("Version", (), {"status": status})()
+
+
+def test_a_pending_version_is_waited_for_until_ready_or_the_timeout(monkeypatch):
+    from posttrain.tracking import logged_models
+
+    now = [0.0]
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(logged_models.time, "sleep", sleep)
+    monkeypatch.setattr(logged_models.time, "monotonic", lambda: now[0])
+    client = _Versions(pending=3)
+    logged_models._wait_ready(client, "cfg", "1")
+    assert client.calls == 4 and slept == [0.2, 0.2, 0.2]
+    slept.clear()
+    forever = _Versions(pending=10**6)
+    logged_models._wait_ready(forever, "cfg", "1", timeout=1.0)
+    # five sleeps reach the deadline exactly; it gives up only once past it
+    assert len(slept) == 6 and forever.calls == 7
