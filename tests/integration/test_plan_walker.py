@@ -281,3 +281,18 @@ def test_checkpoints_of_unfinished_stages_are_named_after_a_walk(walk, caplog):
         "1 checkpoint folder(s) of unfinished stages of other configs or code: grpo-0123456789ab.ckpt "
         "(a rerun of that config resumes from them; delete them otherwise)"
     ]
+
+
+def test_a_sweep_tidies_the_store_and_closes_abandoned_runs_once_before_its_points(walk):
+    from posttrain.cache.store import Store
+    from posttrain.flows.plan_walker import sweep_started
+
+    store = Store.at(walk.tmp / "store")
+    half_written = walk.tmp / "store" / "stages" / "sft-0123456789ab.tmp-1"
+    half_written.mkdir()
+    client = walk.client
+    experiment = client.get_run(walk.summary.run_id).info.experiment_id
+    abandoned = client.create_run(experiment, tags={"posttrain.store": str(store.root)}).info.run_id
+    sweep_started(walk.cfg, store)
+    assert not half_written.exists()
+    assert client.get_run(abandoned).info.status == "KILLED"
