@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -617,3 +618,56 @@ def test_rate_text_with_and_without_its_interval():
     assert rate_text(SUMMARY, "accuracy_flexible") == "75.0%"
     assert rate_text({"accuracy_strict_ci_low": 0.1}, "accuracy_strict") == "0.0%"  # half an interval: none
     assert rate_text({}, "pass@2_strict") == "0.0%"
+
+
+def _with_ops(example_id: str, correct: bool, ops: int | None) -> EvalRecord:
+    return dataclasses.replace(_record(example_id, correct), ops=ops)
+
+
+def test_diff_by_ops_takes_bs_difficulty_when_as_is_missing_and_skips_questions_without_one():
+    a = EvalReport(
+        model="a",
+        summary={},
+        records=(_with_ops("q0", True, None), _with_ops("q1", False, None), _with_ops("q2", True, 2)),
+    )
+    b = EvalReport(
+        model="b",
+        summary={},
+        records=(_with_ops("q0", True, None), _with_ops("q1", True, 1), _with_ops("q2", True, 2)),
+    )
+    rows = diff_reports(a, b).by_ops()
+    assert list(rows) == [1, 2]  # q0 has no difficulty in either report: left out, the others kept
+    assert {k: rows[1][k] for k in ("n", "accuracy_a", "accuracy_b", "fixed", "broken")} == {
+        "n": 1,
+        "accuracy_a": 0.0,
+        "accuracy_b": 1.0,
+        "fixed": 1,
+        "broken": 0,
+    }
+    assert rows[2]["n"] == 1 and rows[2]["delta_ci_low"] < 0 < rows[2]["delta_ci_high"]
+
+
+def test_summary_table_defaults_and_the_per_operations_block():
+    records = (_with_ops("q1", True, 1), _with_ops("q2", False, 2))
+    summary = summarize([r.samples for r in records])
+    report = EvalReport(
+        model="m",
+        summary=summary,
+        records=records,
+        config={"tools": ["calculator", "search"]},
+        timings={"generated_tokens": 3},
+    )
+    lines = format_summary_table(report).splitlines()
+    assert lines[1] == "data: ?, 2 examples"
+    assert lines[2].startswith("tools: calculator, search (")
+    assert lines[-6] == "throughput                        0 tok/s, 0.0 s generating"
+    assert lines[-5:] == ["", "by number of operations:", *format_by_ops(report.by_ops).splitlines()]
+
+
+def test_by_ops_table_with_two_pass_rates():
+    row = {"n": 1, "accuracy_strict": 1.0, "accuracy_flexible": 1.0, "strict_format_rate": 1.0}
+    table = format_by_ops({"1": {**row, "pass@2_strict": 1.0, "pass@4_strict": 1.0}})
+    assert table.splitlines() == [
+        " ops      n       strict [95% CI]  flexible   format             pass@2 strict             pass@4 strict",
+        "   1      1                100.0%    100.0%   100.0%                    100.0%                    100.0%",
+    ]
