@@ -102,12 +102,12 @@ def smoke_places(workdir: Path, store: str = "store") -> list[str]:
 
 @pytest.fixture(scope="session")
 def smoke_config():
-    """``smoke_config(workdir, *overrides, store="store")``: the smoke config with ``overrides``,
-    writing only under ``workdir`` (smoke_places)."""
+    """``smoke_config(workdir, *overrides, store="store", config=SMOKE_CONFIG)``: the smoke config (or
+    another ``config`` file) with ``overrides``, writing only under ``workdir`` (smoke_places)."""
     from posttrain.pipeline import load_config
 
-    def build(workdir: Path, *overrides: str, store: str = "store"):
-        return load_config(SMOKE_CONFIG, [*smoke_places(workdir, store), *overrides])
+    def build(workdir: Path, *overrides: str, store: str = "store", config: Path = SMOKE_CONFIG):
+        return load_config(config, [*smoke_places(workdir, store), *overrides])
 
     return build
 

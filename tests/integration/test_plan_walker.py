@@ -66,8 +66,10 @@ def _in_process():
 @dataclass
 class Walk:
     tmp: Path
-    cfg: object
-    summary: object
+    build: object
+    """conftest's ``smoke_config`` builder, given this module's config file."""
+    cfg: object = None
+    summary: object = None
 
     @property
     def client(self):
@@ -88,28 +90,21 @@ class Walk:
         return run_plan(build_plan(cfg), force, runner or _in_process())
 
     def load(self, **overrides):
-        from posttrain.pipeline import load_config
-
-        sets = [
-            f"orchestration.store={self.tmp / 'store'}",
-            f"tracking.tracking_uri=sqlite:///{self.tmp / 'mlflow.db'}",
-            f"model.cache_dir={self.tmp / 'models'}",
-            *(f"{key.replace('__', '.')}={value}" for key, value in overrides.items()),
-        ]
-        return load_config(self.tmp / "walk.yaml", sets)
+        sets = [f"{key.replace('__', '.')}={value}" for key, value in overrides.items()]
+        return self.build(self.tmp, *sets, config=self.tmp / "walk.yaml")
 
     def output(self, summary, step: str) -> Path:
         return Path(next(o.output for o in summary.outcomes if o.step == step))
 
 
 @pytest.fixture(scope="module")
-def first(tmp_path_factory) -> Walk:
+def first(tmp_path_factory, smoke_config) -> Walk:
     from posttrain.flows.plan_walker import run_plan
     from posttrain.pipeline.plan import build_plan
 
     tmp = tmp_path_factory.mktemp("walk")
     (tmp / "walk.yaml").write_text(CONFIG)
-    walk = Walk(tmp, None, None)
+    walk = Walk(tmp, smoke_config)
     walk.cfg = walk.load()
     walk.summary = run_plan(build_plan(walk.cfg), (), _in_process())
     shutil.copytree(tmp / "store", tmp / "pristine", symlinks=True)
