@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from posttrain.core.stats import paired_difference
 from posttrain.evaluation import (
     EvalRecord,
     EvalReport,
@@ -155,6 +156,29 @@ def test_diff_groups_by_id_and_lists_unmatched():
     assert "fixed (wrong in A, right in B), 1 of 1" in text and "[q4]" in text
     assert "broken (right in A, wrong in B), 1 of 1" in text and "[q1]" in text
     assert "1 only in A, 1 only in B" in text
+
+
+@pytest.mark.parametrize(
+    ("ids_b", "warning"),
+    [
+        (("q1", "q2", "q3"), "reports cover different questions: 0 only in A, 1 only in B"),
+        (("q1",), "reports cover different questions: 1 only in A, 0 only in B"),
+        (("q1", "q2"), None),
+    ],
+    ids=["only-in-b", "only-in-a", "same-questions"],
+)
+def test_diff_warns_about_questions_only_one_report_has(ids_b, warning, caplog):
+    a = _report("a", {"q1": True, "q2": False})
+    b = _report("b", dict.fromkeys(ids_b, True))
+    with caplog.at_level("WARNING", logger="posttrain.evaluation.diff"):
+        diff_reports(a, b)
+    assert [r.getMessage() for r in caplog.records] == ([warning] if warning else [])
+
+
+def test_diff_shortens_a_long_setting_to_forty_characters():
+    a = _with(_report("a", {"q1": True}), "float32", system_prompt="x" * 40)
+    b = _with(_report("b", {"q1": True}), "float32", system_prompt="y" * 41)
+    assert diff_reports(a, b).settings == (f"system_prompt: {'x' * 40} -> {'y' * 37}...",)
 
 
 def _with(report: EvalReport, dtype: str, **config) -> EvalReport:
@@ -383,8 +407,17 @@ def test_diff_shows_a_per_difficulty_table():
     }
     row = diff.by_ops()[2]  # each difficulty's change has its own paired interval around it
     assert row["delta_ci_low"] < 2 / 3 < row["delta_ci_high"]
+    # Newcombe's interval on each difficulty's own 2x2 table (both right, fixed, broken, neither)
+    for ops, table in ((1, (1, 0, 1, 0)), (2, (0, 2, 0, 1)), (4, (1, 0, 0, 0))):
+        interval = paired_difference(*table).interval
+        assert (diff.by_ops()[ops]["delta_ci_low"], diff.by_ops()[ops]["delta_ci_high"]) == (
+            interval.low,
+            interval.high,
+        ), ops
     text = format_diff(diff)
     assert "by number of operations (strict):" in text
+    heading = text.splitlines()[text.splitlines().index("by number of operations (strict):") + 1]
+    assert heading == "   ops      n       A       B  fixed  broken          B - A [95% CI]"
     line = next(line for line in text.splitlines() if line.startswith("     2      3"))
     assert line.startswith("     2      3    0.0%   66.7%      2       0") and "+66.7 [" in line
     flexible = diff_reports(before, after, mode="flexible").by_ops()
