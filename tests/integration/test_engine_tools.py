@@ -120,6 +120,23 @@ def test_a_call_the_calculator_cannot_compute_is_left_to_the_model_and_counted(t
     assert (stats.tool_calls, stats.tool_failures, stats.forced_tokens) == (1, 1, 0)
 
 
+def test_dpo_samples_run_the_calculator_named_in_tools(tiny_tokenizer):
+    """The DPO sampler hands its ``tools`` to the engine: the model's own slip is corrected and the
+    call counted, as in evaluation and GRPO."""
+    from posttrain.generation.sampling import sample_completions
+
+    t = tiny_tokenizer
+    chats = [[{"role": "user", "content": "hi"}]]
+    (last,) = encode_prompts(t, chats)[0][-1:]  # the template's last token: the model starts there
+    model = bigram_model(t, chain(t, t.decode([last]) + "12*7 =9", "4."), default=t.eos_token_id)
+    kwargs = dict(temperature=1e-3, max_new_tokens=20)  # near-greedy: the scripted path
+    bare = sample_completions(model, t, chats, 2, **kwargs)
+    assert bare.texts == [["12*7 =9", "12*7 =9"]] and bare.tool_metrics()["tools/call_frequency"] == 0
+    tooled = sample_completions(model, t, chats, 2, tools=("calculator",), **kwargs)
+    assert tooled.texts == [["12*7 = 84.", "12*7 = 84."]]
+    assert tooled.tool_metrics() == {"tools/call_frequency": 1.0, "tools/failure_frequency": 0.0}
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

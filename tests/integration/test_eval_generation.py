@@ -286,6 +286,41 @@ def test_dpo_sampler_draws_from_the_engine(lively_model, tiny_tokenizer):
     assert narrow.token_ids == samples.token_ids
 
 
+def test_sample_seeds_are_distinct_across_runs_seeded_one_apart():
+    from posttrain.generation.sampling import sample_seeds
+
+    assert sample_seeds(0, 3) == [0, 1, 2]
+    assert sample_seeds(2, 2) == [2_000_006, 2_000_007]
+    assert not set(sample_seeds(0, 1_000_003)) & set(sample_seeds(1, 10))
+    assert sample_seeds(5, 0) == []
+
+
+def test_the_sampler_counts_its_tokens_logs_one_line_and_shows_a_progress_bar(
+    lively_model, tiny_tokenizer, caplog, capsys
+):
+    import re
+
+    from posttrain.generation.sampling import Samples, sample_completions
+
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:2]]
+    with caplog.at_level("INFO", logger="posttrain.generation.sampling"):
+        samples = sample_completions(
+            lively_model, tiny_tokenizer, chats, 3, temperature=1.0, max_new_tokens=5, seed=1
+        )
+    assert [len(group) for group in samples.texts] == [3, 3]
+    assert samples.generated_tokens == sum(len(ids) for group in samples.token_ids for ids in group) > 6
+    assert samples.stats.sequences == 6 and samples.seconds == samples.stats.seconds
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(
+        rf"sampled 2 x 3 completions \({samples.generated_tokens} tokens\) in \d+\.\d s \(\d+ tok/s\)",
+        message,
+    )
+    assert re.search(r"(^|\r)sampling: 100%.*6/6", capsys.readouterr().err, re.MULTILINE)
+    assert samples.tool_metrics() == {"tools/call_frequency": 0.0, "tools/failure_frequency": 0.0}
+    assert Samples([["a"]], [[[1, 2]]], 0.1).tool_metrics() == {}  # no statistics: no tool metrics
+    assert Samples([["a"]], [[[1, 2]]], 0.1).generated_tokens == 2
+
+
 def _with_extra_eos(model, stops):
     """A copy of ``model`` whose generation config lists ``stops`` as EOS ids (completions end early)."""
     import copy
