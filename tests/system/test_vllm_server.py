@@ -522,19 +522,15 @@ def test_managed_stages_get_a_free_group_port_unless_they_set_one(tmp_path):
     assert "vllm_group_port" not in grpo_arguments(stage, ctx)  # no managed server: TRL's own default
 
 
-def test_an_adapter_output_is_served_merged_from_a_scratch_folder(fake, tmp_path, tiny_model_dir):
-    """The server loads the evaluated weights: for an adapter output the chain merged onto its base
-    (not the base alone, as a GRPO stage's server may), in a folder that goes away with the server."""
-    import torch
+def _adapter_output(tmp_path: Path, base: Path):
+    """A LoRA adapter output of ``base`` whose update is not zero, and its policy (for logits)."""
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
 
     from posttrain.core.config import LoraConfig
-    from posttrain.evaluation.served import eval_server
     from posttrain.models import artifacts
     from posttrain.models.loading import build_peft_config, load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(str(tiny_model_dir), "fp32", for_training=True)
+    model, tokenizer = load_model_and_tokenizer(str(base), "fp32", for_training=True)
     policy = get_peft_model(model, build_peft_config(LoraConfig(r=4, alpha=8)))
     for name, param in policy.named_parameters():
         if "lora_B" in name:
@@ -542,7 +538,20 @@ def test_an_adapter_output_is_served_merged_from_a_scratch_folder(fake, tmp_path
     policy.eval()
     adapter = tmp_path / "adapter"
     assert artifacts.save_policy(policy, tokenizer, adapter, adapter_policy="adapter") == "adapter"
-    (adapter / "stage.json").write_text(json.dumps({"adapter": {"base": str(tiny_model_dir)}}))
+    (adapter / "stage.json").write_text(json.dumps({"adapter": {"base": str(base)}}))
+    return adapter, policy
+
+
+def test_an_adapter_output_is_served_merged_from_a_scratch_folder(fake, tmp_path, tiny_model_dir):
+    """The server loads the evaluated weights: for an adapter output the chain merged onto its base
+    (not the base alone, as a GRPO stage's server may), in a folder that goes away with the server."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.evaluation.served import eval_server
+    from posttrain.models import artifacts
+
+    adapter, policy = _adapter_output(tmp_path, tiny_model_dir)
     server_cfg, command, _ = fake
     ids = torch.tensor([[5, 6, 7, 8]])
     model_cfg = ModelConfig(name=str(tiny_model_dir), precision="fp32")
@@ -560,3 +569,38 @@ def test_an_adapter_output_is_served_merged_from_a_scratch_folder(fake, tmp_path
         s,
     ):
         assert s == str(tiny_model_dir)  # a full model is served from its own folder
+
+
+def test_a_served_adapter_is_merged_in_the_evaluated_precision_beside_its_tokenizer(
+    fake, tmp_path, tiny_model_dir, tiny_tokenizer, caplog
+):
+    from transformers import AutoTokenizer
+
+    from posttrain.evaluation.served import eval_server
+
+    adapter, _ = _adapter_output(tmp_path, tiny_model_dir)
+    server_cfg, command, _ = fake
+    model_cfg = ModelConfig(name=str(tiny_model_dir), precision="bf16")
+    with (
+        caplog.at_level("INFO", logger="posttrain.evaluation.served"),
+        eval_server(server_cfg, model_cfg, str(adapter), tmp_path / "work", command=command()) as (_, served),
+    ):
+        config = json.loads((Path(served) / "config.json").read_text())
+        assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+        assert AutoTokenizer.from_pretrained(served).get_vocab() == tiny_tokenizer.get_vocab()
+        assert Path(served).parent.parent == tmp_path / "work"  # a scratch folder of the evaluation's
+    assert [r.getMessage() for r in caplog.records] == [
+        f"vllm_server: serving {adapter} merged onto its base as {served}"
+    ]
+
+
+def test_a_built_in_model_is_served_from_the_configured_model_cache(fake, tmp_path):
+    from posttrain.evaluation.served import eval_server
+
+    server_cfg, command, _ = fake
+    model_cfg = ModelConfig(name="tiny-random", precision="fp32", cache_dir=str(tmp_path / "models"))
+    with eval_server(server_cfg, model_cfg, "tiny-random", tmp_path / "work", command=command()) as (
+        _,
+        served,
+    ):
+        assert Path(served).is_relative_to(tmp_path / "models") and (Path(served) / "config.json").is_file()
