@@ -321,6 +321,20 @@ def test_the_sampler_counts_its_tokens_logs_one_line_and_shows_a_progress_bar(
     assert Samples([["a"]], [[[1, 2]]], 0.1).generated_tokens == 2
 
 
+def test_the_sampler_stops_at_every_stop_token_of_the_models_generation_config(
+    lively_model, tiny_tokenizer, stops
+):
+    """Stop tokens come from the model's generation config, not only from the tokenizer's EOS."""
+    from posttrain.generation.sampling import sample_completions
+
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    stopping = _with_extra_eos(lively_model, stops)
+    samples = sample_completions(stopping, tiny_tokenizer, chats, 2, temperature=1.0, max_new_tokens=MAX_NEW)
+    flat = [ids for group in samples.token_ids for ids in group]
+    assert all(len(ids) == MAX_NEW or ids[-1] in stops for ids in flat)
+    assert any(len(ids) < MAX_NEW and ids[-1] != tiny_tokenizer.eos_token_id for ids in flat)
+
+
 def _with_extra_eos(model, stops):
     """A copy of ``model`` whose generation config lists ``stops`` as EOS ids (completions end early)."""
     import copy

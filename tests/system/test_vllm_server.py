@@ -594,13 +594,44 @@ def test_a_served_adapter_is_merged_in_the_evaluated_precision_beside_its_tokeni
     ]
 
 
-def test_a_built_in_model_is_served_from_the_configured_model_cache(fake, tmp_path):
+def test_a_built_in_model_and_an_adapters_built_in_base_come_from_the_configured_model_cache(
+    fake, tmp_path, monkeypatch
+):
     from posttrain.evaluation.served import eval_server
 
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "default-cache"))  # its models/: where none may go
     server_cfg, command, _ = fake
     model_cfg = ModelConfig(name="tiny-random", precision="fp32", cache_dir=str(tmp_path / "models"))
-    with eval_server(server_cfg, model_cfg, "tiny-random", tmp_path / "work", command=command()) as (
-        _,
-        served,
-    ):
+    work = tmp_path / "work"
+    with eval_server(server_cfg, model_cfg, "tiny-random", work, command=command()) as (_, served):
         assert Path(served).is_relative_to(tmp_path / "models") and (Path(served) / "config.json").is_file()
+    adapter, _ = _adapter_output(tmp_path, Path(served))
+    (adapter / "stage.json").write_text(json.dumps({"adapter": {"base": "tiny-random"}}))
+    with eval_server(server_cfg, model_cfg, str(adapter), work, command=command()) as (_, merged):
+        assert (Path(merged) / "config.json").is_file()
+    assert not (tmp_path / "default-cache" / "models").exists()
+
+
+def test_an_adapters_base_is_loaded_with_the_configured_revision_and_cache(tmp_path, monkeypatch):
+    """An adapter chain may end in a hub base: the merge loads it at ``model.revision`` from
+    ``model.cache_dir``, as training did (the hub itself is out of reach here, so the loader is a spy)."""
+    import posttrain.evaluation.served as served
+
+    calls = []
+
+    class Saved:
+        def save_pretrained(self, folder):
+            Path(folder).mkdir(parents=True, exist_ok=True)
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return Saved(), Saved()
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    monkeypatch.setattr(served, "load_stage_model", spy)
+    cfg = ModelConfig(name="org/base", precision="bf16", revision="v2", cache_dir=str(tmp_path / "models"))
+    path = served.servable_model(str(adapter), cfg, tmp_path / "scratch")
+    assert calls == [((str(adapter), "bf16", str(tmp_path / "models")), {"revision": "v2"})]
+    assert Path(path).is_dir() and Path(path).parent == tmp_path / "scratch"
