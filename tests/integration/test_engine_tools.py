@@ -135,6 +135,10 @@ def test_dpo_samples_run_the_calculator_named_in_tools(tiny_tokenizer):
     tooled = sample_completions(model, t, chats, 2, tools=("calculator",), **kwargs)
     assert tooled.texts == [["12*7 = 84.", "12*7 = 84."]]
     assert tooled.tool_metrics() == {"tools/call_frequency": 1.0, "tools/failure_frequency": 0.0}
+    # A generation config that names another stop token: the tokenizer's EOS still ends the sample.
+    model.generation_config.eos_token_id = _ids(t, "Q")
+    (ids,) = sample_completions(model, t, chats, 1, **kwargs).token_ids[0]
+    assert ids == _ids(t, "12*7 =9") + [t.eos_token_id]
 
 
 @pytest.mark.parametrize(

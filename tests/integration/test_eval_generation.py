@@ -284,6 +284,11 @@ def test_dpo_sampler_draws_from_the_engine(lively_model, tiny_tokenizer):
     assert samples.token_ids[0][0] != samples.token_ids[0][1]  # two samples of one prompt differ
     narrow = sample_completions(lively_model, tiny_tokenizer, chats, 2, batch_size=1, **kwargs)
     assert narrow.token_ids == samples.token_ids
+    unseeded = sample_completions(lively_model, tiny_tokenizer, chats, 2, temperature=1.0, max_new_tokens=10)
+    assert (
+        unseeded.token_ids
+        == sample_completions(lively_model, tiny_tokenizer, chats, 2, **{**kwargs, "seed": 0}).token_ids
+    )
 
 
 def test_sample_seeds_are_distinct_across_runs_seeded_one_apart():

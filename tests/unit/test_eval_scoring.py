@@ -176,9 +176,98 @@ def test_diff_warns_about_questions_only_one_report_has(ids_b, warning, caplog):
 
 
 def test_diff_shortens_a_long_setting_to_forty_characters():
-    a = _with(_report("a", {"q1": True}), "float32", system_prompt="x" * 40)
-    b = _with(_report("b", {"q1": True}), "float32", system_prompt="y" * 41)
-    assert diff_reports(a, b).settings == (f"system_prompt: {'x' * 40} -> {'y' * 37}...",)
+    a = _with(_report("a", {"q1": True}), "float32", system_prompt="x" * 41)
+    b = _with(_report("b", {"q1": True}), "float32", system_prompt="y" * 40)
+    assert diff_reports(a, b).settings == (f"system_prompt: {'x' * 37}... -> {'y' * 40}",)
+    c = _with(_report("c", {"q1": True}), "float32", system_prompt="z" * 41)
+    assert diff_reports(b, c).settings == (f"system_prompt: {'y' * 40} -> {'z' * 37}...",)
+
+
+def test_format_diff_exactly():
+    """Counts, the paired interval, one-sided unmatched questions, settings A alone had (a tool, a
+    temperature) and the per-operations rows, difficulties taken from A where the reports disagree."""
+
+    def on(record: EvalRecord, ops: int) -> EvalRecord:
+        return dataclasses.replace(record, ops=ops)
+
+    a = EvalReport(
+        model="before",
+        summary={},
+        records=(
+            on(_record("q1", True), 1),
+            on(_record("q2", False), 1),
+            on(_record("q3", True), 2),
+            on(_record("q4", False), 2),
+            _record("only-a", True),
+        ),
+        config={"temperature": 1.0, "seed": 0, "tools": ["calculator"]},
+        meta={"dtype": "float32"},
+    )
+    b = EvalReport(
+        model="after",
+        summary={},
+        records=(
+            on(_record("q1", True), 1),
+            on(_record("q2", True), 1),
+            on(_record("q3", False), 3),  # B counts q3's operations differently: A's count is kept
+            on(_record("q4", True), 2),
+        ),
+        config={"temperature": 0.0, "seed": 1},
+        meta={"dtype": "float32"},
+    )
+    diff = diff_reports(a, b)
+    assert (diff.model_a, diff.model_b) == ("before", "after")
+    assert format_diff(diff, n_examples=0).splitlines() == [
+        "A: before",
+        "B: after",
+        "4 questions in both reports (strict scoring); net change +1",
+        "  B - A: +25.0 [-46.1, +74.7] percentage points (95% Newcombe paired score interval;"
+        " McNemar's exact test p = 1)",
+        "  fixed              2  (50.0%)",
+        "  broken             1  (25.0%)",
+        "  stayed right       1  (25.0%)",
+        "  stayed wrong       0  (0.0%)",
+        "  unmatched: 1 only in A, 0 only in B",
+        "  generated with different settings, which change completions by themselves:",
+        "    temperature: 1.0 -> 0.0",
+        "    seed: 0 -> 1",
+        "    tools: ['calculator'] -> []",
+        "",
+        "by number of operations (strict):",
+        "   ops      n       A       B  fixed  broken          B - A [95% CI]",
+        "     1      2   50.0%  100.0%      1       0    +50.0 [-27.3, +90.5]",
+        "     2      2   50.0%   50.0%      1       1     +0.0 [-81.1, +81.1]",
+    ]
+    assert format_diff(diff).count("\n  [q") == 3  # three examples by default: two fixed, one broken
+
+
+def test_format_diff_of_one_question_and_of_several_samples():
+    one = format_diff(diff_reports(_report("a", {"q1": False}), _report("b", {"q1": True})), n_examples=0)
+    assert "  fixed              1  (100.0%)" in one.splitlines()
+    extra = (score_completion(GOOD, "42"),)  # a second sample: a mean difference, no McNemar
+    a = EvalReport(
+        model="a", summary={}, records=(_record("q1", False, extra=extra), _record("q2", True, extra=extra))
+    )
+    b = EvalReport(
+        model="b", summary={}, records=(_record("q1", True, extra=extra), _record("q2", True, extra=extra))
+    )
+    assert format_diff(diff_reports(a, b)).splitlines()[3] == (
+        "  B - A: +25.0 [-100.0, +100.0] percentage points (95% t interval over 2 questions' differences)"
+    )
+    none = format_diff(diff_reports(_report("a", {"q1": True}), _report("b", {"q2": True})))
+    assert "B - A" not in none and "  fixed              0  (0.0%)" in none.splitlines()
+
+
+def test_diff_refuses_an_unknown_mode_and_logs_the_settings_that_differ(caplog):
+    a = _with(_report("a", {"q1": True}), "float32")
+    with pytest.raises(ValueError, match="^mode must be 'strict' or 'flexible', got 'loose'$"):
+        diff_reports(a, a, mode="loose")
+    b = _with(_report("b", {"q1": True}), "float32", temperature=1.0, seed=2)
+    with caplog.at_level("WARNING", logger="posttrain.evaluation.diff"):
+        diff_reports(a, b)
+    assert [r.getMessage() for r in caplog.records] == [
+        "reports were generated with different settings: temperature: 0.0 -> 1.0; seed: 0 -> 2"
+    ]
 
 
 def _with(report: EvalReport, dtype: str, **config) -> EvalReport:
