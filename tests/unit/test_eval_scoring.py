@@ -254,6 +254,8 @@ def test_format_diff_of_one_question_and_of_several_samples():
     assert format_diff(diff_reports(a, b)).splitlines()[3] == (
         "  B - A: +25.0 [-100.0, +100.0] percentage points (95% t interval over 2 questions' differences)"
     )
+    four = diff_reports(_report("a", dict.fromkeys("wxyz", False)), _report("b", dict.fromkeys("wxyz", True)))
+    assert "\nfixed (wrong in A, right in B), 3 of 4:\n" in format_diff(four)  # three examples by default
     none = format_diff(diff_reports(_report("a", {"q1": True}), _report("b", {"q2": True})))
     assert "B - A" not in none and "  fixed              0  (0.0%)" in none.splitlines()
 
