@@ -291,3 +291,52 @@ def test_a_sweep_tidies_the_store_and_closes_abandoned_runs_once_before_its_poin
     sweep_started(walk.cfg, store)
     assert not half_written.exists()
     assert client.get_run(abandoned).info.status == "KILLED"
+
+
+class RecordingRun:
+    """A stage's MLflow run that records what it is asked to log."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+    def called(self, name: str) -> list[tuple[tuple, dict]]:
+        return [(args, kwargs) for called, args, kwargs in self.calls if called == name]
+
+
+@pytest.mark.parametrize(("metrics", "step"), [({"train_loss": 0.5}, 0), ({"train_loss": 0.5, "step": 7}, 7)])
+def test_a_stages_summary_is_logged_at_its_last_step_or_at_zero(tmp_path, metrics, step):
+    from posttrain.core.results import StageResult
+    from posttrain.flows.plan_walker import _log_result
+
+    (tmp_path / "stage.json").write_text("{}")
+    run = RecordingRun()
+    _log_result(run, StageResult(stage="sft", output_dir=str(tmp_path), metrics=metrics, fingerprints={}))
+    assert run.called("log_metrics") == [((metrics,), {"step": step})]
+
+
+def test_each_evaluation_set_gets_its_own_examples_table(tmp_path):
+    from posttrain.core.results import EvalResult
+    from posttrain.evaluation import EvalRecord, EvalReport, score_completion
+    from posttrain.flows.plan_walker import _log_result
+
+    record = EvalRecord.from_samples("q1", "q?", "42", [score_completion("<answer>42</answer>", "42")])
+    for folder in (tmp_path, tmp_path / "gsm8k"):
+        EvalReport(model="m", summary={}, records=(record,)).save(folder)
+    result = EvalResult(
+        stage="sft",
+        report_dir=str(tmp_path),
+        summary={"accuracy_strict": 1.0},
+        timings={"seconds": 2.0},
+        model_fingerprint="f",
+        sets={"gsm8k": {"accuracy_strict": 1.0}},
+    )
+    run = RecordingRun()
+    _log_result(run, result, model_id="model-1", dataset_name="heldout")
+    logged = [
+        (kwargs["dataset_name"], kwargs["table"], kwargs["model_id"]) for _, kwargs in run.called("log_eval")
+    ]
+    assert logged == [("heldout", "eval_examples", "model-1"), ("gsm8k", "gsm8k/eval_examples", "model-1")]
+    assert run.called("log_metrics") == [(({"eval/seconds": 2.0},), {})]
