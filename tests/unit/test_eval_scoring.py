@@ -186,18 +186,14 @@ def test_diff_shortens_a_long_setting_to_forty_characters():
 def test_format_diff_exactly():
     """Counts, the paired interval, one-sided unmatched questions, settings A alone had (a tool, a
     temperature) and the per-operations rows, difficulties taken from A where the reports disagree."""
-
-    def on(record: EvalRecord, ops: int) -> EvalRecord:
-        return dataclasses.replace(record, ops=ops)
-
     a = EvalReport(
         model="before",
         summary={},
         records=(
-            on(_record("q1", True), 1),
-            on(_record("q2", False), 1),
-            on(_record("q3", True), 2),
-            on(_record("q4", False), 2),
+            _with_ops("q1", True, 1),
+            _with_ops("q2", False, 1),
+            _with_ops("q3", True, 2),
+            _with_ops("q4", False, 2),
             _record("only-a", True),
         ),
         config={"temperature": 1.0, "seed": 0, "tools": ["calculator"]},
@@ -207,10 +203,10 @@ def test_format_diff_exactly():
         model="after",
         summary={},
         records=(
-            on(_record("q1", True), 1),
-            on(_record("q2", True), 1),
-            on(_record("q3", False), 3),  # B counts q3's operations differently: A's count is kept
-            on(_record("q4", True), 2),
+            _with_ops("q1", True, 1),
+            _with_ops("q2", True, 1),
+            _with_ops("q3", False, 3),  # B counts q3's operations differently: A's count is kept
+            _with_ops("q4", True, 2),
         ),
         config={"temperature": 0.0, "seed": 1},
         meta={"dtype": "float32"},
