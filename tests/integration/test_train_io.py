@@ -192,3 +192,39 @@ def test_a_stage_that_fails_before_its_first_checkpoint_leaves_nothing_behind(ti
             train_fn=broken,
         )
     assert not (tmp_path / "sft").exists() and not (tmp_path / "sft.ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"optim": "adamw_8bit"}, "adamw_8bit .* needs a CUDA GPU"),
+        ({"use_vllm": True}, "vLLM needs a CUDA GPU"),
+    ],
+    ids=["8-bit-optimizer", "vllm"],
+)
+def test_a_stage_run_as_its_own_process_checks_its_trainer_options_against_the_hardware_first(
+    tiny_model_dir, tmp_path, monkeypatch, options, fragment
+):
+    """The launcher runs a stage without the pipeline's validation: the stage itself refuses GPU-only
+    trainer options on a CPU before it reads its data or writes anything."""
+    from posttrain.core.config import ModelConfig, SFTStageConfig
+    from posttrain.core.errors import HardwareError
+    from posttrain.models import hardware
+    from posttrain.training.stage_run import execute_stage
+
+    monkeypatch.setattr(hardware, "cuda_available", lambda: False)
+    with pytest.raises(HardwareError, match=fragment):
+        execute_stage(
+            stage="sft",
+            kind="sft",
+            stage_cfg=SFTStageConfig(),
+            model_cfg=ModelConfig(name=str(tiny_model_dir), precision="fp32"),
+            model_path=tiny_model_dir,
+            train_dataset=None,  # not read before the check
+            output_dir=tmp_path / "sft",
+            seed=0,
+            report_to="none",
+            options=options,
+            train_fn=lambda ctx: pytest.fail("trained"),
+        )
+    assert list(tmp_path.iterdir()) == []
