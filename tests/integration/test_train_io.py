@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,28 +169,35 @@ def test_compact_fused_head_on_cpu_gives_the_same_logprobs_and_gradients(tiny_mo
         assert torch.allclose(full, compact, atol=1e-5)
 
 
-def test_a_stage_that_fails_before_its_first_checkpoint_leaves_nothing_behind(tiny_model_dir, tmp_path):
-    import datasets
-
+def _execute_sft(model_dir: Path, output_dir: Path, train_fn, *, dataset=None, options=None):
+    """``execute_stage`` of an SFT stage of ``model_dir`` with ``train_fn`` as its training."""
     from posttrain.core.config import ModelConfig, SFTStageConfig
     from posttrain.training.stage_run import execute_stage
+
+    return execute_stage(
+        stage="sft",
+        kind="sft",
+        stage_cfg=SFTStageConfig(),
+        model_cfg=ModelConfig(name=str(model_dir), precision="fp32"),
+        model_path=model_dir,
+        train_dataset=dataset,
+        output_dir=output_dir,
+        seed=0,
+        report_to="none",
+        options=options or {},
+        train_fn=train_fn,
+    )
+
+
+def test_a_stage_that_fails_before_its_first_checkpoint_leaves_nothing_behind(tiny_model_dir, tmp_path):
+    import datasets
 
     def broken(ctx):
         raise RuntimeError("broke")
 
     with pytest.raises(RuntimeError, match="broke"):
-        execute_stage(
-            stage="sft",
-            kind="sft",
-            stage_cfg=SFTStageConfig(),
-            model_cfg=ModelConfig(name=str(tiny_model_dir), precision="fp32"),
-            model_path=tiny_model_dir,
-            train_dataset=datasets.Dataset.from_dict({"prompt": ["q"]}),
-            output_dir=tmp_path / "sft",
-            seed=0,
-            report_to="none",
-            options={},
-            train_fn=broken,
+        _execute_sft(
+            tiny_model_dir, tmp_path / "sft", broken, dataset=datasets.Dataset.from_dict({"prompt": ["q"]})
         )
     assert not (tmp_path / "sft").exists() and not (tmp_path / "sft.ckpt").exists()
 
@@ -207,24 +215,10 @@ def test_a_stage_run_as_its_own_process_checks_its_trainer_options_against_the_h
 ):
     """The launcher runs a stage without the pipeline's validation: the stage itself refuses GPU-only
     trainer options on a CPU before it reads its data or writes anything."""
-    from posttrain.core.config import ModelConfig, SFTStageConfig
     from posttrain.core.errors import HardwareError
     from posttrain.models import hardware
-    from posttrain.training.stage_run import execute_stage
 
     monkeypatch.setattr(hardware, "cuda_available", lambda: False)
-    with pytest.raises(HardwareError, match=fragment):
-        execute_stage(
-            stage="sft",
-            kind="sft",
-            stage_cfg=SFTStageConfig(),
-            model_cfg=ModelConfig(name=str(tiny_model_dir), precision="fp32"),
-            model_path=tiny_model_dir,
-            train_dataset=None,  # not read before the check
-            output_dir=tmp_path / "sft",
-            seed=0,
-            report_to="none",
-            options=options,
-            train_fn=lambda ctx: pytest.fail("trained"),
-        )
+    with pytest.raises(HardwareError, match=fragment):  # the data (None) is not read before the check
+        _execute_sft(tiny_model_dir, tmp_path / "sft", lambda ctx: pytest.fail("trained"), options=options)
     assert list(tmp_path.iterdir()) == []
