@@ -42,18 +42,23 @@ def test_a_raising_reward_names_itself_the_example_and_the_completion():
 
 def test_a_stages_custom_reward_is_named_in_its_errors_as_the_config_names_it(monkeypatch, tmp_path):
     """A custom reward's function may be called anything: the error names the config's entry."""
+    import sys
+    import uuid
+
     from posttrain.core.config import RewardSpec
     from posttrain.core.library_policy import CUSTOM_CODE_ENV
     from posttrain.training.stage_run import build_reward_funcs
 
-    (tmp_path / "team_rewards.py").write_text(
+    module = f"team_rewards_{uuid.uuid4().hex}"  # a new name each time, even when rerun in one process
+    (tmp_path / f"{module}.py").write_text(
         "def check(completions, **kwargs):\n    raise KeyError('missing tag')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
-    (reward,), weights = build_reward_funcs([RewardSpec(name="team_rewards:check", weight=2.0)])
+    (reward,), weights = build_reward_funcs([RewardSpec(name=f"{module}:check", weight=2.0)])
+    del sys.modules[module]
     assert weights == [2.0] and reward.__name__ == "check"  # TRL's metric name: the function's
-    with pytest.raises(RewardError, match="^reward 'team_rewards:check' raised KeyError"):
+    with pytest.raises(RewardError, match=f"^reward '{module}:check' raised KeyError"):
         call(reward)
 
 

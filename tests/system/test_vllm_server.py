@@ -616,6 +616,7 @@ def test_an_adapters_base_is_loaded_with_the_configured_revision_and_cache(tmp_p
     """An adapter chain may end in a hub base: the merge loads it at ``model.revision`` from
     ``model.cache_dir``, as training did (the hub itself is out of reach here, so the loader is a spy)."""
     import posttrain.evaluation.served as served
+    from posttrain.models.artifacts import ADAPTER_CONFIG
 
     calls = []
 
@@ -629,7 +630,7 @@ def test_an_adapters_base_is_loaded_with_the_configured_revision_and_cache(tmp_p
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / ADAPTER_CONFIG).write_text("{}")
     monkeypatch.setattr(served, "load_stage_model", spy)
     cfg = ModelConfig(name="org/base", precision="bf16", revision="v2", cache_dir=str(tmp_path / "models"))
     path = served.servable_model(str(adapter), cfg, tmp_path / "scratch")

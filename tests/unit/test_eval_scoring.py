@@ -186,30 +186,24 @@ def test_diff_shortens_a_long_setting_to_forty_characters():
 def test_format_diff_exactly():
     """Counts, the paired interval, one-sided unmatched questions, settings A alone had (a tool, a
     temperature) and the per-operations rows, difficulties taken from A where the reports disagree."""
-    a = EvalReport(
-        model="before",
-        summary={},
-        records=(
-            _with_ops("q1", True, 1),
-            _with_ops("q2", False, 1),
-            _with_ops("q3", True, 2),
-            _with_ops("q4", False, 2),
-            _record("only-a", True),
-        ),
-        config={"temperature": 1.0, "seed": 0, "tools": ["calculator"]},
-        meta={"dtype": "float32"},
+
+    def report(model: str, rows: list[tuple[str, bool, int | None]], **config) -> EvalReport:
+        records = tuple(_with_ops(*row) for row in rows)
+        return EvalReport(model=model, summary={}, records=records, config=config, meta={"dtype": "float32"})
+
+    a = report(
+        "before",
+        [("q1", True, 1), ("q2", False, 1), ("q3", True, 2), ("q4", False, 2), ("only-a", True, None)],
+        temperature=1.0,
+        seed=0,
+        tools=["calculator"],
     )
-    b = EvalReport(
-        model="after",
-        summary={},
-        records=(
-            _with_ops("q1", True, 1),
-            _with_ops("q2", True, 1),
-            _with_ops("q3", False, 3),  # B counts q3's operations differently: A's count is kept
-            _with_ops("q4", True, 2),
-        ),
-        config={"temperature": 0.0, "seed": 1},
-        meta={"dtype": "float32"},
+    # B counts q3's operations differently: A's count is kept
+    b = report(
+        "after",
+        [("q1", True, 1), ("q2", True, 1), ("q3", False, 3), ("q4", True, 2)],
+        temperature=0.0,
+        seed=1,
     )
     diff = diff_reports(a, b)
     assert (diff.model_a, diff.model_b) == ("before", "after")
