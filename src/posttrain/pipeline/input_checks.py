@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from posttrain.core.config import PipelineConfig
-from posttrain.core.errors import ConfigError
+from posttrain.core.errors import ConfigError, DataError
 from posttrain.core.inputs import path_problem
 from posttrain.core.redact import redact_text
 from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
@@ -39,6 +39,7 @@ __all__ = [
     "check_local_data",
     "check_model",
     "check_tracking_uri",
+    "local_data_files",
 ]
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
@@ -225,11 +226,35 @@ def check_tracking_uri(cfg: PipelineConfig, source: str) -> None:
         raise ConfigError(f"{source}: {key}: {problem}")
 
 
-def check_local_data(cfg: PipelineConfig) -> None:
-    """Every line a run would read from a local data or evaluation file parses as a GSM8K record
-    (``on_bad_record: error``); the first bad one is a DataError ``file:line: problem``."""
-    if cfg.data.source == "local" and cfg.data.path and cfg.data.on_bad_record == "error":
-        load_jsonl(cfg.data.path, "error", limit=cfg.data.limit)
-    for _, eval_cfg in cfg.eval.all_sets():
-        if eval_cfg.data == "local" and eval_cfg.path:
-            load_jsonl(eval_cfg.path, "error", limit=eval_cfg.limit)
+def local_data_files(cfg: PipelineConfig) -> list[tuple[str, str, Any]]:
+    """(key, path, section) of every local file a run reads: training data and each evaluation set."""
+    found: list[tuple[str, str, Any]] = []
+    if cfg.data.source == "local" and cfg.data.path:
+        found.append(("data.path", cfg.data.path, cfg.data))
+    if cfg.eval.data == "local" and cfg.eval.path:
+        found.append(("eval.path", cfg.eval.path, cfg.eval))
+    for i, extra in enumerate(cfg.eval.extra_sets):
+        if extra.data == "local" and extra.path:
+            found.append((f"eval.extra_sets.{i}.path", extra.path, extra))
+    return found
+
+
+def check_local_data(cfg: PipelineConfig, source: str = "<config>") -> None:
+    """Every line a run would read from a local data or evaluation file parses as a GSM8K record,
+    and each file yields at least one: an empty file, or one whose every line is bad (with
+    ``on_bad_record: skip``), is an error naming its key now, not after the store and MLflow run
+    exist. A malformed line is ``file:line: problem`` (``on_bad_record: error``)."""
+    for key, path, section in local_data_files(cfg):
+        on_bad = getattr(section, "on_bad_record", "error")
+        try:
+            loaded = load_jsonl(path, on_bad, limit=section.limit)
+        except DataError as exc:
+            raise ConfigError(f"{source}: {key}: {exc}") from None
+        if loaded.records:
+            continue
+        if loaded.skipped:
+            where, line_no, reason = loaded.skipped[0]
+            why = f"all {len(loaded.skipped)} skipped as bad; the first: {where}:{line_no}: {reason}"
+        else:
+            why = "it holds no records"
+        raise ConfigError(f"{source}: {key}: {path}: no usable GSM8K records ({why})")

@@ -21,6 +21,7 @@ from posttrain.pipeline.input_checks import (
     check_local_data,
     check_model,
     check_tracking_uri,
+    local_data_files,
 )
 from posttrain.pipeline.launcher import accelerate_setup
 from posttrain.rewards.registry import check_reward
@@ -58,15 +59,7 @@ def check_rewards(cfg: PipelineConfig, source: str = "<config>") -> None:
 def check_paths(cfg: PipelineConfig, source: str = "<config>") -> None:
     """Local data and evaluation files exist (relative paths are read from the working directory),
     so a missing file is a config error now rather than a failed step after the server started."""
-    wanted = []
-    if cfg.data.source == "local" and cfg.data.path:
-        wanted.append(("data.path", cfg.data.path))
-    if cfg.eval.data == "local" and cfg.eval.path:
-        wanted.append(("eval.path", cfg.eval.path))
-    for i, extra in enumerate(cfg.eval.extra_sets):
-        if extra.data == "local" and extra.path:
-            wanted.append((f"eval.extra_sets.{i}.path", extra.path))
-    for key, path in wanted:
+    for key, path, _ in local_data_files(cfg):
         problem = path_problem(path)
         if problem == "no such file or folder":
             raise ConfigError(f"{source}: {key}: no such file or folder: {path} (from {Path.cwd()})")
@@ -247,5 +240,5 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConf
     check_shared_store(cfg, source)
     check_vllm_server(cfg, source)
     check_tracking_uri(cfg, source)
-    check_local_data(cfg)
+    check_local_data(cfg, source)
     return cfg
