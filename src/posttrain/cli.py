@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import errno
 import logging
 import os
@@ -197,6 +198,32 @@ def eval_table(outcomes: Sequence[dict], primary: str, width: int) -> str:
     return f"{title}:\n" + text
 
 
+def eval_sets_legend(outcomes: Sequence[dict], primary: str) -> str:
+    """Which questions each evaluation set of the last evaluation holds (dataset, split, count), as
+    its reports say: a number labelled GSM8K says which split it is on. "" without such reports."""
+    from posttrain.evaluation.report import EvalReport
+
+    evals = [o for o in outcomes if o["kind"] == "eval" and o.get("output")]
+    if not evals:
+        return ""
+    folder = Path(evals[-1]["output"])
+    sets = [(primary, folder)] + sorted(
+        (p.name, p) for p in folder.iterdir() if p.is_dir() and (p / "report.json").is_file()
+    )
+    rows = []
+    for name, where in sets:
+        try:
+            info = EvalReport.load(where).config.get("dataset")
+        except (PosttrainError, OSError):
+            continue
+        if isinstance(info, dict) and isinstance(info.get("label"), str):
+            rows.append((name, info["label"]))
+    if not rows:
+        return ""
+    width = max(len(name) for name, _ in rows)
+    return "evaluation sets:\n" + "\n".join(f"  {name:<{width}}  {label}" for name, label in rows)
+
+
 def _bounds(metrics: dict, low_name: str, high_name: str) -> dict[tuple[str | None, int | None], tuple]:
     """(set, ops) -> (low, high) of the intervals ``metrics`` holds."""
     lows, highs = slices_of(metrics, low_name), slices_of(metrics, high_name)
@@ -269,20 +296,44 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
 def cmd_data_fetch(args: argparse.Namespace) -> int:
     from posttrain.data.sources import save_hub_split
 
-    output = Path(args.output)
-    if output.exists() and not args.force:
-        raise CLIError(f"{output}: already exists; pass --force to replace it")
-    if output.exists() and (problem := path_problem(output, "file")):
-        raise CLIError(f"{output} {problem}")
     hub_id, hub_config = FETCHABLE[args.dataset]
-    count = save_hub_split(output, hub_id, hub_config, args.split)
-    print(f"wrote {count} records of {hub_id} ({hub_config}, {args.split}) to {output}")
-    print(f"train on it offline with  data: {{source: local, path: {output}}}")
+    if args.output:  # one split, to the named file
+        wanted = [(args.split or "train", Path(args.output))]
+    else:  # every split that is missing, to <dir>/<split>.jsonl
+        folder = Path(args.dir or os.environ.get(GSM8K_DIR_ENV) or DEFAULT_GSM8K_DIR)
+        wanted = [(split, folder / f"{split}.jsonl") for split in ([args.split] if args.split else SPLITS)]
+    for split, output in wanted:
+        if output.exists() and (problem := path_problem(output, "file")):
+            raise CLIError(f"{output} {problem}")
+        if output.exists() and not args.force:
+            if args.output:
+                raise CLIError(f"{output}: already exists; pass --force to replace it")
+            print(f"{output}: already there (--force fetches it again)")
+            continue
+        count = save_hub_split(output, hub_id, hub_config, split)
+        print(f"wrote {count} records of {hub_id} ({hub_config}, {split}) to {output}")
+    return 0
+
+
+def cmd_data_hold_out(args: argparse.Namespace) -> int:
+    from posttrain.data.sources import hold_out_last
+
+    for output in (args.train, args.test):
+        if Path(output).exists() and not args.force:
+            raise CLIError(f"{output}: already exists; pass --force to replace it")
+    kept, held = hold_out_last(args.source, args.last, args.train, args.test)
+    print(f"wrote {kept} records to {args.train} and the last {held} to {args.test}")
     return 0
 
 
 FETCHABLE = {"gsm8k": ("openai/gsm8k", "main")}
 """Datasets ``posttrain data fetch`` saves: name -> (hub id, hub config)."""
+SPLITS = ("train", "test")
+"""The splits ``posttrain data fetch`` saves when none is named."""
+GSM8K_DIR_ENV = "GSM8K_DIR"
+"""Where ``posttrain data fetch`` saves GSM8K's splits (``make demo`` reads them there too)."""
+DEFAULT_GSM8K_DIR = "data/gsm8k"
+"""The folder, in the working directory, that the shipped configs read GSM8K from."""
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -427,6 +478,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     width = shutil.get_terminal_size(fallback=(120, 24)).columns
     if table := eval_table(summary["outcomes"], cfg.eval.data, width):
         print("\n" + table)
+        if legend := eval_sets_legend(summary["outcomes"], cfg.eval.data):
+            print(legend)
     if summary["run_id"]:
         print(f"MLflow run {summary['run_id']} in experiment '{cfg.tracking.experiment or cfg.name}'")
     return 0
@@ -648,8 +701,47 @@ start here:
 'posttrain COMMAND --help' describes a command."""
 
 
+RENAMED_FLAGS = {"--max-new-tokens": "--max-completion-length"}
+"""Flags that were renamed (old: new): the old name gets the new one in its error line, as a renamed
+config key does."""
+
+
+class UsageError(Exception):
+    """A command line argparse cannot read, as one line (argparse's own error prints the usage too)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as :class:`UsageError` instead of a usage dump and exit."""
+
+    def error(self, message: str):  # type: ignore[override]  # argparse's hook; never returns
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _unknown_flag_line(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """The error line of arguments ``parser`` (a command's) does not take: a renamed flag's new
+    name, or the closest flag it has."""
+    first = extras[0]
+    flag = first.split("=", 1)[0]
+    if not flag.startswith("-"):
+        return f"{parser.prog}: unexpected argument {first!r}"
+    if RENAMED_FLAGS.get(flag) in parser._option_string_actions:
+        return f"{parser.prog}: {flag}: renamed to {RENAMED_FLAGS[flag]}"
+    known = [option for option in parser._option_string_actions if option.startswith("--")]
+    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else f"'{parser.prog} --help' lists its flags"
+    return f"{parser.prog}: unknown flag {flag}: {hint}"
+
+
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line as a namespace; a bad one is a :class:`UsageError` of one line."""
+    args, extras = build_parser().parse_known_args(argv)
+    if extras:
+        raise UsageError(_unknown_flag_line(args.command_parser, extras))
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="posttrain",
         description=DESCRIPTION,
         epilog=EPILOG,
@@ -680,14 +772,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="load and validate pipeline configs")
     p.add_argument("configs", nargs="+")
     with_set(p)
-    p.set_defaults(func=cmd_validate)
+    p.set_defaults(command_parser=p, func=cmd_validate)
 
     p = sub.add_parser("config", help="the config reference: every key with its type, default and meaning")
     p.add_argument(
         "section", nargs="?", help="a section or key, e.g. grpo.stages, eval.extra_sets, model.precision"
     )
     p.add_argument("--markdown", action="store_true", help="markdown, as in docs/config.md")
-    p.set_defaults(func=cmd_config)
+    p.set_defaults(command_parser=p, func=cmd_config)
 
     data = sub.add_parser("data", help="datasets: save one from the hub, preview prompts").add_subparsers(
         dest="data_command", required=True
@@ -699,7 +791,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=2, help="examples to show")
     p.add_argument("--tokenizer", help="model whose tokenizer measures prompt length (default: the config's)")
     with_set(p)
-    p.set_defaults(func=cmd_data_preview)
+    p.set_defaults(command_parser=p, func=cmd_data_preview)
 
     rewards = sub.add_parser("rewards", help="reward functions").add_subparsers(
         dest="rewards_command", required=True
@@ -709,18 +801,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="save a dataset split from the Hugging Face Hub as a local .jsonl (for data.source: local)",
     )
     p.add_argument("dataset", choices=sorted(FETCHABLE), help="dataset to save")
-    p.add_argument("--split", default="train", help="train or test (default: train)")
-    p.add_argument("--output", required=True, metavar="PATH", help="the .jsonl file to write")
-    p.add_argument("--force", action="store_true", help="replace PATH if it exists")
-    p.set_defaults(func=cmd_data_fetch)
+    p.add_argument("--split", default=None, help="train or test (default: both, or train with --output)")
+    p.add_argument(
+        "--dir",
+        metavar="DIR",
+        help=f"save each split as DIR/<split>.jsonl, keeping those already there (default: "
+        f"${GSM8K_DIR_ENV}, else {DEFAULT_GSM8K_DIR})",
+    )
+    p.add_argument("--output", metavar="PATH", help="save the one split to this .jsonl file instead")
+    p.add_argument("--force", action="store_true", help="replace files that exist")
+    p.set_defaults(command_parser=p, func=cmd_data_fetch)
+    p = data.add_parser(
+        "hold-out",
+        help="split a GSM8K file in two: its last N records stand in for a test split that cannot be "
+        "fetched, the rest is trained on",
+    )
+    p.add_argument("source", help="a GSM8K-format .jsonl file (left unchanged)")
+    p.add_argument("--last", type=int, required=True, metavar="N", help="records held out (GSM8K test: 1319)")
+    p.add_argument("--train", required=True, metavar="PATH", help="where the other records go")
+    p.add_argument("--test", required=True, metavar="PATH", help="where the last N records go")
+    p.add_argument("--force", action="store_true", help="replace files that exist")
+    p.set_defaults(command_parser=p, func=cmd_data_hold_out)
 
     p = rewards.add_parser("list", help="registered reward names")
-    p.set_defaults(func=cmd_rewards_list)
+    p.set_defaults(command_parser=p, func=cmd_rewards_list)
     p = rewards.add_parser("check", help="score example completions with every configured reward")
     p.add_argument("config")
     p.add_argument("--references", type=int, default=3, help="reference solutions to score too")
     with_set(p)
-    p.set_defaults(func=cmd_rewards_check)
+    p.set_defaults(command_parser=p, func=cmd_rewards_check)
 
     p = sub.add_parser("run", help="run the pipeline (cached steps are reused)")
     p.add_argument("config")
@@ -733,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="rerun this step (data, sft, dpo, grpo-<name>) and everything after it",
     )
     p.add_argument("--dry-run", action="store_true", help="print which steps would run or be cached, and why")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(command_parser=p, func=cmd_run)
 
     p = sub.add_parser(
         "sweep",
@@ -756,7 +865,7 @@ def build_parser() -> argparse.ArgumentParser:
         "on the seed (data, the baseline evaluation) are made once, and the comparison adds each "
         "stage's mean and 95%% t interval over the seeds",
     )
-    p.set_defaults(func=cmd_sweep)
+    p.set_defaults(command_parser=p, func=cmd_sweep)
 
     p = sub.add_parser("eval", help="evaluate a model on GSM8K-format data, or diff two reports")
     p.add_argument("--model", help="built-in name, hub id, model or stage directory, .gguf file")
@@ -775,7 +884,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--mode", default="strict", choices=["strict", "flexible"], help="--diff: which accuracy")
     p.add_argument("--examples", type=int, default=3, help="--diff: examples shown per group")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(command_parser=p, func=cmd_eval)
 
     p = sub.add_parser("compare", help="side-by-side table and plot of pipeline runs in MLflow")
     p.add_argument("run_ids", nargs="*", metavar="RUN_ID")
@@ -805,14 +914,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--force", action="store_true", help="--promote: move the alias even if the champion scores higher"
     )
-    p.set_defaults(func=cmd_compare)
+    p.set_defaults(command_parser=p, func=cmd_compare)
 
     p = sub.add_parser("serve", help="schedule the pipeline as a Prefect deployment (needs a Prefect server)")
     p.add_argument("config")
     p.add_argument("--cron", required=True, help='e.g. "0 3 * * *"')
     p.add_argument("--name", help="deployment name (default: the config name)")
     with_set(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(command_parser=p, func=cmd_serve)
 
     models = sub.add_parser("models", help="built-in models").add_subparsers(
         dest="models_command", required=True
@@ -821,10 +930,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     p.add_argument("--force", action="store_true", help="fetch and convert again")
     p.add_argument("--cache-dir", default=None)
-    p.set_defaults(func=cmd_models_pull)
+    p.set_defaults(command_parser=p, func=cmd_models_pull)
     p = models.add_parser("list", help="built-in models and whether they are pulled")
     p.add_argument("--cache-dir", default=None)
-    p.set_defaults(func=cmd_models_list)
+    p.set_defaults(command_parser=p, func=cmd_models_list)
     return parser
 
 
@@ -836,7 +945,11 @@ def _quiet_prefect(level: int):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_arguments(argv)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
