@@ -303,13 +303,15 @@ def _log_result(run: Any, result: Any, *, model_id: str | None = None, dataset_n
         return
     if isinstance(result, EvalResult):
         for name, folder, metrics in result.reports():
-            records = [r.as_dict() for r in EvalReport.load(folder).records]
+            report = EvalReport.load(folder)
+            info = report.config.get("dataset")
             run.log_eval(
                 qualify_metrics(metrics, name),
-                records,
+                [r.as_dict() for r in report.records],
                 model_id=model_id,
                 dataset_name=name or dataset_name,
                 table=f"{name}/eval_examples" if name else "eval_examples",
+                data_info=info if isinstance(info, dict) else None,
             )
         run.log_metrics({f"eval/{k}": v for k, v in result.timings.items() if isinstance(v, int | float)})
         return

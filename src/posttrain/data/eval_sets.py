@@ -26,6 +26,7 @@ __all__ = [
     "SYNTHETIC_EVAL_SEED",
     "SYNTHETIC_EVAL_SIZE",
     "eval_records_for",
+    "eval_set_info",
     "load_eval_records",
     "parse_data_arg",
 ]
@@ -79,6 +80,53 @@ def load_eval_records(
         raise DataError(f"eval data source {source!r} yielded no records")
     logger.info("evaluating on %d %s records", len(records), source)
     return records
+
+
+def eval_set_info(
+    source: str,
+    count: int,
+    *,
+    path: str | Path | None = None,
+    hub_id: str = "openai/gsm8k",
+    hub_split: str = "test",
+    synthetic_ops: tuple[int, int] = (1, 4),
+    trained_on: str | None = None,
+) -> dict[str, Any]:
+    """What an evaluation set's ``count`` questions are, as a report and MLflow name them: the
+    source, the dataset and split they come from, and for a local file how many records the split
+    holds. A number is only comparable with another taken on the same split, and GSM8K's is always
+    reported on its test split: the label says which one a number is.
+
+    ``trained_on`` names the training data a ``heldout`` slice was cut from.
+
+    >>> eval_set_info("hub", 200)["label"]
+    'openai/gsm8k test split, 200 questions'
+    >>> eval_set_info("heldout", 100, trained_on="data/gsm8k/train.jsonl")["label"]
+    'dev slice held out of data/gsm8k/train.jsonl (never trained on), 100 questions'
+    """
+    total = None
+    if source == "hub":
+        dataset, split = hub_id, hub_split
+    elif source == "local":
+        dataset = str(path)
+        split = Path(dataset).stem if Path(dataset).suffix else Path(dataset).name
+        total = len(load_jsonl(dataset).records)
+    elif source == "heldout":
+        dataset, split = trained_on or "the training data", "dev"
+    else:
+        low, high = synthetic_ops
+        dataset, split = "posttrain synthetic", f"{low}-{high} operations"
+    if source == "heldout":
+        label = f"dev slice held out of {dataset} (never trained on)"
+    elif source == "synthetic":
+        label = f"synthetic problems of {split}"
+    else:
+        label = f"{dataset} {split} split"
+    label += f", {count:,} of {total:,} questions" if total and total != count else f", {count:,} questions"
+    info: dict[str, Any] = {"source": source, "dataset": dataset, "split": split, "num_questions": count}
+    if total is not None:
+        info["split_size"] = total
+    return info | {"label": label}
 
 
 def parse_data_arg(data: str, hub_split: str = "test") -> dict[str, str]:

@@ -24,7 +24,7 @@ from posttrain.data.synthetic import generate_problems
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadResult", "load_hub", "load_jsonl", "load_records", "save_hub_split"]
+__all__ = ["LoadResult", "hold_out_last", "load_hub", "load_jsonl", "load_records", "save_hub_split"]
 
 OnBad = Literal["error", "skip"]
 
@@ -185,6 +185,37 @@ def save_hub_split(
         lines.append(json.dumps({"question": row["question"], "answer": row["answer"]}, ensure_ascii=False))
     if not lines:
         raise DataError(f"{where}: the split has no rows")
+    _write_lines(output, lines)
+    return len(lines)
+
+
+def hold_out_last(source: str | Path, last: int, train: str | Path, test: str | Path) -> tuple[int, int]:
+    """Write the last ``last`` records of the GSM8K file ``source`` to ``test`` and the others to
+    ``train``, each line as it was; returns (train lines, test lines).
+
+    A stand-in for a test split where the real one cannot be fetched: a run that trains on ``train``
+    never sees a ``test`` question. Every line is checked as a run would read it first (``file:line:
+    problem``), and each file is written beside its name and renamed into place.
+    """
+    if last < 1:
+        raise DataError(f"--last must be >= 1, got {last}")
+    source = Path(source)
+    if not source.is_file():
+        raise DataError(f"{source}: not a file (give one GSM8K .jsonl file)")
+    if source.resolve() in (Path(train).resolve(), Path(test).resolve()):
+        raise DataError(f"{source}: write the two parts to other files (a second run would hold out more)")
+    load_jsonl(source)  # every line parses: a bad one stops here, before anything is written
+    lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if last >= len(lines):
+        raise DataError(f"{source}: {len(lines)} records; --last {last} would leave none to train on")
+    kept, held = lines[:-last], lines[-last:]
+    _write_lines(Path(train), kept)
+    _write_lines(Path(test), held)
+    return len(kept), len(held)
+
+
+def _write_lines(output: Path, lines: list[str]) -> None:
+    """``lines`` as ``output``, written beside it and renamed into place: a reader never sees half."""
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp-{secrets.token_hex(4)}")
     try:
@@ -192,7 +223,6 @@ def save_hub_split(
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)
-    return len(lines)
 
 
 def _hub_rows(hub_id: str, config: str | None, split: str) -> Any:

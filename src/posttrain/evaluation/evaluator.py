@@ -21,7 +21,7 @@ from typing import Any
 
 from posttrain.core.config import EvalConfig
 from posttrain.core.prompts import DEFAULT_SYSTEM_PROMPT, build_prompt
-from posttrain.data.eval_sets import eval_records_for, parse_data_arg
+from posttrain.data.eval_sets import eval_records_for, eval_set_info, parse_data_arg
 from posttrain.evaluation.lm_eval_gsm8k import lm_eval_accuracy
 from posttrain.evaluation.report import EvalRecord, EvalReport
 from posttrain.evaluation.scoring import canonical_gold, score_completion, summarize
@@ -223,6 +223,7 @@ def evaluate(
     precision: str | None = None,
     num_samples: int | None = None,
     data_name: str | None = None,
+    data_info: Mapping[str, Any] | None = None,
     refill_at: float = DEFAULT_REFILL_AT,
     progress: bool = False,
     server: ServerAddress | None = None,
@@ -236,7 +237,8 @@ def evaluate(
     optionally ``prompt`` (chat messages, or already-templated text); otherwise the prompt is built
     from ``system_prompt`` and ``few_shot``. ``cfg.limit`` keeps the first N. ``num_samples``
     (default ``cfg.pass_k``) samples are drawn per question when ``cfg.temperature > 0``; pass@k uses
-    all of them.
+    all of them. ``data_info`` (:func:`~posttrain.data.eval_sets.eval_set_info`) says in the report
+    which dataset and split the questions are.
 
     With ``cfg.backend == "vllm_server"``, ``server`` is the running server that serves ``model``
     (the pipeline's eval step starts it: :mod:`posttrain.evaluation.served`); ``model`` is then
@@ -335,6 +337,7 @@ def evaluate(
     config = {
         **cfg.model_dump(mode="json"),
         "data_source": data_name or cfg.data,
+        **({"dataset": dict(data_info)} if data_info else {}),
         "num_samples": samples,
         "system_prompt": system_prompt,
         "few_shot": len(few_shot),
@@ -401,6 +404,7 @@ def run_eval(
         precision=precision,
         system_prompt=system_prompt,
         data_name=data_name,
+        data_info=eval_set_info(cfg.data, len(records), path=cfg.path, hub_split=cfg.hub_split),
         progress=progress,
     )
     if output_dir is not None:

@@ -289,7 +289,10 @@ def format_summary_table(report: EvalReport) -> str:
     s = report.summary
     samples = int(s.get("samples_per_example", 1))
     source = report.config.get("data_source", report.config.get("data", "?"))
-    title = f"model: {report.model}\ndata: {source}, {int(s.get('num_examples', 0))} examples"
+    data = f"{source}, {int(s.get('num_examples', 0))} examples"
+    if isinstance(info := report.config.get("dataset"), dict) and isinstance(info.get("label"), str):
+        data = info["label"]  # the dataset and split, with the count: what a GSM8K number is on
+    title = f"model: {report.model}\ndata: {data}"
     if samples > 1:
         title += f" x {samples} samples (temperature {report.config.get('temperature')})"
     if tools := report.config.get("tools"):

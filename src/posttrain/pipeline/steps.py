@@ -22,7 +22,7 @@ from posttrain.core.errors import ConfigError
 from posttrain.core.metric_names import qualify_metrics
 from posttrain.core.prompts import select_few_shot
 from posttrain.core.results import DataResult, EvalResult
-from posttrain.data.eval_sets import load_eval_records
+from posttrain.data.eval_sets import eval_set_info, load_eval_records
 from posttrain.models.artifacts import fingerprint_model
 from posttrain.models.loading import load_stage_model, load_tokenizer
 from posttrain.models.resolve import resolve_model_path
@@ -96,6 +96,20 @@ def _set_records(
     )
 
 
+def _set_info(cfg: PipelineConfig, eval_cfg: EvalConfig, count: int) -> dict[str, Any]:
+    """Which dataset and split one evaluation set's ``count`` questions come from (its report's)."""
+    training = {"hub": f"{cfg.data.hub_id} {cfg.data.split} split", "local": cfg.data.path}
+    return eval_set_info(
+        eval_cfg.data,
+        count,
+        path=eval_cfg.path,
+        hub_id=cfg.data.hub_id,
+        hub_split=eval_cfg.hub_split,
+        synthetic_ops=eval_cfg.synthetic_ops(),
+        trained_on=training.get(cfg.data.source, "posttrain synthetic problems"),
+    )
+
+
 def _external_eval_records(cfg: PipelineConfig) -> list[dict[str, Any]]:
     """Questions of every evaluation set that is not cut from the held-out slice: training must not
     overlap them (decontamination)."""
@@ -148,12 +162,14 @@ def eval_step(
                 )
             reports = {}
             for name, set_cfg in cfg.eval.all_sets():
+                records = _set_records(cfg, set_cfg, data)
                 reports[name] = evaluate(
                     loaded,
-                    _set_records(cfg, set_cfg, data),
+                    records,
                     set_cfg,
                     precision=cfg.model.precision,
                     data_name=set_cfg.data if name is None else f"{name} ({set_cfg.data})",
+                    data_info=_set_info(cfg, set_cfg, len(records)),
                     progress=True,
                     system_prompt=cfg.data.system_prompt or None,
                     few_shot=select_few_shot(cfg.data.few_shot),

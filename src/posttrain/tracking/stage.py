@@ -32,9 +32,12 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- stage runs
 
 
-def _eval_dataset(records: Sequence[Mapping[str, Any]], name: str) -> Any | None:
+def _eval_dataset(
+    records: Sequence[Mapping[str, Any]], name: str, info: Mapping[str, Any] | None = None
+) -> Any | None:
     """The evaluated examples (ids, questions, gold answers) as an MLflow dataset; its digest is
-    their content's, so two evaluations on the same questions share it. None without records."""
+    their content's, so two evaluations on the same questions share it. Its source is the hub split
+    or the local file ``info`` (the report's ``dataset``) names. None without records."""
     if not records:
         return None
     import mlflow.data  # heavy: deferred until needed
@@ -44,7 +47,24 @@ def _eval_dataset(records: Sequence[Mapping[str, Any]], name: str) -> Any | None
     frame = pd.DataFrame([{c: str(r.get(c)) for c in columns} for r in records])
     with warnings.catch_warnings():  # schema inference warns about column types as if for a model
         warnings.simplefilter("ignore", UserWarning)
-        return mlflow.data.from_pandas(frame, name=name)
+        return mlflow.data.from_pandas(frame, name=name, source=_dataset_source(info or {}))
+
+
+def _dataset_source(info: Mapping[str, Any]) -> Any:
+    """MLflow's record of where evaluation questions came from: a hub split, a local file, or (None)
+    the code that made them (a held-out slice, generated problems)."""
+    if info.get("source") == "hub":
+        from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+        return HuggingFaceDatasetSource(str(info.get("dataset")), split=str(info.get("split")))
+    if info.get("source") == "local":
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+        # MLflow registers its local-file source twice, and warns that a path matches both.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return resolve_dataset_source(str(info.get("dataset")))
+    return None
 
 
 def _retry_dataset_race(call: Callable[[], Any]) -> Any:
@@ -183,6 +203,7 @@ class StageRun:
         model_id: str | None = None,
         dataset_name: str = "eval",
         table: str = "eval_examples",
+        data_info: Mapping[str, Any] | None = None,
     ) -> None:
         """Summary metrics as ``eval/<m>`` (mirrored to the parent as ``<stage>/<m>``) and per-example rows.
 
@@ -191,15 +212,20 @@ class StageRun:
         questions, so the model view compares models on the same data. Rows go to ``<table>.json``
         (``log_table``, for the UI; reading it back with ``mlflow.load_table`` re-infers types, e.g.
         ``"4"`` becomes 4) and ``<table>.jsonl`` (exact round trip); ``table`` may name a folder
-        (``gsm8k/eval_examples``), one per evaluation set.
+        (``gsm8k/eval_examples``), one per evaluation set. ``data_info`` (the report's ``dataset``:
+        source, dataset, split, size) is logged as params ``dataset.<dataset_name>.<field>`` and is
+        the MLflow dataset's source.
         """
         if not self.enabled:
             return
         metrics = {f"{prefix}{k}": v for k, v in summary.items()}
+        if data_info:
+            fields = {k: v for k, v in data_info.items() if isinstance(v, str | int)}
+            send_params(self._client, self.run_id, flatten_params(fields, f"dataset.{dataset_name}"))
         if model_id is None:
             self.log_metrics(metrics)
         else:
-            self._log_model_metrics(metrics, model_id, _eval_dataset(records, dataset_name))
+            self._log_model_metrics(metrics, model_id, _eval_dataset(records, dataset_name, data_info))
         if records:
             import pandas as pd
 
