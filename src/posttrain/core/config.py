@@ -814,7 +814,7 @@ _SET_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 class EvalSetConfig(_EvalSource):
     """One more evaluation set, evaluated by the same step as the primary set (``eval.extra_sets``)."""
 
-    omit_when_default: ClassVar[tuple[str, ...]] = ("tools",)
+    omit_when_default: ClassVar[tuple[str, ...]] = ("tools", "final_only")
 
     name: str
     """Names the set's report folder (`<set>/report.json`) and its metrics (`accuracy_strict/<set>`)."""
@@ -827,6 +827,9 @@ class EvalSetConfig(_EvalSource):
     tools: list[str] | None = None
     """Tools for this set, in ``eval.tool_protocol`` (default: ``eval.tools``); ``[]`` evaluates
     without any, e.g. beside a calculator-assisted primary set, so the two accuracies sit side by side."""
+    final_only: bool = False
+    """Evaluate only the final model (the last stage's evaluation, or the baseline's when nothing
+    trains): a large set, such as GSM8K's test split, reported once instead of after every stage."""
 
     @field_validator("name")
     @classmethod
@@ -897,6 +900,13 @@ class EvalConfig(_EvalSource, _ToolFields):
     def _unique_set_names(cls, sets: list[EvalSetConfig]) -> list[EvalSetConfig]:
         _unique([s.name for s in sets], "extra set names")
         return sets
+
+    def for_model(self, *, final: bool) -> EvalConfig:
+        """The sets one evaluation step evaluates: without the ``final_only`` ones unless it
+        evaluates the final model."""
+        if final:
+            return self
+        return self.model_copy(update={"extra_sets": [s for s in self.extra_sets if not s.final_only]})
 
     def all_sets(self) -> list[tuple[str | None, EvalConfig]]:
         """(name, settings) of every evaluation set: the primary (name None) first, then each extra set."""

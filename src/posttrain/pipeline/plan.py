@@ -284,24 +284,32 @@ class EvalStep(Step):
     kind: ClassVar[str] = "eval"
     feeds_downstream: ClassVar[bool] = False
     stage: str = "baseline"
+    final: bool = False
+    """Whether it evaluates the run's final model: only then are ``final_only`` sets evaluated."""
     name: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", f"eval-{self.stage}")
 
     def section(self, cfg: PipelineConfig) -> Any:
-        return cfg.eval
+        return cfg.eval.for_model(final=self.final)
+
+    def _config(self, cfg: PipelineConfig) -> PipelineConfig:
+        """``cfg`` with the evaluation sets this step evaluates."""
+        return cfg if self.final else cfg.model_copy(update={"eval": self.section(cfg)})
 
     def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
         assert inputs.data is not None, "an evaluation runs after the data step"
-        return keys.eval_identity(cfg, self.name, inputs.model.fingerprint, inputs.data.eval_fingerprint)
+        return keys.eval_identity(
+            self._config(cfg), self.name, inputs.model.fingerprint, inputs.data.eval_fingerprint
+        )
 
     def output_dir(self, store: Store, key: str) -> Path:
         return store.eval_dir(self.stage, key)
 
     def run(self, cfg, inputs, output_dir, report_to="none") -> EvalResult:
         assert inputs.data is not None
-        return steps.eval_step(cfg, self.stage, inputs.model, inputs.data, output_dir)
+        return steps.eval_step(self._config(cfg), self.stage, inputs.model, inputs.data, output_dir)
 
     def output_is_valid(self, result: Any) -> bool:
         """The report folder is intact (extra sets' reports live inside it, so its hash covers them)
@@ -398,13 +406,13 @@ class Plan:
 def build_plan(cfg: PipelineConfig) -> Plan:
     """The steps of ``cfg`` in execution order: data, baseline eval, each stage and its eval."""
     plan: list[Step] = [DataStep()]
-    if cfg.eval.baseline:
-        plan.append(EvalStep("baseline"))
     stages = cfg.stages()
+    if cfg.eval.baseline:
+        plan.append(EvalStep("baseline", final=not stages))
     for i, (kind, name) in enumerate(stages):
         plan.append(TRAIN_KINDS[kind](name=name))
         if cfg.eval.after_each_stage or i == len(stages) - 1:
-            plan.append(EvalStep(name))
+            plan.append(EvalStep(name, final=i == len(stages) - 1))
     return Plan(cfg, tuple(plan))
 
 
