@@ -43,12 +43,15 @@ lint: setup
 	$(BIN)/lint-imports
 
 # The built-in SmolLM2 on real GSM8K, end to end on the CPU (docs/results/*-demo-*.md: what it gives and
-# how long it takes). The GSM8K train split is read from GSM8K, saved from the hub first if it is missing.
-GSM8K ?= ../shared/data/gsm8k/train.jsonl
+# how long it takes). GSM8K's train and test splits are read from GSM8K_DIR, in the clone unless you
+# say otherwise, and saved there from the hub first where missing. Without the hub, put a train.jsonl
+# and a test.jsonl there yourself (docs/data.md: `posttrain data hold-out` makes a stand-in test split).
+GSM8K_DIR ?= data/gsm8k
 demo: setup
 	$(BIN)/posttrain models pull smollm2-135m-instruct
-	test -f $(GSM8K) || $(BIN)/posttrain data fetch gsm8k --split train --output $(GSM8K)
-	$(BIN)/posttrain run configs/smollm2-gsm8k-cpu.yaml --set data.path=$(GSM8K)
+	$(BIN)/posttrain data fetch gsm8k --dir $(GSM8K_DIR)
+	$(BIN)/posttrain run configs/smollm2-gsm8k-cpu.yaml --set data.path=$(GSM8K_DIR)/train.jsonl \
+		--set eval.extra_sets.0.path=$(GSM8K_DIR)/test.jsonl
 	@echo
 	@echo "MLflow UI:  $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db   then open http://127.0.0.1:5000"
 	@echo "Prefect UI: PREFECT_HOME=.posttrain/prefect $(BIN)/prefect server start   then open http://127.0.0.1:4200"

@@ -19,7 +19,7 @@ token; bf16 changes the numerics, and an untrained model's greedy text then dive
 the first tokens), so bf16-vs-fp32 agreement measures the precision, not the engine. The
 ``(b) vs (a)`` line shows how much padding alone changes in fp32, for scale.
 
-    .venv/bin/python benchmarks/eval_throughput.py --data ../shared/data/gsm8k/train.jsonl --limit 128
+    .venv/bin/python benchmarks/eval_throughput.py --data data/gsm8k/train.jsonl --limit 128
     .venv/bin/python benchmarks/eval_throughput.py --model tiny-random --limit 16 --limit-a 4  # self-check
 """
 
@@ -125,7 +125,7 @@ def agreement(pairs) -> tuple[list[int], list[int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default="../shared/data/gsm8k/train.jsonl", help="GSM8K-format .jsonl")
+    parser.add_argument("--data", default="data/gsm8k/train.jsonl", help="GSM8K-format .jsonl")
     parser.add_argument("--limit", type=int, default=128, help="questions for (b) and (c)")
     parser.add_argument("--limit-a", type=int, default=16, help="questions timed for (a); 0 = all of --limit")
     parser.add_argument("--model", default="smollm2-135m-instruct")

@@ -340,7 +340,7 @@ def main() -> None:
     parser.add_argument(
         "--data",
         default=str(GSM8K_TRAIN) if GSM8K_TRAIN.exists() else "synthetic",
-        help="GSM8K-format .jsonl, or 'synthetic' (default: ../shared/data/gsm8k/train.jsonl when present)",
+        help="GSM8K-format .jsonl, or 'synthetic' (default: data/gsm8k/train.jsonl when present)",
     )
     parser.add_argument(
         "--steps", type=int, default=2, help="steps per variant per round (after 1 warm-up step)"
