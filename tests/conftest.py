@@ -184,16 +184,46 @@ def smoke_store(smoke_run) -> Iterator[SmokeRun]:
     smoke_run.restore()
 
 
-@pytest.fixture
-def gsm8k_train_path() -> Path:
-    """The real GSM8K train split beside the repository (../shared). CI always has it, so there a
-    missing file is a failure, not a silent skip; elsewhere (a bare clone) the test is skipped."""
+def _real_gsm8k_train() -> Path:
     if not GSM8K_TRAIN.exists():
         message = f"real GSM8K train split not found at {GSM8K_TRAIN}"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
     return GSM8K_TRAIN
+
+
+@pytest.fixture
+def gsm8k_train_path() -> Path:
+    """The real GSM8K train split beside the repository (../shared). CI always has it, so there a
+    missing file is a failure, not a silent skip; elsewhere (a bare clone) the test is skipped."""
+    return _real_gsm8k_train()
+
+
+GSM8K_TEST_SIZE = 1319
+"""Questions in GSM8K's test split, and so in the stand-in for it that the tests hold out of train."""
+
+
+@pytest.fixture(scope="session")
+def gsm8k_splits(tmp_path_factory) -> Path:
+    """A folder as ``posttrain data fetch gsm8k`` leaves ``data/gsm8k/``: ``train.jsonl`` and
+    ``test.jsonl``. The test split is kept off this project's machines, so the real train split's
+    last 1,319 questions stand in for it and the rest is the train file (``posttrain data hold-out``)."""
+    from posttrain.data.sources import hold_out_last
+
+    folder = tmp_path_factory.mktemp("gsm8k")
+    hold_out_last(_real_gsm8k_train(), GSM8K_TEST_SIZE, folder / "train.jsonl", folder / "test.jsonl")
+    return folder
+
+
+@pytest.fixture
+def in_clone_with_gsm8k(gsm8k_splits, tmp_path, monkeypatch) -> Path:
+    """A working directory where the shipped configs' ``data/gsm8k/`` paths find :func:`gsm8k_splits`,
+    as they find the fetched splits in a clone: no test points a shipped config outside it."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "gsm8k").symlink_to(gsm8k_splits, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
 
 
 SPY_DIR = Path(__file__).resolve().parent / "spy"

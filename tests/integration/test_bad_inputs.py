@@ -1043,7 +1043,7 @@ TRUST_CASES = [
                 "bad.jsonl": '{"question": "q?", "answer": "so #### 4"}\n{"question": "q2?", "answer": "none"}\n'
             }
         ),
-        "error: bad.jsonl:2: answer has no '#### <number>' final line",
+        "{cfg}: data.path: bad.jsonl:2: answer has no '#### <number>' final line",
     ),
     (
         "malformed eval data line",
@@ -1052,7 +1052,7 @@ TRUST_CASES = [
         [],
         {},
         _files({"test.jsonl": '{"question": "q?", "answer": "so #### 4"}\n{"question": \n'}),
-        "error: test.jsonl:2: malformed JSON",
+        "{cfg}: eval.path: test.jsonl:2: malformed JSON",
     ),
     (
         "unreachable tracking database (not http)",
@@ -1127,7 +1127,72 @@ TRUST_CASES = [
         [],
         {},
         _files({"deep.jsonl": '{"question": ' + "[" * DEEP + "]" * DEEP + ', "answer": "#### 1"}\n'}),
-        "error: deep.jsonl:1: nested too deeply to be a GSM8K record",
+        "{cfg}: data.path: deep.jsonl:1: nested too deeply to be a GSM8K record",
+    ),
+    # Issue 38: inputs a user meets in the first hour, each found before the store or mlflow.db exists.
+    (
+        "an empty local data file",
+        ["data.source=local", "data.path=empty.jsonl"],
+        None,
+        [],
+        {},
+        _files({"empty.jsonl": ""}),
+        "{cfg}: data.path: empty.jsonl: no usable GSM8K records (it holds no records)",
+    ),
+    (
+        "a local data file whose every line is bad (skipped)",
+        ["data.source=local", "data.path=bad.jsonl", "data.on_bad_record=skip"],
+        None,
+        [],
+        {},
+        _files({"bad.jsonl": 'oops\n{"question": "q?", "answer": "none"}\n\n'}),
+        "{cfg}: data.path: bad.jsonl: no usable GSM8K records (all 2 skipped as bad; the first: "
+        "bad.jsonl:1: malformed JSON",
+    ),
+    (
+        "an empty extra evaluation set file",
+        ["eval.extra_sets=[{name: test, data: local, path: test.jsonl}]"],
+        None,
+        [],
+        {},
+        _files({"test.jsonl": "\n"}),
+        "{cfg}: eval.extra_sets.0.path: test.jsonl: no usable GSM8K records (it holds no records)",
+    ),
+    (
+        "a missing extra evaluation set file (final model only)",
+        ["eval.extra_sets=[{name: test, data: local, path: gsm8k/test.jsonl, final_only: true}]"],
+        None,
+        [],
+        {},
+        _files(dirs=("gsm8k",)),
+        "{cfg}: eval.extra_sets.0.path: no such file or folder: gsm8k/test.jsonl",
+    ),
+    (
+        "an extra evaluation set that is a directory",
+        ["eval.extra_sets=[{name: test, data: local, path: gsm8k}]"],
+        None,
+        [],
+        {},
+        _files({"gsm8k/README": "the splits go here\n"}, dirs=("gsm8k",)),
+        "{cfg}: eval.extra_sets.0.path: gsm8k: folder contains no *.jsonl files",
+    ),
+    (
+        "a misspelt flag",
+        [],
+        None,
+        ["--dryrun"],
+        {},
+        None,
+        "error: posttrain run: unknown flag --dryrun: did you mean --dry-run?",
+    ),
+    (
+        "a flag another command has",
+        [],
+        None,
+        ["--max-new-tokens", "64"],
+        {},
+        None,
+        "error: posttrain run: unknown flag --max-new-tokens: 'posttrain run --help' lists its flags",
     ),
     (
         "a stage name too long for the file system",
@@ -1422,6 +1487,42 @@ def test_bad_eval_flags_are_one_line(flag, value, fragment, isolated, capfd):
     err = capfd.readouterr().err
     assert code == 2 and err.strip() == fragment
     assert not (isolated / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["eval", "--model", "tiny-random", "--data", "synthetic", "--max-new-tokens", "64"],
+            "error: posttrain eval: --max-new-tokens: renamed to --max-completion-length",
+        ),
+        (
+            ["eval", "--model", "tiny-random", "--data", "synthetic", "--max-completion-lenght=64"],
+            "error: posttrain eval: unknown flag --max-completion-lenght: did you mean --max-completion-length?",
+        ),
+        (
+            ["eval", "--model", "tiny-random", "--precision", "fp8"],
+            "error: posttrain eval: argument --precision: invalid choice: 'fp8' (choose from 'auto', "
+            "'fp32', 'bf16', 'fp16')",
+        ),
+        (["eval", "--model", "tiny-random", "extra"], "error: posttrain eval: unexpected argument 'extra'"),
+        (
+            ["data", "fetch", "gsm8k", "--ouput", "x"],
+            "error: posttrain data fetch: unknown flag --ouput: did you mean --output?",
+        ),
+        (["run"], "error: posttrain run: the following arguments are required: config"),
+    ],
+    ids=["renamed", "misspelt", "bad choice", "extra argument", "subcommand's flag", "missing argument"],
+)
+def test_a_bad_command_line_is_one_line_exit_2(argv, line, isolated, capfd):
+    """argparse's own error prints the usage first (four lines); a renamed flag gets its new name and a
+    misspelt one the closest, as a renamed or misspelt config key does."""
+    before = _tree(isolated)
+    code = main([*argv, "--output", "out"] if argv[0] == "eval" else argv)
+    out, err = capfd.readouterr()
+    assert code == 2 and out == ""
+    assert err.splitlines() == [line]
+    assert _tree(isolated) == before
 
 
 def test_an_error_found_inside_a_step_is_one_line_without_prefects_tracebacks(isolated, capfd):

@@ -46,10 +46,9 @@ def test_bad_record_names_file_and_line(tmp_path, capsys):
     assert f"{bad}:2:" in capsys.readouterr().err
 
 
-def test_rewards_check_ranks_correct_formatted_highest(gsm8k_train_path, capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the config's data path must not depend on where pytest runs
+def test_rewards_check_ranks_correct_formatted_highest(in_clone_with_gsm8k, capsys):
     config = str(CONFIGS / "smollm2-gsm8k-cpu.yaml")
-    assert main(["rewards", "check", config, "--set", f"data.path={gsm8k_train_path}"]) == 0
+    assert main(["rewards", "check", config]) == 0
     out = capsys.readouterr().out
     assert out.count("ranks strictly highest") == 3  # the DPO stage and both GRPO stages
 

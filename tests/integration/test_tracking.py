@@ -575,6 +575,48 @@ def test_stage_models_link_evaluations_and_reuse_by_cache_key(uri, tmp_path, mon
     assert [m.model_id for m in found] == [model_id]
 
 
+def test_an_evaluation_names_its_dataset_split_and_size(uri, tmp_path):
+    """A GSM8K number says which split it is on: params and the evaluated dataset's source."""
+    import json as _json
+
+    from posttrain.data.eval_sets import eval_set_info
+
+    test_file = tmp_path / "test.jsonl"
+    test_file.write_text('{"question": "1+1?", "answer": "#### 2"}\n' * 5)
+    sets = {
+        "gsm8k-test": eval_set_info("local", 2, path=str(test_file)),
+        "hub-test": eval_set_info("hub", 2),
+        "heldout": eval_set_info("heldout", 2, trained_on="train.jsonl"),
+    }
+    records = [{"id": "a", "question": "1+1?", "gold": "2"}, {"id": "b", "question": "2+2?", "gold": "4"}]
+    with start_pipeline_run(make_cfg(uri)) as tracker:
+        with tracker.stage("sft", kind="sft", cache_key="k") as sft:
+            pass
+        model_id = tracker.log_stage_model(sft, kind="sft", output_dir=tmp_path, cache_key="k")
+        with tracker.stage("eval-sft", kind="eval") as ev:
+            for name, info in sets.items():
+                ev.log_eval(
+                    {"accuracy_strict": 0.5}, records, model_id=model_id, dataset_name=name, data_info=info
+                )
+    run = client(uri).get_run(ev.run_id)
+    params = run.data.params
+    assert params["dataset.gsm8k-test.split"] == "test" and params["dataset.gsm8k-test.split_size"] == "5"
+    assert (
+        params["dataset.gsm8k-test.num_questions"] == "2" and params["dataset.gsm8k-test.source"] == "local"
+    )
+    assert params["dataset.gsm8k-test.label"] == f"{test_file} test split, 2 of 5 questions"
+    assert (params["dataset.hub-test.dataset"], params["dataset.hub-test.split"]) == ("openai/gsm8k", "test")
+    assert params["dataset.heldout.split"] == "dev"
+    sources = {
+        i.dataset.name: (i.dataset.source_type, _json.loads(i.dataset.source))
+        for i in run.inputs.dataset_inputs
+    }
+    assert sources["gsm8k-test"][0] == "local" and sources["gsm8k-test"][1]["uri"] == str(test_file)
+    assert sources["hub-test"][0] == "hugging_face"
+    assert (sources["hub-test"][1]["path"], sources["hub-test"][1]["split"]) == ("openai/gsm8k", "test")
+    assert sources["heldout"][0] == "code"
+
+
 def test_a_lost_race_to_create_a_dataset_row_is_retried_once_and_nothing_else_is():
     from mlflow.exceptions import MlflowException
 

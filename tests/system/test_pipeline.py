@@ -542,6 +542,18 @@ def test_extra_eval_sets_rerun_only_the_evaluations_and_report_each_set(extra_ru
             name: json.loads((out / name / "report.json").read_text()) for name in ("", "gsm8k", "synth")
         }
         assert heads[""]["config"]["data"] == "heldout" and heads[""]["config"]["extra_sets"] == []
+        assert heads["gsm8k"]["config"]["dataset"] == {
+            "source": "local",
+            "dataset": str(out.parents[2] / "gsm8k.jsonl"),
+            "split": "gsm8k",
+            "num_questions": 3,
+            "split_size": 4,
+            "label": f"{out.parents[2] / 'gsm8k.jsonl'} gsm8k split, 3 of 4 questions",
+        }
+        assert heads[""]["config"]["dataset"]["label"] == (
+            "dev slice held out of posttrain synthetic problems (never trained on), 8 questions"
+        )
+        assert heads["synth"]["config"]["dataset"]["split"] == "1-2 operations"
         assert (
             heads["gsm8k"]["summary"]["num_examples"] == 3 and heads["synth"]["summary"]["num_examples"] == 4
         )
@@ -560,7 +572,7 @@ def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, smoke_
 
     import mlflow
 
-    from posttrain.cli import eval_table, main
+    from posttrain.cli import eval_sets_legend, eval_table, main
 
     workdir = smoke_run.workdir
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
@@ -569,7 +581,7 @@ def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, smoke_
     runs = client.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
-    evaluation = next(r for r in runs if r.info.run_name == "eval-sft")
+    evaluation = run = next(r for r in runs if r.info.run_name == "eval-sft")
     metrics = evaluation.data.metrics
     assert {"eval/accuracy_strict", "eval/accuracy_strict/gsm8k", "eval/accuracy_strict/synth"} <= set(
         metrics
@@ -615,6 +627,14 @@ def test_extra_eval_sets_in_mlflow_compare_and_the_run_summary(extra_run, smoke_
     # stage order, not alphabetical: every row of eval-sft comes before any row of eval-dpo
     assert rows.index(sft_rows[-1]) < min(i for i, r in enumerate(rows) if r.startswith("eval-dpo/"))
 
+    workdir_file = workdir / "gsm8k.jsonl"
+    assert eval_sets_legend(extra_run["outcomes"], "heldout").splitlines() == [
+        "evaluation sets:",
+        "  heldout  dev slice held out of posttrain synthetic problems (never trained on), 8 questions",
+        f"  gsm8k    {workdir_file} gsm8k split, 3 of 4 questions",
+        "  synth    synthetic problems of 1-2 operations, 4 questions",
+    ]
+    assert run.data.params["dataset.gsm8k.split_size"] == "4"
     text = eval_table(extra_run["outcomes"], "heldout", width=200)
     assert text.splitlines()[1].split()[:4] == ["stage", "heldout", "ops", "1"]
     assert "gsm8k ops 2" in text and [line.split()[0] for line in text.splitlines()[3:]] == [

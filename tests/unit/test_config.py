@@ -39,7 +39,7 @@ def test_three_configs_ship():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_validates(path):
+def test_every_shipped_config_validates(path, in_clone_with_gsm8k):
     cfg = load_config(path)
     assert cfg.name == path.stem
     assert cfg.stage_names(), "a shipped config should train something"
@@ -327,7 +327,7 @@ def test_invalid_yaml_names_the_line(tmp_path):
         load_config(path)
 
 
-def test_cli_validate_exit_codes(tmp_path, capsys):
+def test_cli_validate_exit_codes(tmp_path, capsys, in_clone_with_gsm8k):
     assert main(["validate", *map(str, CONFIGS)]) == 0
     bad = write(tmp_path, minimal(grpo={"stages": [grpo_stage(kl_coef=0.1)]}))
     assert main(["validate", str(bad)]) == 2

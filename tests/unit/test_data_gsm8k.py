@@ -294,3 +294,82 @@ def test_data_fetch_force_replaces_a_file(tmp_path, monkeypatch):
     output.write_text("earlier\n")
     assert main(["data", "fetch", "gsm8k", "--output", str(output), "--force"]) == 0
     assert json.loads(output.read_text()) == GOOD
+
+
+def test_data_fetch_saves_both_splits_in_the_clone_and_keeps_those_there(tmp_path, monkeypatch, capsys):
+    from posttrain.cli import main
+
+    splits = {"train": [GOOD], "test": [{"question": "What is 6 times 7?", "answer": "#### 42"}]}
+    asked = []
+
+    def load_dataset(path, name=None, split=None, **kwargs):
+        asked.append(split)
+        return datasets.Dataset.from_list(splits[split])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GSM8K_DIR", raising=False)
+    assert main(["data", "fetch", "gsm8k"]) == 0
+    folder = tmp_path / "data" / "gsm8k"
+    assert sorted(p.name for p in folder.iterdir()) == ["test.jsonl", "train.jsonl"]
+    assert [json.loads(line) for line in (folder / "test.jsonl").read_text().splitlines()] == splits["test"]
+    assert asked == ["train", "test"]
+    assert main(["data", "fetch", "gsm8k"]) == 0  # both there: the hub is not asked again
+    assert asked == ["train", "test"]
+    assert "data/gsm8k/test.jsonl: already there" in capsys.readouterr().out
+
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "elsewhere"))
+    assert main(["data", "fetch", "gsm8k", "--split", "test"]) == 0
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["test.jsonl"]
+    assert main(["data", "fetch", "gsm8k", "--dir", "third"]) == 0  # --dir over $GSM8K_DIR
+    assert sorted(p.name for p in (tmp_path / "third").iterdir()) == ["test.jsonl", "train.jsonl"]
+
+
+def test_hold_out_makes_a_test_file_no_training_line_shares(tmp_path, capsys):
+    from posttrain.cli import main
+
+    rows = [{"question": f"What is {i} plus 1?", "answer": f"#### {i + 1}"} for i in range(10)]
+    source = tmp_path / "all.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    train, test = tmp_path / "gsm8k" / "train.jsonl", tmp_path / "gsm8k" / "test.jsonl"
+    args = ["data", "hold-out", str(source), "--last", "3", "--train", str(train), "--test", str(test)]
+    assert main(args) == 0
+    assert [json.loads(line) for line in train.read_text().splitlines()] == rows[:7]
+    assert [json.loads(line) for line in test.read_text().splitlines()] == rows[7:]
+    assert "wrote 7 records" in capsys.readouterr().out
+    assert main(args) == 2  # files that exist are kept unless --force
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert main([*args, "--force"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "last", "same", "fragment"),
+    [
+        (
+            '{"question": "q?", "answer": "#### 1"}\n{"question": "q?"}\n',
+            1,
+            False,
+            "all.jsonl:2: missing field 'answer'",
+        ),
+        (
+            '{"question": "q?", "answer": "#### 1"}\n',
+            1,
+            False,
+            "1 records; --last 1 would leave none to train on",
+        ),
+        ('{"question": "q?", "answer": "#### 1"}\n' * 3, 1, True, "write the two parts to other files"),
+        ('{"question": "q?", "answer": "#### 1"}\n' * 3, 0, False, "--last must be >= 1"),
+    ],
+    ids=["bad line", "nothing left to train on", "in place", "zero"],
+)
+def test_hold_out_refuses_bad_input_and_writes_nothing(tmp_path, capsys, content, last, same, fragment):
+    from posttrain.cli import main
+
+    source = tmp_path / "all.jsonl"
+    source.write_text(content)
+    train = source if same else tmp_path / "train.jsonl"
+    argv = ["data", "hold-out", str(source), "--last", str(last), "--train", str(train)]
+    assert main([*argv, "--test", str(tmp_path / "test.jsonl"), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err
+    assert [p.name for p in tmp_path.iterdir()] == ["all.jsonl"] and source.read_text() == content

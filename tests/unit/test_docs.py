@@ -122,3 +122,56 @@ def test_links_land(page):
 def test_benchmark_entries_are_dated_newest_first():
     dates = re.findall(r"^## (20\d\d-\d\d-\d\d)", (DOCS / "benchmarks.md").read_text(), re.M)
     assert len(dates) >= 10 and dates == sorted(dates, reverse=True)
+
+
+PARENT_PATH = re.compile(r"[^\s'\"`(\[{=]*\.\./[^\s'\"`),\]}]*")
+ABSOLUTE_PATH = re.compile(r"(?:^|[\s'\"=(\[{,])((?:/[\w.-]+)+)")
+HOME_PATH = re.compile(r"~/[^\s'\"`),\]}]*")
+LINK_COMMAND = re.compile(r"\bln -s\w* (\S+) (\S+)")
+SYSTEM_PATHS = {"/dev/null"}
+
+
+def paths_outside_the_clone(file: Path) -> list[str]:
+    """Paths ``file`` names that lie outside the clone: ``../`` out of the repository root (the
+    working directory of make, the README's commands and the configs' relative paths; a link's
+    target counts from the link's folder), absolute paths and home-relative ones."""
+    found = []
+    for line in file.read_text().splitlines():
+        if link := LINK_COMMAND.search(line):
+            if not (ROOT / link[2]).parent.joinpath(link[1]).resolve().is_relative_to(ROOT):
+                found.append(link[1])
+            line = line.replace(link[1], "")
+        found += [p for p in PARENT_PATH.findall(line) if not (ROOT / p).resolve().is_relative_to(ROOT)]
+        found += [p for p in ABSOLUTE_PATH.findall(line) if p not in SYSTEM_PATHS]
+        found += HOME_PATH.findall(line)
+    return found
+
+
+@pytest.mark.parametrize(
+    "file",
+    [README, ROOT / "Makefile", *sorted((ROOT / "configs").rglob("*.yaml"))],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_no_shipped_file_names_a_path_outside_the_clone(file):
+    """A user's clone has nothing beside it, and a tool never writes beside the folder it was cloned
+    into: data goes under the clone (data/gsm8k/) or where the user says (GSM8K_DIR, --set)."""
+    assert paths_outside_the_clone(file) == []
+
+
+@pytest.mark.parametrize(
+    ("line", "found"),
+    [
+        ("  path: ../shared/data/gsm8k/train.jsonl", ["../shared/data/gsm8k/train.jsonl"]),
+        ("GSM8K ?= ../shared/data/gsm8k/train.jsonl", ["../shared/data/gsm8k/train.jsonl"]),
+        ("--output /work/shared/data/train.jsonl", ["/work/shared/data/train.jsonl"]),
+        ("cp ~/gsm8k/train.jsonl data/", ["~/gsm8k/train.jsonl"]),
+        ("\tln -sfn ../../../flows src/posttrain/flows", ["../../../flows"]),
+        ("\tln -sfn ../../flows src/posttrain/flows", []),
+        ("  path: data/gsm8k/test.jsonl  # ./data/../data is fine", []),
+        ("open http://127.0.0.1:5000 or sqlite:///mlflow.db > /dev/null", []),
+    ],
+)
+def test_paths_outside_the_clone_are_found(tmp_path, line, found):
+    file = tmp_path / "f"
+    file.write_text(line + "\n")
+    assert paths_outside_the_clone(file) == found

@@ -683,6 +683,20 @@ def test_summary_table_exactly():
     ]
 
 
+def test_summary_table_names_the_split_its_questions_are_from():
+    config = {"data_source": "gsm8k-test (local)", "temperature": 0.7}
+    config["dataset"] = {
+        "source": "local",
+        "split": "test",
+        "label": "data/gsm8k/test.jsonl test split, 4 of 1,319 questions",
+    }
+    report = EvalReport(model="m", summary=SUMMARY, records=(), config=config)
+    assert format_summary_table(report).splitlines()[:2] == [
+        "model: m",
+        "data: data/gsm8k/test.jsonl test split, 4 of 1,319 questions x 2 samples (temperature 0.7)",
+    ]
+
+
 def test_summary_table_of_a_bare_report():
     """No intervals, tools, samples, timings or questions: defaults, and nothing that is not there."""
     report = EvalReport(model="m2", summary={"accuracy_strict": 0.5}, records=(), config={"data": "gsm8k"})

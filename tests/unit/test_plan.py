@@ -307,6 +307,47 @@ def test_extra_eval_sets_are_part_of_the_evaluation_keys(plan_for, tmp_path):
     assert after[0] != before[0] and after[2] != before[2] and after[1] == before[1]
 
 
+def test_a_final_only_set_is_evaluated_and_keyed_at_the_final_evaluation_only(plan_for, monkeypatch):
+    inputs = StepInputs(ModelRef("/base", "fp-base"), _data())
+    final_set = "{name: test, data: synthetic, limit: 4, final_only: true}"
+    every_set = "{name: dev, data: synthetic, limit: 4}"
+    plan = plan_for(f"eval.extra_sets=[{every_set}, {final_set}]")
+    finals = {s.name: s.final for s in plan.steps if isinstance(s, EvalStep)}
+    assert finals == {
+        "eval-baseline": False,
+        "eval-sft": False,
+        "eval-dpo": False,
+        "eval-grpo-format": False,
+        "eval-grpo-correctness": True,
+    }
+    sets = {name: [s.name for s in plan.step(name).section(plan.config).extra_sets] for name in finals}
+    assert sets["eval-sft"] == ["dev"] and sets["eval-grpo-correctness"] == ["dev", "test"]
+    assert plan_for("sft.enabled=false", "dpo=null", "grpo.stages=[]").steps[1].final  # nothing trains
+    assert not plan_for("sft.enabled=false", "dpo=null").step("eval-baseline").final
+
+    def key(step: str, test_limit: int) -> str:
+        changed = plan_for(
+            f"eval.extra_sets=[{every_set}, {final_set.replace('limit: 4', f'limit: {test_limit}')}]"
+        )
+        return changed.step(step).key(changed.config, inputs)
+
+    assert key("eval-sft", 4) == key("eval-sft", 9)  # a stage's evaluation does not evaluate it
+    assert key("eval-grpo-correctness", 4) != key("eval-grpo-correctness", 9)
+
+    # The step evaluates the sets of its own section: the final-only one only at the end.
+    from posttrain.pipeline import steps
+
+    evaluated = {}
+    monkeypatch.setattr(
+        steps,
+        "eval_step",
+        lambda cfg, stage, *a, **k: evaluated.setdefault(stage, [n for n, _ in cfg.eval.all_sets()]),
+    )
+    for name in ("eval-sft", "eval-grpo-correctness"):
+        plan.step(name).run(plan.config, inputs, "out")
+    assert evaluated == {"sft": [None, "dev"], "grpo-correctness": [None, "dev", "test"]}
+
+
 def test_each_extra_set_gets_its_own_questions_and_generation_limit(smoke_config_path):
     from posttrain.data.eval_sets import SYNTHETIC_EVAL_SEED
     from posttrain.pipeline.steps import _set_records
