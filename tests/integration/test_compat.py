@@ -184,7 +184,8 @@ def test_dynamic_sampling_runs_inside_a_real_grpo_trainer(tiny_model_dir, tiny_t
     assert {"old_per_token_logps", "ref_per_token_logps"} <= rounds[0][0]
     assert rounds[0][1] == (8, 1)  # every process's rows, one column per reward
     row = next(r for r in trainer.state.log_history if "zero_signal/rounds" in r)
-    assert set(METRICS) <= set(row) and row["zero_signal/rounds"] == 1.0 and "reward" in row
+    always = set(METRICS) - {"zero_signal/completions_per_useful_group"}  # only once a group has signal
+    assert always <= set(row) and row["zero_signal/rounds"] == 1.0 and "reward" in row
 
 
 def test_compact_fused_head_patch_is_reversible():

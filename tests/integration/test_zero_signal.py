@@ -150,13 +150,25 @@ def test_round_size(missing, with_signal, generated, groups, expected):
 
 
 def test_metrics_name_each_count():
-    counts = ZeroSignalCounts(groups=8, with_signal=6, dropped=2, resampled=3, rounds=4)
+    counts = ZeroSignalCounts(
+        groups=8, with_signal=6, dropped=2, resampled=3, rounds=4, generated=48, retired=5, replaced=1
+    )
     assert counts.metrics() == {
         "zero_signal/frac_signal": 0.75,
         "zero_signal/groups_dropped": 2.0,
         "zero_signal/groups_resampled": 3.0,
         "zero_signal/rounds": 4.0,
+        "zero_signal/completions_per_useful_group": 8.0,
+        "zero_signal/prompts_retired": 5.0,
+        "zero_signal/groups_replaced": 1.0,
     }
+    # a batch without a useful group has no cost per useful group (not a division by zero)
+    assert "zero_signal/completions_per_useful_group" not in ZeroSignalCounts(4, 0, generated=16).metrics()
+
+
+def signal_metrics(counts):
+    """The four counts of what happened to the batch's groups (the rest: cost and retirement)."""
+    return {k: v for k, v in counts.metrics().items() if k in METRICS[:4]}
 
 
 # --------------------------------------------------------------------------- a fake TRL
@@ -183,7 +195,9 @@ def fake_generate(rounds: list):
             "old_per_token_logps": ids[:, None].float().repeat(1, c_width),
             "num_items_in_batch": completion_mask.sum(),
         }
-        rewards = torch.tensor([[float(row["pays"] and i % 2)] for i, row in enumerate(inputs)])
+        rewards = torch.tensor(
+            [[1.0 if row.get("solved") else float(row["pays"] and i % 2)] for i, row in enumerate(inputs)]
+        )
         return batch, rewards
 
     return generate
@@ -193,10 +207,12 @@ def prompts(ids, paying):
     return [{"id": i, "pays": i in paying} for i in ids for _ in range(G)]
 
 
-def sampler(mode, fresh_rows=(), max_rounds=4):
+def sampler(mode, fresh_rows=(), max_rounds=4, retire_after=None):
     fresh = FreshPrompts([{"id": i, "pays": pays} for i, pays in fresh_rows], seed=0) if fresh_rows else None
     signal = lambda rewards: group_signal(rewards, [1.0], G)  # noqa: E731
-    return DynamicSampler(mode, G, signal, max_rounds=max_rounds, fresh=fresh, pad_id=PAD)
+    return DynamicSampler(
+        mode, G, signal, max_rounds=max_rounds, fresh=fresh, pad_id=PAD, retire_after=retire_after
+    )
 
 
 def trained_groups(batch):
@@ -223,9 +239,37 @@ def test_drop_masks_constant_groups_out_of_the_loss():
     rounds: list = []
     batch, counts = sampler("drop")(prompts([1, 2, 3], paying={2}), fake_generate(rounds))
     assert trained_groups(batch) == [2]
-    assert counts.metrics() == dict(zip(METRICS, (1 / 3, 2.0, 0.0, 0.0), strict=True))
+    assert signal_metrics(counts) == dict(zip(METRICS[:4], (1 / 3, 2.0, 0.0, 0.0), strict=True))
     assert len(rounds) == 1  # drop never generates again
     check_rows_consistent(batch)
+
+
+@pytest.mark.parametrize("mode", ["drop", "resample"])
+def test_a_prompt_the_policy_always_solves_retires_and_is_not_generated_again(mode):
+    """Prompt 1 is always solved (its group scores 1,1,1,1: no signal): after two such groups in a
+    row it leaves, and the next batch that holds it generates a fresh prompt in its place."""
+    rounds: list = []
+    generate = fake_generate(rounds)
+    run = sampler(mode, fresh_rows=[(7, True), (8, True)], retire_after=2)
+    solved = {"id": 1, "pays": False, "solved": True}
+    batch_rows = [dict(solved) for _ in range(G)] + prompts([2], paying={2})
+    for _ in range(2):
+        _, counts = run(batch_rows, generate)
+    assert run.retired == ["1"] and counts.retired == 1 and counts.replaced == 0
+    before = len(rounds)
+    batch, counts = run(batch_rows, generate)
+    assert rounds[before][0] in (7, 8) and 1 not in [i for r in rounds[before:] for i in r]
+    assert counts.replaced == 1 and trained_groups(batch) == [rounds[before][0], 2]  # both pay
+    assert counts.metrics()["zero_signal/groups_replaced"] == 1.0
+
+
+def test_a_prompt_with_signal_in_between_keeps_its_place():
+    rounds: list = []
+    run = sampler("drop", fresh_rows=[(7, True)], retire_after=2)
+    flat, paying = prompts([1], paying=set()), prompts([1], paying={1})
+    for rows in (flat, paying, flat):  # never two flat groups in a row
+        run(rows, fake_generate(rounds))
+    assert run.retired == [] and rounds == [[1], [1], [1]]
 
 
 def test_drop_with_nothing_to_learn_leaves_an_empty_loss():
@@ -253,7 +297,7 @@ def test_resample_refills_flat_groups_with_fresh_groups_that_have_signal():
     groups = trained_groups(batch)
     assert len(batch["advantages"]) == 4 * G  # the batch keeps its size
     assert groups[2] == 3 and set(groups[:2] + groups[3:]) <= {11, 13, 14}  # the paying group stays put
-    assert counts.metrics() == dict(zip(METRICS, (1.0, 0.0, 3.0, float(len(rounds) - 1)), strict=True))
+    assert signal_metrics(counts) == dict(zip(METRICS[:4], (1.0, 0.0, 3.0, float(len(rounds) - 1)), strict=True))
     assert 1 <= counts.rounds <= 4
     check_rows_consistent(batch)
 
@@ -268,7 +312,7 @@ def test_resample_falls_back_to_drop_when_the_budget_runs_out():
         counts.rounds == 1 and len(rounds) == 2 and sorted(rounds[1]) == [10, 11, 12]
     )  # none had signal yet
     assert trained_groups(batch) == [12]
-    assert counts.metrics() == dict(zip(METRICS, (1 / 3, 2.0, 1.0, 1.0), strict=True))
+    assert signal_metrics(counts) == dict(zip(METRICS[:4], (1 / 3, 2.0, 1.0, 1.0), strict=True))
     check_rows_consistent(batch)
 
 
@@ -298,7 +342,7 @@ def test_resample_default_budget_is_four_rounds_then_drop():
     fresh = FreshPrompts([{"id": 10 + i, "pays": False} for i in range(3)], seed=0)
     batch, counts = DynamicSampler("resample", G, signal, fresh=fresh)(prompts([1, 2], paying=set()), bounded)
     assert len(rounds) == 5 and counts.rounds == 4
-    assert counts.metrics() == dict(zip(METRICS, (0.0, 2.0, 0.0, 4.0), strict=True))
+    assert signal_metrics(counts) == dict(zip(METRICS[:4], (0.0, 2.0, 0.0, 4.0), strict=True))
     assert trained_groups(batch) == [] and int(batch["num_items_in_batch"]) == 0
 
 
@@ -308,7 +352,7 @@ class ListedPrompts:
     def __init__(self, rows):
         self.rows = list(rows)
 
-    def take(self, count):
+    def take(self, count, retired=frozenset()):
         taken, self.rows = self.rows[:count], self.rows[count:]
         return [{"id": i, "pays": pays} for i, pays in taken]
 
@@ -385,8 +429,10 @@ def test_sampler_refuses_a_mode_it_does_not_know_and_resample_without_fresh_prom
     signal = lambda rewards: group_signal(rewards, [1.0], G)  # noqa: E731
     with pytest.raises(ValueError, match=r"^zero_signal mode 'keep' is not drop or resample$"):
         DynamicSampler("keep", G, signal)
-    with pytest.raises(ValueError, match=r"^zero_signal: resample needs a source of fresh prompts$"):
+    with pytest.raises(ValueError, match=r"^zero_signal: resample and retire_after need a source of fresh"):
         DynamicSampler("resample", G, signal)
+    with pytest.raises(ValueError, match=r"^zero_signal: resample and retire_after need a source of fresh"):
+        DynamicSampler("drop", G, signal, retire_after=3)
     with pytest.raises(
         ValueError, match=r"^zero_signal: resample needs training data to draw fresh prompts from$"
     ):

@@ -128,18 +128,27 @@ def no_completion_tables(enabled: bool = True) -> bool:
 
 
 def new_grpo_trainer(
-    rollout_func: Any = None, zero_signal: str = "keep", max_rounds: int = 4, **kwargs: Any
+    rollout_func: Any = None,
+    zero_signal: str = "keep",
+    max_rounds: int = 4,
+    retire_after: int | None = None,
+    **kwargs: Any,
 ) -> Any:
     """``trl.GRPOTrainer(**kwargs)``, with ``rollout_func`` when given and without its experimental warning.
 
     The warning says the hook may change without notice; the pin above and the tests are the answer.
     ``zero_signal`` ``drop`` or ``resample`` (with at most ``max_rounds`` extra generation rounds per
-    batch) returns the trainer with posttrain's dynamic sampling (hook 4 above); ``keep`` is TRL's own.
+    batch, and prompts retired after ``retire_after`` flat groups in a row) returns the trainer with
+    posttrain's dynamic sampling (hook 4 above); ``keep`` is TRL's own.
     """
     from trl import GRPOTrainer  # heavy: deferred until a trainer is built
 
     cls = GRPOTrainer if zero_signal == "keep" else _dynamic_sampling_trainer()
-    extra = {} if zero_signal == "keep" else {"zero_signal": zero_signal, "max_rounds": max_rounds}
+    extra = (
+        {}
+        if zero_signal == "keep"
+        else {"zero_signal": zero_signal, "max_rounds": max_rounds, "retire_after": retire_after}
+    )
     if rollout_func is None:
         return cls(**kwargs, **extra)
     with warnings.catch_warnings():
@@ -176,16 +185,17 @@ def _dynamic_sampling_trainer() -> type:
     class DynamicSamplingGRPOTrainer(GRPOTrainer):
         """TRL's trainer with posttrain's ``zero_signal`` handling of each training generation batch."""
 
-        def __init__(self, *args: Any, zero_signal: str, max_rounds: int, **kwargs: Any) -> None:
+        def __init__(
+            self, *args: Any, zero_signal: str, max_rounds: int, retire_after: int | None, **kwargs: Any
+        ) -> None:
             super().__init__(*args, **kwargs)
             if zero_signal == "resample" and self.accelerator.num_processes > 1:
                 raise StageError(
                     "zero_signal: resample runs in one process only (groups are refilled per process); "
                     "use zero_signal: drop with several processes"
                 )
-            fresh = (
-                FreshPrompts(self.train_dataset, self.args.seed + 1) if zero_signal == "resample" else None
-            )
+            refills = zero_signal == "resample" or retire_after is not None
+            fresh = FreshPrompts(self.train_dataset, self.args.seed + 1) if refills else None
             self._posttrain_sampler = DynamicSampler(
                 zero_signal,
                 self.num_generations,
@@ -193,6 +203,7 @@ def _dynamic_sampling_trainer() -> type:
                 max_rounds=max_rounds,
                 fresh=fresh,
                 pad_id=pad_token_id(self.processing_class),
+                retire_after=retire_after,
             )
             self._posttrain_rewards: Any = None
 

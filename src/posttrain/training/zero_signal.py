@@ -25,6 +25,13 @@ resample   DAPO's dynamic sampling (Yu et al. 2025, "DAPO", section 3.2): fresh 
            batch while none had signal), so a nearly full batch costs a small round.
 =========  ==================================================================================
 
+With ``zero_signal_retire_after: N`` a prompt whose groups scored alike N times in a row (always
+solved or never, by the policy as it is now) leaves the stage: before a batch is generated, a
+retired prompt's group is swapped for a fresh prompt's, so no rollout is spent on it again, and
+resample rounds skip it. Each retirement is logged with the prompt's id; ``zero_signal/prompts_retired``
+and ``zero_signal/groups_replaced`` count them per step, and ``zero_signal/completions_per_useful_group``
+says what a group with signal cost in completions.
+
 Fresh prompts come from the stage's training data in an order of their own (:class:`FreshPrompts`,
 seeded from the run's seed), independent of TRL's sampler: a resampled prompt may come round again
 later in the epoch, and a stage resumed from a checkpoint starts that order again. ``reward`` and the other TRL metrics of a step average over every round generated
@@ -44,13 +51,16 @@ returns TRL's batch dict and the rewards per completion; the hook into ``GRPOTra
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "METRICS",
@@ -73,6 +83,9 @@ METRICS = (
     "zero_signal/groups_dropped",
     "zero_signal/groups_resampled",
     "zero_signal/rounds",
+    "zero_signal/completions_per_useful_group",
+    "zero_signal/prompts_retired",
+    "zero_signal/groups_replaced",
 )
 
 # How TRL 1.16 lays out the batch `_generate_and_score_completions` returns, and the value that pads each
@@ -237,21 +250,26 @@ class ZeroSignalCounts:
     dropped: int = 0
     resampled: int = 0
     rounds: int = 0
+    generated: int = 0
+    """Completions generated for the batch, resample rounds included."""
+    retired: int = 0
+    """Prompts retired from the pool so far in the stage (``retire_after``)."""
+    replaced: int = 0
+    """Groups of retired prompts swapped for fresh prompts before the batch was generated."""
 
     def metrics(self) -> dict[str, float]:
-        """The batch's ``zero_signal/*`` metrics (:data:`METRICS`)."""
-        return dict(
-            zip(
-                METRICS,
-                (
-                    self.with_signal / self.groups,
-                    float(self.dropped),
-                    float(self.resampled),
-                    float(self.rounds),
-                ),
-                strict=True,
-            )
+        """The batch's ``zero_signal/*`` metrics (:data:`METRICS`); completions per useful group
+        only when some group had signal."""
+        values = (
+            self.with_signal / self.groups,
+            float(self.dropped),
+            float(self.resampled),
+            float(self.rounds),
+            self.generated / self.with_signal if self.with_signal else None,
+            float(self.retired),
+            float(self.replaced),
         )
+        return {name: value for name, value in zip(METRICS, values, strict=True) if value is not None}
 
 
 class FreshPrompts:
@@ -264,12 +282,17 @@ class FreshPrompts:
         self.generator = torch.Generator().manual_seed(seed)
         self.order: list[int] = []
 
-    def take(self, count: int) -> list[dict[str, Any]]:
+    def take(self, count: int, retired: Set[str] = frozenset()) -> list[dict[str, Any]]:
+        """``count`` rows, skipping those whose ``id`` is in ``retired`` (while any other is left)."""
         rows = []
         for _ in range(count):
-            if not self.order:
-                self.order = torch.randperm(len(self.dataset), generator=self.generator).tolist()
-            rows.append(dict(self.dataset[self.order.pop()]))
+            for _attempt in range(len(self.dataset)):
+                if not self.order:
+                    self.order = torch.randperm(len(self.dataset), generator=self.generator).tolist()
+                row = dict(self.dataset[self.order.pop()])
+                if str(row.get("id")) not in retired:
+                    break
+            rows.append(row)
         return rows
 
 
@@ -294,13 +317,19 @@ class DynamicSampler:
         max_rounds: int = 4,
         fresh: FreshPrompts | None = None,
         pad_id: int = 0,
+        retire_after: int | None = None,
     ) -> None:
         if mode not in ("drop", "resample"):
             raise ValueError(f"zero_signal mode {mode!r} is not drop or resample")
-        if mode == "resample" and fresh is None:
-            raise ValueError("zero_signal: resample needs a source of fresh prompts")
+        if (mode == "resample" or retire_after is not None) and fresh is None:
+            raise ValueError("zero_signal: resample and retire_after need a source of fresh prompts")
         self.mode, self.num_generations, self.signal = mode, num_generations, signal
         self.max_rounds, self.fresh, self.pad_id = max_rounds, fresh, pad_id
+        self.retire_after = retire_after
+        self.flat_streak: dict[str, int] = {}
+        """Prompt id → its groups in a row that scored alike."""
+        self.retired: list[str] = []
+        """Prompts retired from the pool, in the order they left."""
 
     def __call__(
         self,
@@ -310,15 +339,57 @@ class DynamicSampler:
         gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         process_index: int = 0,
     ) -> tuple[dict[str, Any], ZeroSignalCounts]:
+        inputs, replaced = self._replace_retired(inputs)
         batch, rewards = generate(inputs)
         signal = self.signal(rewards).tolist()
+        self._note(inputs, signal, process_index)
         if self.mode == "resample":
-            return self._resample(batch, signal, generate, gather)
-        rows = len(inputs)
-        row_signal = torch.tensor(signal).repeat_interleave(self.num_generations)
-        keep = row_signal[process_index * rows : (process_index + 1) * rows]
-        counts = ZeroSignalCounts(len(signal), sum(signal), dropped=signal.count(False))
-        return self._finish(batch, keep, gather), counts
+            batch, counts = self._resample(batch, signal, generate, gather)
+        else:
+            rows = len(inputs)
+            row_signal = torch.tensor(signal).repeat_interleave(self.num_generations)
+            keep = row_signal[process_index * rows : (process_index + 1) * rows]
+            counts = ZeroSignalCounts(len(signal), sum(signal), dropped=signal.count(False))
+            counts.generated = len(signal) * self.num_generations
+            batch = self._finish(batch, keep, gather)
+        counts.retired, counts.replaced = len(self.retired), replaced
+        return batch, counts
+
+    def _replace_retired(self, inputs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+        """``inputs`` with each retired prompt's group swapped for a fresh prompt's; how many were."""
+        if not self.retired:
+            return inputs, 0
+        assert self.fresh is not None
+        retired, G = set(self.retired), self.num_generations
+        out, replaced = list(inputs), 0
+        for start in range(0, len(out), G):
+            if str(out[start].get("id")) in retired:
+                row = self.fresh.take(1, retired)[0]
+                out[start : start + G] = [dict(row) for _ in range(G)]
+                replaced += 1
+        return out, replaced
+
+    def _note(self, inputs: list[dict[str, Any]], signal: list[bool], process_index: int = 0) -> None:
+        """Count each of this process's groups towards its prompt's run of flat groups; retire a
+        prompt whose run reaches ``retire_after``."""
+        if self.retire_after is None:
+            return
+        G = self.num_generations
+        first = process_index * (len(inputs) // G)
+        for group in range(len(inputs) // G):
+            pid = str(inputs[group * G].get("id"))
+            if signal[first + group]:
+                self.flat_streak[pid] = 0
+                continue
+            self.flat_streak[pid] = self.flat_streak.get(pid, 0) + 1
+            if self.flat_streak[pid] >= self.retire_after and pid not in self.retired:
+                self.retired.append(pid)
+                logger.info(
+                    "retired prompt %s: %d groups in a row scored alike (%d retired)",
+                    pid,
+                    self.flat_streak[pid],
+                    len(self.retired),
+                )
 
     def _resample(
         self,
@@ -337,9 +408,10 @@ class DynamicSampler:
             counts.rounds += 1
             assert self.fresh is not None
             size = round_size(filled.count(False), with_signal, generated, len(signal))
-            prompts = [dict(row) for row in self.fresh.take(size) for _ in range(G)]
+            prompts = [dict(row) for row in self.fresh.take(size, set(self.retired)) for _ in range(G)]
             extra, rewards = generate(prompts)
             fresh_signal = self.signal(rewards).tolist()
+            self._note(prompts, fresh_signal)
             generated, with_signal = generated + len(fresh_signal), with_signal + sum(fresh_signal)
             batches.append(extra)
             donors = [group for group, ok in enumerate(fresh_signal) if ok]
@@ -352,6 +424,7 @@ class DynamicSampler:
             batch = take_rows(batches, picks, self.pad_id)
         counts.with_signal = sum(filled)
         counts.dropped = filled.count(False)
+        counts.generated = generated * G
         keep = torch.tensor(filled).repeat_interleave(G)
         return self._finish(batch, keep, gather), counts
 
