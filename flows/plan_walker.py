@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from posttrain.cache.digests import remembered_digests
+from posttrain.cache.keys import stage_section
 from posttrain.cache.planner import Planner
 from posttrain.cache.records import StoreRecords
 from posttrain.cache.shared import SharedStore, open_shared
@@ -25,7 +26,8 @@ from posttrain.cache.store import StepLock, Store
 from posttrain.core.atomic import discard_checkpoints
 from posttrain.core.config import PipelineConfig
 from posttrain.core.metric_names import qualify_metrics
-from posttrain.core.results import DataResult, EvalResult
+from posttrain.core.results import DataResult, EvalResult, ScoreResult
+from posttrain.data.pass_rates import PassRates
 from posttrain.evaluation.diff import stage_delta_metrics
 from posttrain.evaluation.report import EvalReport
 from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_log_history, read_stage_json
@@ -66,7 +68,9 @@ class StepOutcome:
     output: str
     metrics: dict[str, Any] = field(default_factory=dict)
     kind: str = ""
-    """The plan step's kind: `data`, `sft`, `dpo`, `grpo` or `eval`."""
+    """The plan step's kind: `data`, `sft`, `dpo`, `grpo`, `score` or `eval`."""
+    seconds: float | None = None
+    """Wall time of a training or scoring step when it ran (its producer's, when served from cache)."""
 
 
 @dataclass
@@ -74,6 +78,8 @@ class PipelineSummary:
     config: str
     run_id: str | None
     outcomes: list[StepOutcome] = field(default_factory=list)
+    changes: dict[str, float] = field(default_factory=dict)
+    """:func:`stage_deltas`: each evaluation's paired change from the one before and its cost."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -156,7 +162,7 @@ class PlanRunner:
             run.set_tags({"cache_key": key})
             if decision.adopted:  # the run that produced it was killed before logging its result
                 run.set_tags({"adopted": "true"})
-                _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
+                _log_result(run, result, model_id=evaluated, cfg=self.cfg)
             if isinstance(step, TrainStep):
                 self._stage_model(step, run, key, result, cached=True)
         else:
@@ -223,7 +229,7 @@ class PlanRunner:
         """What follows a step that ran, inside its MLflow run: its cache record, its logged result,
         and for a training stage its history, LoggedModel and health alerts."""
         self._record(step, key, inputs, result)
-        _log_result(run, result, model_id=evaluated, dataset_name=self.cfg.eval.data)
+        _log_result(run, result, model_id=evaluated, cfg=self.cfg)
         if isinstance(step, TrainStep):
             if self.cfg.launch_of(step.section(self.cfg)).launcher == "accelerate":
                 # Its processes report to no tracker: the history rank 0 kept, logged here.
@@ -248,6 +254,7 @@ class PlanRunner:
                 step.output_of(result),
                 step.metrics_of(result),
                 step.kind,
+                _seconds(result),
             )
         )
         logger.info("%-22s %-6s %s", step.name, "cached" if cached else "run", reason)
@@ -293,8 +300,9 @@ class PlanRunner:
             run.set_tags({MODEL_ID_TAG: model_id})
 
 
-def _log_result(run: Any, result: Any, *, model_id: str | None = None, dataset_name: str = "eval") -> None:
+def _log_result(run: Any, result: Any, *, cfg: PipelineConfig, model_id: str | None = None) -> None:
     """What each kind of step leaves in its nested MLflow run (evaluations: against ``model_id``)."""
+    dataset_name = cfg.eval.data
     if isinstance(result, DataResult):
         data = load_data(result)
         run.log_metrics({k: v for k, v in result.stats.items() if isinstance(v, int | float)})
@@ -314,6 +322,13 @@ def _log_result(run: Any, result: Any, *, model_id: str | None = None, dataset_n
                 data_info=info if isinstance(info, dict) else None,
             )
         run.log_metrics({f"eval/{k}": v for k, v in result.timings.items() if isinstance(v, int | float)})
+        return
+    if isinstance(result, ScoreResult):
+        rates = PassRates.load(result.output_dir)
+        questions = {r.id: r.question for r in EvalReport.load(result.output_dir).records}
+        run.log_metrics({k: v for k, v in result.summary.items() if isinstance(v, int | float)})
+        band = stage_section(cfg, result.stage).pass_rate.band  # today's band: it is not in the key
+        run.log_pass_rates(rates.correct, rates.samples, band, questions)
         return
     info = read_stage_json(result.output_dir)
     run.log_stage_json(info)
@@ -359,20 +374,37 @@ def run_plan(
             visit.finish()
         if not sweep_point:  # every stage of this plan finished
             warn_unfinished(store)
+        visit.summary.changes = stage_deltas(visit.summary)
         if tracker.enabled:
-            tracker.log_metrics(stage_deltas(visit.summary))
+            tracker.log_metrics(visit.summary.changes)
         tracker.plot_accuracy_by_stage()
     return visit.summary
+
+
+def _seconds(result: Any) -> float | None:
+    """What a step cost in wall time, for the steps that buy a change (training and scoring)."""
+    if isinstance(result, ScoreResult):
+        value = result.summary.get("duration_s")
+        return float(value) if isinstance(value, int | float) else None
+    duration = getattr(result, "duration_s", None)
+    return float(duration) if isinstance(duration, int | float) and duration > 0 else None
 
 
 def stage_deltas(summary: PipelineSummary) -> dict[str, float]:
     """Each evaluation's paired change from the evaluation before it in the plan, on the same
     questions, as parent-run metrics: ``eval-sft/delta_accuracy_strict`` with its interval, the
-    questions fixed and broken, McNemar's p (:func:`posttrain.evaluation.diff.stage_delta_metrics`).
-    ``posttrain compare`` reads them back; a pair whose reports cannot be read is skipped, named."""
+    questions fixed and broken, McNemar's p (:func:`posttrain.evaluation.diff.stage_delta_metrics`),
+    and ``eval-sft/stage_minutes``: the wall time of the training and scoring steps between the two
+    evaluations, what the change cost. ``posttrain compare`` reads them back; a pair whose reports
+    cannot be read is skipped, named."""
     evals = [o for o in summary.outcomes if o.kind == "eval"]
+    order = {o.step: i for i, o in enumerate(summary.outcomes)}
     out: dict[str, float] = {}
     for before, after in itertools.pairwise(evals):
+        between = summary.outcomes[order[before.step] + 1 : order[after.step]]
+        spent = [o.seconds for o in between if o.seconds is not None]
+        if spent:
+            out[f"{after.step}/stage_minutes"] = round(sum(spent) / 60, 3)
         try:
             deltas = stage_delta_metrics(before.output, after.output)
         except (OSError, ValueError, KeyError) as exc:

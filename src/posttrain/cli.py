@@ -198,6 +198,40 @@ def eval_table(outcomes: Sequence[dict], primary: str, width: int) -> str:
     return f"{title}:\n" + text
 
 
+def stage_value_table(outcomes: Sequence[dict], changes: dict[str, float]) -> str:
+    """What each training stage bought: its minutes (training and scoring, the producer's when cached),
+    the paired change in strict accuracy it made on the primary set with its 95 % interval, and
+    points per minute. "" when no evaluation follows a stage with a known cost.
+
+    >>> print(stage_value_table([{"step": "sft", "kind": "sft"}, {"step": "eval-sft", "kind": "eval"}],
+    ...       {"eval-sft/stage_minutes": 4.0, "eval-sft/delta_accuracy_strict": 0.1,
+    ...        "eval-sft/delta_accuracy_strict_ci_low": 0.05, "eval-sft/delta_accuracy_strict_ci_high": 0.15}))
+    what each stage bought (strict accuracy, paired 95% interval on the same questions):
+    stage  minutes  change (points)      points per minute
+    -----  -------  -------------------  -----------------
+    sft    4.0      +10.0 [+5.0, +15.0]  +2.50
+    """
+    from posttrain.core.stats import Interval
+
+    low_name, high_name = interval_names("delta_accuracy_strict")
+    rows = []
+    for outcome in outcomes:
+        step = outcome["step"]
+        minutes, delta = changes.get(f"{step}/stage_minutes"), changes.get(f"{step}/delta_accuracy_strict")
+        if outcome["kind"] != "eval" or minutes is None or delta is None:
+            continue
+        low, high = changes.get(f"{step}/{low_name}"), changes.get(f"{step}/{high_name}")
+        change = Interval(delta, low, high, "paired").points() if low is not None and high is not None else ""
+        per_minute = f"{100 * delta / minutes:+.2f}" if minutes > 0 else ""
+        rows.append(
+            (step.removeprefix("eval-"), f"{minutes:.1f}", change or f"{100 * delta:+.1f}", per_minute)
+        )
+    if not rows:
+        return ""
+    title = "what each stage bought (strict accuracy, paired 95% interval on the same questions):"
+    return title + "\n" + format_table(rows, ("stage", "minutes", "change (points)", "points per minute"))
+
+
 def eval_sets_legend(outcomes: Sequence[dict], primary: str) -> str:
     """Which questions each evaluation set of the last evaluation holds (dataset, split, count), as
     its reports say: a number labelled GSM8K says which split it is on. "" without such reports."""
@@ -480,6 +514,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("\n" + table)
         if legend := eval_sets_legend(summary["outcomes"], cfg.eval.data):
             print(legend)
+    if bought := stage_value_table(summary["outcomes"], summary.get("changes", {})):
+        print("\n" + bought)
     if summary["run_id"]:
         print(f"MLflow run {summary['run_id']} in experiment '{cfg.tracking.experiment or cfg.name}'")
     return 0

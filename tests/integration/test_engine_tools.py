@@ -5,61 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scripted_models import bigram_model, chain
+from scripted_models import token_ids as _ids
 
 from posttrain.generation.engine import ToolCall, encode_prompts, generate_continuous, stop_token_ids
 from posttrain.generation.tools import Calculator, engine_tool
-
-
-def _ids(tokenizer, text):
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def bigram_model(tokenizer, successors: dict[int, int], default: int):
-    """A one-layer Llama whose greedy next token depends only on the current token (``successors``,
-    else ``default``): a scripted writer, so a test can make one row write ``12*7 =`` and another
-    never write ``=``. The attention still runs (small random output), so rows share a real cache."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    vocab = len(tokenizer)
-    width = ((vocab + 7) // 8) * 8
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=width,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.zero_()
-        model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
-        model.model.layers[0].self_attn.o_proj.weight.mul_(0.01)
-        model.model.layers[0].mlp.down_proj.weight.zero_()
-        head = model.lm_head.weight
-        head.zero_()
-        for token in range(vocab):
-            head[successors.get(token, default), token] = 1.0
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-    return model
-
-
-def chain(tokenizer, *texts: str) -> dict[int, int]:
-    """Successors that make the model write each text's tokens in order, then EOS."""
-    successors: dict[int, int] = {}
-    for text in texts:
-        ids = _ids(tokenizer, text) + [tokenizer.eos_token_id]
-        for current, following in zip(ids, ids[1:], strict=False):
-            assert successors.get(current, following) == following, f"{text!r} needs a second successor"
-            successors[current] = following
-    return successors
 
 
 def _run(model, tokenizer, prompts, tool, max_new=20):

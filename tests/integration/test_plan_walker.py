@@ -264,6 +264,31 @@ def test_a_pair_of_evaluations_without_readable_reports_has_no_delta(tmp_path, c
     assert caplog.messages[0].startswith("no paired change from eval-baseline to eval-sft: ")
 
 
+def test_each_change_carries_the_minutes_of_the_steps_that_bought_it(tmp_path):
+    """A GRPO stage's cost includes its scoring step; evaluations and data cost nothing here."""
+    from posttrain.evaluation import EvalRecord, EvalReport, score_completion
+    from posttrain.flows.plan_walker import PipelineSummary, StepOutcome, stage_deltas
+
+    def report(folder, answer):
+        record = EvalRecord.from_samples(
+            "q1", "q?", "4", [score_completion(f"<answer>{answer}</answer>", "4")]
+        )
+        EvalReport(model="m", summary={}, records=(record,)).save(folder)
+        return str(folder)
+
+    summary = PipelineSummary("walk", None)
+    summary.outcomes += [
+        StepOutcome("data", "ran", "", "k", "/d", kind="data", seconds=None),
+        StepOutcome("eval-baseline", "ran", "", "k", report(tmp_path / "a", 3), kind="eval", seconds=None),
+        StepOutcome("score-grpo-x", "ran", "", "k", "/s", kind="score", seconds=60.0),
+        StepOutcome("grpo-x", "cached", "", "k", "/g", kind="grpo", seconds=240.0),
+        StepOutcome("eval-grpo-x", "ran", "", "k", report(tmp_path / "b", 4), kind="eval", seconds=None),
+    ]
+    changes = stage_deltas(summary)
+    assert changes["eval-grpo-x/stage_minutes"] == 5.0 and changes["eval-grpo-x/delta_accuracy_strict"] == 1.0
+    assert "eval-baseline/stage_minutes" not in changes
+
+
 def test_checkpoints_of_unfinished_stages_are_named_after_a_walk(walk, caplog):
     from posttrain.cache.store import Store
     from posttrain.flows.plan_walker import warn_unfinished
@@ -313,7 +338,8 @@ def test_a_stages_summary_is_logged_at_its_last_step_or_at_zero(tmp_path, metric
 
     (tmp_path / "stage.json").write_text("{}")
     run = RecordingRun()
-    _log_result(run, StageResult(stage="sft", output_dir=str(tmp_path), metrics=metrics, fingerprints={}))
+    result = StageResult(stage="sft", output_dir=str(tmp_path), metrics=metrics, fingerprints={})
+    _log_result(run, result, cfg=_smoke_cfg())
     assert run.called("log_metrics") == [((metrics,), {"step": step})]
 
 
@@ -334,9 +360,39 @@ def test_each_evaluation_set_gets_its_own_examples_table(tmp_path):
         sets={"gsm8k": {"accuracy_strict": 1.0}},
     )
     run = RecordingRun()
-    _log_result(run, result, model_id="model-1", dataset_name="heldout")
+    _log_result(run, result, model_id="model-1", cfg=_smoke_cfg())
     logged = [
         (kwargs["dataset_name"], kwargs["table"], kwargs["model_id"]) for _, kwargs in run.called("log_eval")
     ]
     assert logged == [("heldout", "eval_examples", "model-1"), ("gsm8k", "gsm8k/eval_examples", "model-1")]
     assert run.called("log_metrics") == [(({"eval/seconds": 2.0},), {})]
+
+
+def _smoke_cfg(*overrides: str):
+    from posttrain.pipeline import load_config
+
+    return load_config(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml", list(overrides))
+
+
+def test_a_scoring_step_logs_its_pass_rates_under_the_stages_band(tmp_path):
+    """The rates, the histogram and the table; the kept share under the band the config has now
+    (a band is not part of the scoring's key, so a cached scoring is shown as today's stage uses it)."""
+    from posttrain.core.results import ScoreResult
+    from posttrain.data.pass_rates import PassRates
+    from posttrain.evaluation import EvalRecord, EvalReport, score_completion
+    from posttrain.flows.plan_walker import _log_result
+
+    records = tuple(
+        EvalRecord.from_samples(pid, f"question {pid}", "1", [score_completion("<answer>1</answer>", "1")])
+        for pid in "abc"
+    )
+    EvalReport(model="m", summary={}, records=records).save(tmp_path)
+    PassRates(4, {"a": 0, "b": 1, "c": 2}).save(tmp_path)
+    result = ScoreResult("grpo-correctness", str(tmp_path), {"prompts": 3, "mean_pass_rate": 0.25}, "fp")
+    run = RecordingRun()
+    _log_result(run, result, cfg=_smoke_cfg("grpo.stages.1.pass_rate={samples: 4, band: [0.3, 1.0]}"))
+    assert run.called("log_metrics") == [(({"prompts": 3, "mean_pass_rate": 0.25},), {})]
+    [(args, _)] = run.called("log_pass_rates")
+    correct, samples, band, questions = args
+    assert (correct, samples, band) == ({"a": 0, "b": 1, "c": 2}, 4, (0.3, 1.0))
+    assert questions == {"a": "question a", "b": "question b", "c": "question c"}

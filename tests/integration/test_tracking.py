@@ -703,3 +703,22 @@ def test_logging_a_local_model_drops_only_mlflows_hub_lookup_notices(caplog):
         "something else went wrong",
         "The model card could not be retrieved (outside: kept)",
     ]
+
+
+def test_a_scoring_step_logs_its_histogram_table_and_kept_share(uri, tmp_path):
+    with start_pipeline_run(make_cfg(uri)) as tracker, tracker.stage("score-grpo-x", kind="score") as stage:
+        questions = {"a": "1+1?", "b": "2*3?", "c": "9-4?"}
+        stage.log_pass_rates({"a": 0, "b": 1, "c": 2, "d": 4}, 4, (0.0, 1.0), questions)
+    run = client(uri).get_run(stage.run_id)
+    assert run.data.metrics["kept"] == 2 and run.data.metrics["kept_share"] == 0.5
+    png = download(uri, stage.run_id, "pass_rates.png", tmp_path / "p").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+    table = json.loads(download(uri, stage.run_id, "pass_rates.json", tmp_path / "t").read_text())
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert [(r["id"], r["correct"], r["pass_rate"], r["kept"]) for r in rows] == [
+        ("a", 0, 0.0, False),
+        ("b", 1, 0.25, True),
+        ("c", 2, 0.5, True),
+        ("d", 4, 1.0, False),
+    ]
+    assert rows[1]["question"] == "2*3?" and rows[3]["question"] == ""

@@ -297,7 +297,9 @@ def test_resample_refills_flat_groups_with_fresh_groups_that_have_signal():
     groups = trained_groups(batch)
     assert len(batch["advantages"]) == 4 * G  # the batch keeps its size
     assert groups[2] == 3 and set(groups[:2] + groups[3:]) <= {11, 13, 14}  # the paying group stays put
-    assert signal_metrics(counts) == dict(zip(METRICS[:4], (1.0, 0.0, 3.0, float(len(rounds) - 1)), strict=True))
+    assert signal_metrics(counts) == dict(
+        zip(METRICS[:4], (1.0, 0.0, 3.0, float(len(rounds) - 1)), strict=True)
+    )
     assert 1 <= counts.rounds <= 4
     check_rows_consistent(batch)
 

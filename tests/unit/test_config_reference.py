@@ -25,6 +25,7 @@ SECTIONS = config_sections()
                 "grpo.stages[].rewards[]",
                 "grpo.stages[].data_filter",
                 "grpo.stages[].monitor",
+                "grpo.stages[].pass_rate",
             ],
         ),
         ("grpo.stages[]", None),  # the list marker is optional

@@ -679,3 +679,137 @@ def test_preview_reads_the_store_without_creating_it(smoke_config_path, tiny_mod
     assert {why for _, _, why in rows[1:]} == {"after data reruns"}
     assert preview(cfg, ["data"])[0] == ("data", "run", "forced")
     assert not store.exists()
+
+
+# --------------------------------------------------------------------------- pass-rate scoring
+
+SCORED = "grpo.stages.1.pass_rate={samples: 4}"
+
+
+def score_output(root: Path, stage: str = "grpo-correctness", correct=None):
+    from posttrain.cache.digests import fingerprint_tree
+    from posttrain.core.results import ScoreResult
+    from posttrain.data.pass_rates import PassRates
+
+    folder = root / f"score-{stage}"
+    folder.mkdir(parents=True)
+    PassRates(4, correct or {"a": 2, "b": 4}).save(folder)
+    return ScoreResult(stage, str(folder), {"prompts": 2}, "fp-base", fingerprint_tree(folder))
+
+
+def test_a_stage_with_pass_rate_is_scored_right_before_it(plan_for):
+    from posttrain.pipeline.plan import ScoreStep
+
+    plan = plan_for(SCORED)
+    names = plan.names
+    assert names.index("score-grpo-correctness") == names.index("grpo-correctness") - 1
+    assert "score-grpo-format" not in names  # only the stage that asks for it
+    step = plan.step("score-grpo-correctness")
+    assert isinstance(step, ScoreStep) and step.kind == "score" and step.feeds_downstream
+    assert step.section(plan.config) == plan.config.grpo.stages[1].pass_rate
+
+
+def test_the_score_key_follows_k_the_model_and_sampling_not_the_learning_rate_or_band(plan_for):
+    plan = plan_for(SCORED)
+    key = plan.step("score-grpo-correctness").key(plan.config, _inputs())
+
+    def key_with(*overrides, inputs=None):
+        other = plan_for(SCORED, *overrides)
+        return other.step("score-grpo-correctness").key(other.config, inputs or _inputs())
+
+    assert key_with("grpo.stages.1.pass_rate.samples=8") != key  # k
+    assert key_with(inputs=_inputs("fp-other")) != key  # the model the stage starts from
+    assert key_with(inputs=StepInputs(ModelRef("/base", "fp-base"), _data("x"))) != key  # the data
+    assert key_with("grpo.stages.1.pass_rate.candidates=16") != key
+    assert key_with("grpo.defaults.trainer.temperature=0.7") != key
+    assert key_with("grpo.defaults.trainer.max_completion_length=24") != key
+    assert key_with("seed=1") != key
+    # what only chooses among the rates, or only trains, leaves the scoring alone
+    assert key_with("grpo.stages.1.pass_rate.band=[0.2, 0.8]") == key
+    assert key_with("grpo.stages.1.pass_rate.weighting=variance") == key
+    assert key_with("grpo.defaults.trainer.learning_rate=0.5") == key
+    assert key_with("grpo.stages.1.trainer.beta=0.1") == key
+
+
+def test_the_stage_key_follows_its_pass_rates(plan_for, tmp_path):
+    plan = plan_for(SCORED)
+    stage = plan.step("grpo-correctness")
+    one = score_output(tmp_path / "one")
+    other = score_output(tmp_path / "two", correct={"a": 1, "b": 4})
+    with_one = StepInputs(_inputs().model, _data(), one)
+    assert stage.key(plan.config, with_one) != stage.key(
+        plan.config, StepInputs(_inputs().model, _data(), other)
+    )
+    banded = plan_for(SCORED, "grpo.stages.1.pass_rate.band=[0.2, 0.8]")
+    assert banded.step("grpo-correctness").key(banded.config, with_one) != stage.key(plan.config, with_one)
+    # a stage without pass_rate keeps the key it always had
+    plain = plan_for()
+    assert plain.step("grpo-correctness").key(plain.config, _inputs()) == plain.step("grpo-correctness").key(
+        plain.config, StepInputs(_inputs().model, _data(), one)
+    )
+
+
+def test_walk_hands_the_scores_to_their_stage_only(plan_for, tmp_path):
+    from posttrain.core.results import StageResult
+    from posttrain.pipeline.plan import ScoreStep
+
+    plan = plan_for(SCORED, "eval.after_each_stage=false", "eval.baseline=false")
+    scores = score_output(tmp_path)
+    seen = {}
+
+    def visit(step, key, inputs):
+        seen[step.name] = inputs.scores
+        if isinstance(step, DataStep):
+            return _data()
+        if isinstance(step, ScoreStep):
+            return scores
+        if isinstance(step, EvalStep):
+            return None
+        return StageResult(step.name, f"/out/{step.name}", {}, {"output": f"fp-{step.name}"})
+
+    plan.walk(ModelRef("/base", "fp-base"), visit)
+    assert seen["grpo-correctness"] == scores
+    assert seen["score-grpo-correctness"] is None and seen["grpo-format"] is None
+    assert seen["eval-grpo-correctness"] is None  # the stage's output is the next input, not the scores
+
+
+@pytest.mark.parametrize(
+    "damage_it",
+    [
+        lambda folder: (folder / "pass_rates.json").write_text("{"),
+        lambda folder: (folder / "pass_rates.json").unlink(),
+        lambda folder: (folder / "pass_rates.json").write_text(
+            '{"posttrain_pass_rates": 1, "samples": 4, "correct": {"a": 9}}'
+        ),
+    ],
+    ids=["truncated", "missing", "count above k"],
+)
+def test_a_damaged_pass_rate_file_is_recomputed(plan_for, tmp_path, damage_it):
+    import dataclasses
+
+    from posttrain.cache.digests import fingerprint_tree
+
+    step = plan_for(SCORED).step("score-grpo-correctness")
+    result = score_output(tmp_path)
+    assert step.output_is_valid(result)
+    damage_it(Path(result.output_dir))
+    assert not step.output_is_valid(result)
+    # even with a record that vouches for the damaged folder, the file must read back
+    forged = dataclasses.replace(result, output_fingerprint=fingerprint_tree(result.output_dir))
+    assert not step.output_is_valid(forged)
+
+
+def test_the_stage_trains_on_the_pass_rates_its_scoring_step_wrote(plan_for, monkeypatch, tmp_path):
+    import posttrain.pipeline.plan as plan_module
+    import posttrain.training.grpo as grpo
+
+    calls = []
+    monkeypatch.setattr(grpo, "run_grpo_stage", lambda *a, **kw: calls.append(kw["pass_rates"]) or "ran")
+    monkeypatch.setattr(plan_module, "load_data", lambda data: type("P", (), {"train": [], "eval": []})())
+    plan = plan_for(SCORED)
+    scores = score_output(tmp_path, correct={"a": 3, "b": 0})
+    inputs = StepInputs(_inputs().model, _data(), scores)
+    assert plan.step("grpo-correctness").run(plan.config, inputs, "/out") == "ran"
+    assert calls[0].correct == {"a": 3, "b": 0}
+    plan.step("grpo-format").run(plan.config, _inputs(), "/out")
+    assert calls[1] is None

@@ -46,6 +46,7 @@ ENTRY_MODULES: dict[str, tuple[str, ...]] = {
     "sft": ("posttrain.training.sft",),
     "dpo": ("posttrain.training.dpo",),
     "grpo": ("posttrain.training.grpo",),
+    "score": ("posttrain.evaluation.pass_rate", "posttrain.data.prepare", "posttrain.models.loading"),
 }
 """The modules each step kind runs, besides its own step code (:data:`STEP_SOURCES`)."""
 _STEPS, _PLAN = "posttrain.pipeline.steps", "posttrain.pipeline.plan"
@@ -67,6 +68,7 @@ STEP_SOURCES: dict[str, tuple[tuple[str, str], ...]] = {
         (_STEPS, "evaluation_inputs"),
     ),
     "grpo": ((_PLAN, "GRPOStep"), (_STEPS, "load_data"), (_STEPS, "in_training_records")),
+    "score": ((_STEPS, "score_step"), (_STEPS, "load_data")),
 }
 """(module, top-level function or class) of each kind's own step code."""
 NOT_CALLED: dict[str, tuple[str, ...]] = {"sft": ("posttrain.rewards",)}
@@ -79,6 +81,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "sft": ("torch", "transformers", "trl", "peft", "accelerate", "datasets"),
     "dpo": ("torch", "transformers", "trl", "peft", "accelerate", "datasets"),
     "grpo": ("torch", "transformers", "trl", "peft", "accelerate", "datasets"),
+    "score": ("torch", "transformers", "peft", "datasets"),
 }
 
 

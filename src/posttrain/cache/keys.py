@@ -40,6 +40,7 @@ __all__ = [
     "data_key",
     "eval_identity",
     "eval_key",
+    "score_identity",
     "stage_section",
     "train_identity",
     "train_key",
@@ -220,3 +221,37 @@ def eval_identity(
 def eval_key(cfg: PipelineConfig, step: str, model_fingerprint: str, data_fingerprint: str) -> str:
     """Key of the evaluation step ``step`` (``eval-<stage>``) of a model on the eval split."""
     return eval_identity(cfg, step, model_fingerprint, data_fingerprint).key
+
+
+SCORING_FIELDS = ("samples", "candidates")
+"""What a ``score-<stage>`` step measures: the band, the weighting and ``retire_after`` only choose among
+its pass rates at training time, so changing them reuses the scoring."""
+
+
+def score_identity(
+    cfg: PipelineConfig, stage: str, model_fingerprint: str, data_fingerprint: str
+) -> StepIdentity:
+    """Identity of the pass-rate scoring of GRPO stage ``stage`` (``grpo-<name>``): the model it starts
+    from, the prepared train split, k and the candidates, and everything that shapes a sample (the
+    stage's temperature, completion length, tools, data filter; the precision; the run's seed). The
+    learning rate and every other training option are not in it: a new learning rate reuses it."""
+    section = stage_section(cfg, stage)
+    assert isinstance(section, GRPOStageConfig) and section.pass_rate is not None
+    options = section.trainer_options()
+    config_hash = stable_hash(
+        {
+            "pass_rate": {f: getattr(section.pass_rate, f) for f in SCORING_FIELDS},
+            "sampling": {
+                "temperature": options.get("temperature", 1.0),
+                "max_completion_length": options["max_completion_length"],
+                "tools": list(section.tools),
+                "tool_protocol": section.tool_protocol,
+                "environment_factory": section.environment_factory,
+            },
+            "data_filter": cache_form(section.data_filter),
+            "precision": cfg.model.precision,
+            "seed": cfg.seed,
+        }
+    )
+    inputs = {"model": model_fingerprint, "data": data_fingerprint}
+    return StepIdentity(f"score-{stage}", config_hash, inputs, code_fingerprint("score"))

@@ -34,7 +34,7 @@ from pydantic import TypeAdapter, ValidationError
 from posttrain.cache.store import Store
 from posttrain.core.atomic import RESULT_FILE
 from posttrain.core.errors import PosttrainError
-from posttrain.core.results import DataResult, EvalResult, StageResult
+from posttrain.core.results import DataResult, EvalResult, ScoreResult, StageResult
 from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
 
 __all__ = [
@@ -55,6 +55,7 @@ RESULT_TYPES: dict[str, type] = {
     "sft": StageResult,
     "dpo": StageResult,
     "grpo": StageResult,
+    "score": ScoreResult,
 }
 """The result dataclass each step kind returns (``Step.kind``)."""
 _KEY = re.compile(r"^[0-9a-f]{24}$")
@@ -114,6 +115,8 @@ def _paths_of(result: Any) -> list[Path]:
         return [Path(result.report_dir), *(Path(result.report_dir, name) for name in result.sets)]
     if isinstance(result, StageResult):
         return [Path(result.output_dir), *(Path(result.output_dir, s) for s in result.samples)]
+    if isinstance(result, ScoreResult):
+        return [Path(result.output_dir)]
     return []
 
 

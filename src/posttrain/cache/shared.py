@@ -43,7 +43,7 @@ from posttrain.cache.records import RecordError, read_output_result
 from posttrain.core.atomic import RESULT_FILE, staging_dir, write_result
 from posttrain.core.errors import PosttrainError
 from posttrain.core.redact import redact_text
-from posttrain.core.results import DataResult, EvalResult, StageResult
+from posttrain.core.results import DataResult, EvalResult, ScoreResult, StageResult
 from posttrain.core.untrusted import UntrustedContentError, loads_bounded, note_unreadable
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def relocate_result(result: Any, output_dir: str | Path) -> Any:
         return replace(result, data_dir=where)
     if isinstance(result, EvalResult):
         return replace(result, report_dir=where)
-    if isinstance(result, StageResult):
+    if isinstance(result, StageResult | ScoreResult):
         return replace(result, output_dir=where)
     raise TypeError(f"not a step result: {type(result).__name__}")
 

@@ -55,7 +55,7 @@ class StoreLockedError(StoreError):
 
 
 MARKER = ".posttrain-store"
-_AREAS = ("locks", "data", "stages", "evals", "results", "prefect")
+_AREAS = ("locks", "data", "stages", "scores", "evals", "results", "prefect")
 """The folders of a store (each must be a real folder inside it, never a symbolic link)."""
 
 _HELD: set[Path] = set()
@@ -132,6 +132,9 @@ class Store:
     def stage_dir(self, stage: str, key: str) -> Path:
         return self.root / "stages" / f"{stage}-{key[:12]}"
 
+    def score_dir(self, stage: str, key: str) -> Path:
+        return self.root / "scores" / f"{stage}-{key[:12]}"
+
     def eval_dir(self, stage: str, key: str) -> Path:
         return self.root / "evals" / f"{stage}-{key[:12]}"
 
@@ -153,7 +156,9 @@ class Store:
         if not self.is_marked:
             raise StoreError(f"refusing to clean {self.root}: not a posttrain store (no {MARKER} marker)")
         self.check_contained()
-        touched = [p for area in ("data", "stages", "evals") for p in tidy_interrupted(self.root / area)]
+        touched = [
+            p for area in ("data", "stages", "scores", "evals") for p in tidy_interrupted(self.root / area)
+        ]
         if touched:
             logger.warning(
                 "cleaned %d leftover(s) of an interrupted run in %s: %s",

@@ -73,6 +73,7 @@ __all__ = [
     "LaunchConfig",
     "LaunchOverride",
     "ModelConfig",
+    "PassRateConfig",
     "PipelineConfig",
     "RewardSpec",
     "SFTStageConfig",
@@ -636,9 +637,50 @@ class StageDataFilter(StrictModel):
     cache_names: ClassVar[dict[str, str]] = {"limit": "num_examples"}
 
 
+class PassRateConfig(StrictModel):
+    """How a GRPO stage chooses its prompts by how often its input model solves them (its
+    ``score-<stage>`` step, see posttrain.evaluation.pass_rate): a group of completions that all
+    succeed or all fail carries no gradient, so prompts the model always or never solves are
+    dropped before the stage spends rollouts on them."""
+
+    samples: int = Field(8, ge=2)
+    """Completions sampled per candidate prompt (k), at the stage's temperature, completion length
+    and tools; a prompt's pass rate is the share of them the ``correctness`` reward pays."""
+    candidates: int | None = Field(256, ge=1)
+    """Prompts scored: the first N of the stage's data (after ``data_filter``); null: all of it."""
+    band: tuple[float, float] = (0.0, 1.0)
+    """Open interval of pass rates kept: ``[0, 1]`` keeps what the model sometimes solves and
+    sometimes does not; ``[0.1, 0.9]`` also drops the nearly always and nearly never solved."""
+    weighting: Literal["uniform", "variance"] = "uniform"
+    """``variance``: the kept prompts are drawn (with replacement, seeded) in proportion to
+    p(1-p), the reward variance of a prompt solved with probability p, which peaks at one half:
+    the prompts whose groups most likely differ come round most often."""
+
+    @model_validator(mode="after")
+    def _band_in_order(self) -> PassRateConfig:
+        low, high = self.band
+        if not 0.0 <= low < high <= 1.0:
+            raise ValueError(f"band: [{low}, {high}] is not 0 <= low < high <= 1")
+        return self
+
+    def keeps(self, rate: float) -> bool:
+        """Whether a prompt with pass rate ``rate`` trains (strictly inside the band).
+
+        >>> PassRateConfig().keeps(0.0), PassRateConfig().keeps(0.5), PassRateConfig().keeps(1.0)
+        (False, True, False)
+        """
+        low, high = self.band
+        return low < rate < high
+
+
 class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     trl_kind: ClassVar[str] = "grpo"
-    omit_when_default: ClassVar[tuple[str, ...]] = (*_ToolFields.omit_when_default, *_SELECTION_KEYS)
+    omit_when_default: ClassVar[tuple[str, ...]] = (
+        *_ToolFields.omit_when_default,
+        *_SELECTION_KEYS,
+        "pass_rate",
+        "zero_signal_retire_after",
+    )
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
     """Lowercase and unique: the stage's step is ``grpo-<name>`` (``--force``, runs, store folders)."""
     rewards: list[RewardSpec] = Field(min_length=1)
@@ -656,12 +698,19 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     See posttrain.training.zero_signal."""
     zero_signal_max_rounds: int = Field(4, ge=1)
     """resample: extra generation rounds per generation batch at most (each at most the batch's size)."""
+    zero_signal_retire_after: int | None = Field(None, ge=1)
+    """drop or resample: retire a prompt from the stage once this many of its groups in a row
+    scored alike: it is not generated for again, and a fresh prompt of the stage's data (one not
+    retired) takes its place in the batch before generation. Null: prompts never leave."""
     eval_every: int | None = Field(None, ge=1)
     """Evaluate greedily on the selection slice (``data.selection_size``; else the held-out slice) at
     the start and every N steps (``eval/accuracy``, ``eval/accuracy_flexible``, ``eval/format`` next
     to the reward; what ``keep: best`` chooses by); null: no in-training evaluation."""
     eval_limit: int = Field(64, ge=1)
     """Held-out questions per in-training evaluation (those in the stage's ``data_filter`` ops range)."""
+    pass_rate: PassRateConfig | None = None
+    """Choose the stage's prompts by the input model's measured pass rate (a ``score-<stage>`` step
+    before the stage); null: the stage trains on its whole ``data_filter`` slice."""
     tools: list[str] = Field(default_factory=list)
     """Tools the stage's rollouts (and its in-training evaluation) use. ``inline`` ``[calculator]``:
     after an arithmetic expression and ``=`` posttrain's engine writes the value's tokens, which are
@@ -682,6 +731,20 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
             raise ValueError(
                 f"tools: {', '.join(self.tools)} runs in posttrain's generation engine, and these trainer "
                 f"options leave generation to TRL or vLLM: {', '.join(blockers)}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pass_rate_samples_as_the_stage(self) -> GRPOStageConfig:
+        # The scoring step samples with posttrain's engine (temperature only); a pass rate measured
+        # under other sampling would choose prompts for a policy the stage does not run.
+        unlike = [b for b in generation_blockers(self.trainer_options()) if b != "use_vllm"]
+        if self.zero_signal_retire_after is not None and self.zero_signal == "keep":
+            raise ValueError("zero_signal_retire_after: needs zero_signal: drop or resample")
+        if self.pass_rate is not None and unlike:
+            raise ValueError(
+                f"pass_rate: scoring samples at the stage's temperature alone, and these trainer options "
+                f"sample otherwise: {', '.join(unlike)}"
             )
         return self
 

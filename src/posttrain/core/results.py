@@ -1,7 +1,7 @@
 """What each kind of step returns: small frozen results naming their output folder and its content hash.
 
 The data step returns :class:`DataResult`, an evaluation :class:`EvalResult`, a training stage
-:class:`StageResult`. Cache records and every output's ``.result.json`` hold them as JSON, rebuilt
+:class:`StageResult`, a GRPO stage's pass-rate scoring :class:`ScoreResult`. Cache records and every output's ``.result.json`` hold them as JSON, rebuilt
 field by field (``posttrain.cache.records``); a process hands them to another pickled.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from posttrain.core.metric_names import qualify_metrics
 
-__all__ = ["DataResult", "EvalResult", "StageResult"]
+__all__ = ["DataResult", "EvalResult", "ScoreResult", "StageResult"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,23 @@ class StageResult:
     artifact: str = "merged"
     """`merged` (LoRA folded in), `full` (full fine-tuning) or `adapter` (needs ``adapter_base``)."""
     adapter_base: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """A ``score-<stage>`` step's output: per-prompt pass rates (``pass_rates.json``) and the k samples'
+    report they were counted from, measured on the model the stage starts from."""
+
+    stage: str
+    """The GRPO stage the prompts are scored for: ``grpo-<name>``."""
+    output_dir: str
+    summary: Mapping[str, float | int]
+    """``prompts``, ``samples``, ``kept``, ``kept_share``, ``mean_pass_rate`` and the timings."""
+    model_fingerprint: str
+    output_fingerprint: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -49,6 +49,7 @@ __all__ = [
     "filter_by_ops",
     "prepare_data",
     "prompt_token_lengths",
+    "select_stage_data",
     "question_ngrams",
     "split_records",
     "split_selection",
@@ -398,6 +399,14 @@ def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequenc
 
 def _ops_in_range(ops: list[int], lo: int | None, hi: int | None) -> list[bool]:
     return [(lo is None or n >= lo) and (hi is None or n <= hi) for n in ops]
+
+
+def select_stage_data(dataset: datasets.Dataset, data_filter: Any) -> datasets.Dataset:
+    """Apply a GRPO stage's ``data_filter``: operation range first, then the first ``limit`` rows."""
+    ds = filter_by_ops(dataset, data_filter.min_ops, data_filter.max_ops)
+    if data_filter.limit is not None and data_filter.limit < len(ds):
+        ds = ds.select(range(data_filter.limit))
+    return ds
 
 
 def filter_by_ops(

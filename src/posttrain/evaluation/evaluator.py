@@ -127,7 +127,7 @@ def _prompt_ids(
             for c, r in zip(chats, chat_rows, strict=True)
         ]
     else:
-        encoded = encode_prompts(tokenizer, chats)
+        encoded = encode_prompts(tokenizer, chats) if chats else []  # every prompt may be text already
     for row, prompt_ids in zip(chat_rows, encoded, strict=True):
         ids[row] = prompt_ids
     return ids  # type: ignore[return-value]

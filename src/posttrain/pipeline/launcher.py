@@ -146,6 +146,7 @@ def _request(cfg: PipelineConfig, step: str, inputs: Any, output_dir: str) -> di
         "step": step,
         "model": asdict(inputs.model),
         "data": asdict(inputs.data) if inputs.data is not None else None,
+        "scores": asdict(inputs.scores) if inputs.scores is not None else None,
         "output_dir": str(output_dir),
     }
 

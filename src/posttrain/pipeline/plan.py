@@ -28,7 +28,7 @@ from posttrain.cache.records import StoreRecords
 from posttrain.cache.store import Store
 from posttrain.core.config import PipelineConfig
 from posttrain.core.errors import ConfigError, PosttrainError
-from posttrain.core.results import DataResult, EvalResult, StageResult
+from posttrain.core.results import DataResult, EvalResult, ScoreResult, StageResult
 from posttrain.core.untrusted import note_unreadable
 from posttrain.evaluation.report import EvalReport
 from posttrain.models.artifacts import fingerprint_dir, is_complete_stage, read_stage_json
@@ -43,6 +43,7 @@ __all__ = [
     "DataStep",
     "EvalStep",
     "Plan",
+    "ScoreStep",
     "Step",
     "StepInputs",
     "TrainStep",
@@ -53,17 +54,19 @@ __all__ = [
 
 @dataclass(frozen=True)
 class StepInputs:
-    """What a step consumes: the current model and, after the data step, the prepared data."""
+    """What a step consumes: the current model and, after the data step, the prepared data; a GRPO
+    stage with ``pass_rate:`` also its scoring step's result."""
 
     model: ModelRef
     data: DataResult | None = None
+    scores: ScoreResult | None = None
 
 
 class Step:
     """One step of the plan: its identity, cache key, output location, how to run and verify it."""
 
     kind: ClassVar[str]
-    """`data`, `sft`, `dpo`, `grpo` or `eval`: tags the MLflow run, names the Prefect task."""
+    """`data`, `sft`, `dpo`, `grpo`, `score` or `eval`: tags the MLflow run, names the Prefect task."""
     feeds_downstream: ClassVar[bool] = True
     """False for evaluations: nothing downstream consumes their output."""
     name: str
@@ -167,7 +170,8 @@ class TrainStep(Step):
         assert inputs.data is not None
         if cfg.launch_of(self.section(cfg)).launcher == "accelerate":
             return launch_stage(cfg, self.name, self.kind, self.section(cfg), inputs, str(output_dir))
-        return self.train(cfg, inputs.model, inputs.data, output_dir, report_to)
+        scored = {"scores": inputs.scores} if inputs.scores is not None else {}
+        return self.train(cfg, inputs.model, inputs.data, output_dir, report_to, **scored)
 
     def train(self, cfg, model: ModelRef, data: DataResult, output_dir: str, report_to: Any) -> StageResult:
         raise NotImplementedError
@@ -250,13 +254,14 @@ class DPOStep(TrainStep):
 class GRPOStep(TrainStep):
     kind: ClassVar[str] = "grpo"
 
-    def train(self, cfg, model, data, output_dir, report_to):
+    def train(self, cfg, model, data, output_dir, report_to, scores: ScoreResult | None = None):
         """One GRPO stage, from ``model`` (the previous stage's output) into ``output_dir``.
 
         With ``eval_every`` the stage also reads the selection slice, else the held-out split (cut
         from the same records as the train split, whose fingerprint is in the stage's key; ``keep:
         best`` adds the selection slice's own, see posttrain.cache.keys).
         """
+        from posttrain.data.pass_rates import PassRates
         from posttrain.training.grpo import run_grpo_stage  # heavy: torch, transformers, TRL
 
         stage_cfg, prepared = self.section(cfg), load_data(data)
@@ -270,7 +275,72 @@ class GRPOStep(TrainStep):
             report_to=report_to,
             heldout=in_training_records(prepared, stage_cfg),
             vllm_server_cfg=cfg.vllm_server,
+            pass_rates=PassRates.load(scores.output_dir) if scores is not None else None,
         )
+
+    def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
+        """A stage that chooses its prompts by pass rate also depends on the pass rates it chose by."""
+        identity = super().identity(cfg, inputs)
+        if self.section(cfg).pass_rate is None:
+            return identity
+        assert inputs.scores is not None, "a stage with pass_rate: runs after its scoring step"
+        inputs_with_scores = {**identity.inputs, "pass_rates": inputs.scores.output_fingerprint}
+        return keys.StepIdentity(identity.step, identity.config_hash, inputs_with_scores, identity.code)
+
+
+@dataclass(frozen=True)
+class ScoreStep(Step):
+    """Pass rates of a GRPO stage's candidate prompts under the model the stage starts from
+    (``score-grpo-<name>``, before the stage; its ``pass_rate:`` section)."""
+
+    kind: ClassVar[str] = "score"
+    stage: str = ""
+    """The GRPO stage's step name, ``grpo-<name>``."""
+    name: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", f"score-{self.stage}")
+
+    def section(self, cfg: PipelineConfig) -> Any:
+        return keys.stage_section(cfg, self.stage).pass_rate
+
+    def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
+        assert inputs.data is not None, "scoring runs after the data step"
+        return keys.score_identity(cfg, self.stage, inputs.model.fingerprint, inputs.data.train_fingerprint)
+
+    def output_dir(self, store: Store, key: str) -> Path:
+        return store.score_dir(self.stage, key)
+
+    def run(self, cfg, inputs, output_dir, report_to="none") -> ScoreResult:
+        assert inputs.data is not None
+        return steps.score_step(cfg, self.stage, inputs.model, inputs.data, output_dir)
+
+    def output_is_valid(self, result: Any) -> bool:
+        """The folder is intact and its pass-rate file reads back (bounded, every count checked)."""
+        from posttrain.data.pass_rates import PassRates
+
+        if not isinstance(result, ScoreResult) or not _intact(result.output_dir, result.output_fingerprint):
+            return False
+        try:
+            PassRates.load(result.output_dir)
+        except (PosttrainError, OSError) as exc:
+            note_unreadable(exc)
+            return False
+        return True
+
+    def made_from(self, result: Any, inputs: StepInputs) -> bool:
+        return result.model_fingerprint == inputs.model.fingerprint and result.stage == self.stage
+
+    def advance(self, inputs: StepInputs, result: ScoreResult) -> StepInputs:
+        return StepInputs(inputs.model, inputs.data, result)
+
+    @staticmethod
+    def output_of(result: ScoreResult) -> str:
+        return result.output_dir
+
+    @staticmethod
+    def metrics_of(result: ScoreResult) -> dict[str, Any]:
+        return dict(result.summary)
 
 
 TRAIN_KINDS: dict[str, type[TrainStep]] = {"sft": SFTStep, "dpo": DPOStep, "grpo": GRPOStep}
@@ -404,12 +474,15 @@ class Plan:
 
 
 def build_plan(cfg: PipelineConfig) -> Plan:
-    """The steps of ``cfg`` in execution order: data, baseline eval, each stage and its eval."""
+    """The steps of ``cfg`` in execution order: data, baseline eval, each stage (a GRPO stage with
+    ``pass_rate:`` after its scoring step) and its eval."""
     plan: list[Step] = [DataStep()]
     stages = cfg.stages()
     if cfg.eval.baseline:
         plan.append(EvalStep("baseline", final=not stages))
     for i, (kind, name) in enumerate(stages):
+        if kind == "grpo" and keys.stage_section(cfg, name).pass_rate is not None:
+            plan.append(ScoreStep(stage=name))
         plan.append(TRAIN_KINDS[kind](name=name))
         if cfg.eval.after_each_stage or i == len(stages) - 1:
             plan.append(EvalStep(name, final=i == len(stages) - 1))

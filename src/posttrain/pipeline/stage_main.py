@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from posttrain.core.config import PipelineConfig
-from posttrain.core.results import DataResult
+from posttrain.core.results import DataResult, ScoreResult
 from posttrain.pipeline.plan import TrainStep, build_plan
 from posttrain.pipeline.steps import ModelRef
 
@@ -27,7 +27,8 @@ def run_request(request: dict) -> None:
     step = build_plan(cfg).step(request["step"])
     assert isinstance(step, TrainStep), f"{step.name} is not a training step"
     data = DataResult(**request["data"])
-    step.train(cfg, ModelRef(**request["model"]), data, request["output_dir"], "none")
+    scored = {"scores": ScoreResult(**request["scores"])} if request.get("scores") else {}
+    step.train(cfg, ModelRef(**request["model"]), data, request["output_dir"], "none", **scored)
 
 
 def main(argv: list[str] | None = None) -> int:

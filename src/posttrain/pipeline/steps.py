@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from posttrain.core.config import EvalConfig, PipelineConfig
 from posttrain.core.errors import ConfigError
 from posttrain.core.metric_names import qualify_metrics
 from posttrain.core.prompts import select_few_shot
-from posttrain.core.results import DataResult, EvalResult
+from posttrain.core.results import DataResult, EvalResult, ScoreResult
 from posttrain.data.eval_sets import eval_set_info, load_eval_records
 from posttrain.models.artifacts import fingerprint_model
 from posttrain.models.loading import load_stage_model, load_tokenizer
@@ -194,6 +195,58 @@ def eval_step(
             model_fingerprint=model.fingerprint,
             output_fingerprint=fingerprint_tree(tmp),
             sets={name: report_metrics(r) for name, r in reports.items() if name},
+        )
+        write_result(tmp, result)
+    return result
+
+
+def score_step(
+    cfg: PipelineConfig, stage: str, model: ModelRef, data: DataResult, output_dir: str | Path
+) -> ScoreResult:
+    """Pass rates of GRPO stage ``stage``'s candidate prompts under ``model`` (the model the stage starts
+    from): ``pass_rates.json`` and the k samples' report (``report.json``, ``examples.jsonl``)."""
+    from posttrain.cache.keys import stage_section
+    from posttrain.data.prepare import select_stage_data  # heavy: datasets
+    from posttrain.evaluation.pass_rate import score_pass_rates  # heavy: torch, transformers
+
+    start = time.perf_counter()
+    section = stage_section(cfg, stage)
+    assert section.pass_rate is not None, f"{stage} has no pass_rate: section"
+    rows = select_stage_data(load_data(data).train, section.data_filter)
+    if section.pass_rate.candidates is not None and section.pass_rate.candidates < len(rows):
+        rows = rows.select(range(section.pass_rate.candidates))
+    loaded = load_stage_model(
+        model.path, cfg.model.precision, cfg.model.cache_dir, revision=cfg.model.revision
+    )
+    scoring = score_pass_rates(
+        loaded,
+        rows,
+        section,
+        seed=cfg.seed,
+        precision=cfg.model.precision,
+        system_prompt=cfg.data.system_prompt or None,
+        few_shot=select_few_shot(cfg.data.few_shot),
+        progress=True,
+    )
+    rates = scoring.rates
+    with staging_dir(output_dir) as tmp:
+        scoring.report.save(tmp)
+        rates.save(tmp)
+        mean = sum(rates.correct.values()) / max(1, len(rates.correct)) / rates.samples
+        result = ScoreResult(
+            stage=stage,
+            output_dir=str(Path(output_dir).resolve()),
+            summary={
+                "prompts": len(rates.correct),
+                "samples": rates.samples,
+                "mean_pass_rate": round(mean, 4),
+                "never_solved": rates.histogram()[0],
+                "always_solved": rates.histogram()[-1],
+                **{k: v for k, v in scoring.report.timings.items() if isinstance(v, int | float)},
+                "duration_s": round(time.perf_counter() - start, 3),  # loading and scoring: its cost
+            },
+            model_fingerprint=model.fingerprint,
+            output_fingerprint=fingerprint_tree(tmp),
         )
         write_result(tmp, result)
     return result

@@ -48,6 +48,7 @@ __all__ = [
     "compare_runs",
     "eval_metrics_by_stage",
     "format_comparison",
+    "pass_rate_figure",
     "plot_comparison",
     "reward_curves_figure",
     "is_curve_metric",
@@ -357,6 +358,20 @@ def reward_curves_figure(curves: Curves, title: str = "rewards") -> Figure:
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+def pass_rate_figure(histogram: Sequence[int], band: tuple[float, float], title: str) -> Figure:
+    """Bars of prompts by correct completions out of k (``histogram[i]``: prompts with i correct), the
+    kept ones (pass rate strictly inside ``band``) in colour, the dropped ones grey."""
+    k = len(histogram) - 1
+    fig, (ax,) = _figure(6, 3.5)
+    kept = [band[0] < i / k < band[1] for i in range(k + 1)]
+    bars = ax.bar(range(k + 1), histogram, color=["tab:blue" if keep else "lightgrey" for keep in kept])
+    ax.bar_label(bars, fontsize=7)
+    ax.set_xticks(range(k + 1), [f"{i}/{k}" for i in range(k + 1)])
+    ax.set(title=title, xlabel="correct completions", ylabel="prompts")
+    ax.grid(axis="y", alpha=0.3)
     return fig
 
 

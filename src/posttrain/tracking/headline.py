@@ -5,7 +5,8 @@ and across seeds. Pure functions on the ``<stage>/<metric>`` values a pipeline r
 accuracy and the strict-format rate, each with its 95 % Wilson interval; below each, the change
 from the evaluation before it in the run, with the paired interval the run logged (Newcombe's
 paired score interval on the same questions, :func:`posttrain.evaluation.diff.stage_delta_metrics`)
-and a ``*`` where that interval excludes zero. Every other number (decode steps, load seconds,
+and a ``*`` where that interval excludes zero; below the strict change, the minutes of training
+and scoring it was bought with and the points per minute. Every other number (decode steps, load seconds,
 tool calls, per-difficulty slices, in-training evaluations) is a counter, shown with ``--all``.
 
 **Across seeds.** Runs of one config that differ only in ``seed`` share the tag
@@ -27,6 +28,7 @@ from posttrain.core.stats import Interval, format_percent, t_interval
 
 __all__ = [
     "HEADLINE_METRICS",
+    "STAGE_MINUTES",
     "SeedRun",
     "counter_names",
     "format_headline",
@@ -49,10 +51,16 @@ def _split(name: str) -> tuple[str, str, str | None, int | None]:
     return stage, metric, eval_set, ops
 
 
+STAGE_MINUTES = "stage_minutes"
+"""``eval-<stage>/stage_minutes``: wall time of the training and scoring steps the change was bought with."""
+
+
 def _is_headline(name: str) -> bool:
     stage, metric, _, ops = _split(name)
     if not stage.startswith("eval-") or ops is not None:
         return False
+    if metric == STAGE_MINUTES:
+        return True
     for base in HEADLINE_METRICS:
         family = {base, *interval_names(base)}
         family |= {f"{part}{base}" for part in _DELTA_PARTS} | set(interval_names(f"delta_{base}"))
@@ -137,7 +145,26 @@ def format_headline(
             if previous is not None and any(d is not None for d in deltas):
                 label = f"  change from {previous.removeprefix('eval-')}"
                 rows.append((label, [d or "-" for d in deltas]))
+                if metric == "accuracy_strict" and eval_set is None:
+                    costs = [_cost_cell(m, stage) for m in columns]
+                    if any(c != "-" for c in costs):
+                        rows.append(("  bought with", costs))
     return rows
+
+
+def _cost_cell(metrics: Mapping[str, float], stage: str) -> str:
+    """``12.5 min, +0.40 points/min``: what the stage's strict change cost ("-" when not logged).
+
+    >>> _cost_cell({"eval-x/stage_minutes": 12.5, "eval-x/delta_accuracy_strict": 0.05}, "eval-x")
+    '12.5 min, +0.40 points/min'
+    """
+    minutes = metrics.get(f"{stage}/{STAGE_MINUTES}")
+    if minutes is None:
+        return "-"
+    delta = metrics.get(f"{stage}/delta_accuracy_strict")
+    if delta is None or minutes <= 0:
+        return f"{minutes:.1f} min"
+    return f"{minutes:.1f} min, {100 * delta / minutes:+.2f} points/min"
 
 
 # --------------------------------------------------------------------------- across seeds

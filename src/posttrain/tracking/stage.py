@@ -12,7 +12,13 @@ from typing import Any
 
 from posttrain.core.hashing import jsonable
 from posttrain.core.redact import redact, redact_text
-from posttrain.tracking.compare import cell_text, is_curve_metric, reward_curves_figure, reward_series
+from posttrain.tracking.compare import (
+    cell_text,
+    is_curve_metric,
+    pass_rate_figure,
+    reward_curves_figure,
+    reward_series,
+)
 from posttrain.tracking.mlflow_io import (
     MAX_TAG_LENGTH,
     flatten_params,
@@ -293,6 +299,39 @@ class StageRun:
         if self.parent_run_id:  # visible from the pipeline run too: which stage raised what
             kinds = ",".join(k.removeprefix("alert.") for k in tags if k.startswith("alert."))
             self._client.set_tag(self.parent_run_id, safe_key(f"alerts.{self.name}"), kinds)
+
+    def log_pass_rates(
+        self,
+        correct: Mapping[str, int],
+        samples: int,
+        band: tuple[float, float],
+        questions: Mapping[str, str],
+    ) -> None:
+        """A scoring step's pass rates: ``pass_rates.png`` (prompts by correct completions, the kept
+        ones in colour), the ``pass_rates`` table (one row per prompt) and ``kept``/``kept_share``
+        under the stage's current band."""
+        if not self.enabled:
+            return
+        import pandas as pd
+
+        histogram = [0] * (samples + 1)
+        for n in correct.values():
+            histogram[n] += 1
+        kept = sum(1 for n in correct.values() if band[0] < n / samples < band[1])
+        self.log_metrics({"kept": kept, "kept_share": kept / max(1, len(correct))})
+        title = f"{self.name}: pass rates of {len(correct)} prompts ({kept} kept)"
+        self._client.log_figure(self.run_id, pass_rate_figure(histogram, band, title), "pass_rates.png")
+        rows = [
+            {
+                "id": pid,
+                "question": cell_text(questions.get(pid, "")),
+                "correct": n,
+                "pass_rate": n / samples,
+                "kept": band[0] < n / samples < band[1],
+            }
+            for pid, n in correct.items()
+        ]
+        self._client.log_table(self.run_id, pd.DataFrame(rows), "pass_rates.json")
 
     def plot_rewards(self, history: Sequence[Mapping[str, Any]] | None = None) -> bool:
         """``reward_curves.png``: ``reward``, each ``rewards/<fn>/mean`` and ``eval/accuracy`` by step.

@@ -33,6 +33,7 @@ from posttrain.core.errors import StageError
 from posttrain.core.keep_best import selection_trainer_options
 from posttrain.core.net import free_port
 from posttrain.core.results import StageResult
+from posttrain.data.pass_rates import PassRates, kept_ids, select_by_pass_rate
 from posttrain.generation.vllm_server import ServerAddress, vllm_server
 from posttrain.models.artifacts import adapter_root
 from posttrain.models.resolve import resolve_model_path
@@ -62,7 +63,7 @@ __all__ = [
     "make_grpo_trainer",
     "prune_samples",
     "run_grpo_stage",
-    "select_stage_data",
+    "stage_prompts",
     "stage_vllm_server",
 ]
 
@@ -125,14 +126,35 @@ def stage_vllm_server(
         yield address
 
 
-def select_stage_data(dataset: Any, data_filter) -> Any:
-    """Apply a stage's ``data_filter``: operation range first, then the first ``limit`` rows."""
-    from posttrain.data.prepare import filter_by_ops
+def stage_prompts(stage_cfg: GRPOStageConfig, dataset: Any, pass_rates: PassRates | None, seed: int) -> Any:
+    """The prompts a stage trains on: its ``data_filter`` slice, then, with ``pass_rate:``, the scored
+    prompts whose pass rate lies in its band (:func:`posttrain.data.pass_rates.select_by_pass_rate`)."""
+    from posttrain.data.prepare import select_stage_data  # heavy: datasets
 
-    ds = filter_by_ops(dataset, data_filter.min_ops, data_filter.max_ops)
-    if data_filter.limit is not None and data_filter.limit < len(ds):
-        ds = ds.select(range(data_filter.limit))
-    return ds
+    stage = stage_cfg.step_name
+    data = select_stage_data(dataset, stage_cfg.data_filter)
+    if stage_cfg.pass_rate is None:
+        return data
+    if pass_rates is None:
+        raise StageError(f"[{stage}] pass_rate: the stage needs its score-{stage} step's pass rates")
+    kept = select_by_pass_rate(data, pass_rates, stage_cfg.pass_rate, seed)
+    low, high = stage_cfg.pass_rate.band
+    if len(kept) == 0:
+        raise StageError(
+            f"[{stage}] pass_rate: none of the {len(pass_rates.correct)} scored prompts has a pass rate "
+            f"strictly between {low} and {high} (histogram by correct completions: "
+            f"{pass_rates.histogram()}); widen the band or score more candidates"
+        )
+    logger.info(
+        "[%s] %d of %d scored prompts have a pass rate strictly between %s and %s (%s weighting)",
+        stage,
+        len(kept_ids(pass_rates, stage_cfg.pass_rate)),
+        len(pass_rates.correct),
+        low,
+        high,
+        stage_cfg.pass_rate.weighting,
+    )
+    return kept
 
 
 def prune_samples(directory: Path, every: int) -> list[str]:
@@ -161,6 +183,7 @@ def make_grpo_trainer(
     callbacks: Sequence[Any] = (),
     heldout: Any = None,
     server: ServerAddress | None = None,
+    pass_rates: PassRates | None = None,
 ):
     """The configured trainer and its health callback, ready to ``train()`` (shared with the benchmark).
 
@@ -172,6 +195,7 @@ def make_grpo_trainer(
     ``heldout`` (the prepared data's selection slice, else its held-out records) feeds the stage's
     ``eval_every`` evaluation, which ``keep: best`` chooses the output checkpoint by.
     ``server`` is a running vLLM server for TRL's server mode (see :func:`stage_vllm_server`).
+    ``pass_rates`` are the stage's scored prompts (``pass_rate:``, see :func:`stage_prompts`).
     """
     from trl import GRPOConfig
 
@@ -189,7 +213,7 @@ def make_grpo_trainer(
     compact_fused_head_on_cpu()
     no_completion_tables()
     stage = f"grpo-{stage_cfg.name}"
-    data = select_stage_data(train_dataset, stage_cfg.data_filter)
+    data = stage_prompts(stage_cfg, train_dataset, pass_rates, ctx.seed)
     reward_funcs, weights = build_reward_funcs(stage_cfg.rewards)
     model, tokenizer, peft_config = load_policy(model_cfg, model_path)
     args = GRPOConfig(**grpo_arguments(stage_cfg, ctx, server), reward_weights=weights)
@@ -236,6 +260,7 @@ def make_grpo_trainer(
         rollout_func=rollout,
         zero_signal=stage_cfg.zero_signal,
         max_rounds=stage_cfg.zero_signal_max_rounds,
+        retire_after=stage_cfg.zero_signal_retire_after,
         model=model,
         reward_funcs=reward_funcs,
         args=args,
@@ -286,6 +311,7 @@ def run_grpo_stage(
     heldout: Any = None,
     vllm_server_cfg: VLLMServerConfig | None = None,
     server_command: Sequence[str] | None = None,
+    pass_rates: PassRates | None = None,
 ) -> StageResult:
     """Train one GRPO stage from ``model_path`` on prepared data (``prompt`` messages + ``answer``).
 
@@ -299,6 +325,7 @@ def run_grpo_stage(
 
     ``vllm_server_cfg`` (the config's ``vllm_server:``) makes posttrain run the stage's vLLM server
     when its options select TRL's server mode; ``server_command`` replaces ``trl vllm-serve`` (tests).
+    ``pass_rates`` (the stage's ``score-<stage>`` step) choose its prompts when it sets ``pass_rate:``.
     """
     options = grpo_options(stage_cfg)
 
@@ -320,6 +347,7 @@ def run_grpo_stage(
                 fast_generation=fast_generation,
                 heldout=heldout,
                 server=server,
+                pass_rates=pass_rates,
             )
             output = trainer.train(resume_from_checkpoint=ctx.resume_from)
         return TrainOutcome.from_trainer(

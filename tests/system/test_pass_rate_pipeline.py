@@ -1,0 +1,120 @@
+"""A GRPO stage with ``pass_rate:`` through the whole pipeline: the scoring step runs as a Prefect
+task before its stage, its rates are kept in the store and logged to MLflow, the stage trains on
+the prompts in the band only, and a rerun serves the scoring from cache (a new learning rate too).
+
+The model is scripted (tests/integration/test_pass_rate.py): whatever the question it answers 7
+with probability 3/4 and 8 otherwise, so questions whose gold is 9 are never solved and must
+never reach the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from scripted_models import answers_seven_mostly
+
+pytestmark = pytest.mark.system
+
+GOLDS = (7, 8, 9)
+
+
+@pytest.fixture(scope="module")
+def scripted_model_dir(tiny_tokenizer, tmp_path_factory) -> Path:
+    model = answers_seven_mostly(tiny_tokenizer, "\n", 0.75)  # the generation prompt ends in a newline
+    folder = tmp_path_factory.mktemp("scripted-model")
+    model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "questions.jsonl"
+    rows = [{"question": f"question {i}?", "answer": f"#### {GOLDS[i % 3]}"} for i in range(30)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def scored_config(smoke_config, workdir, model_dir, data, *overrides):
+    return smoke_config(
+        workdir,
+        f"model.name={model_dir}",
+        "data.source=local",
+        f"data.path={data}",
+        "data.eval_size=6",
+        "sft.enabled=false",
+        "dpo=null",
+        "eval.baseline=false",
+        "grpo.stages=[{name: correctness, rewards: [{name: correctness}], pass_rate: {samples: 8, candidates: 18}}]",
+        "grpo.defaults.trainer.max_completion_length=8",
+        "grpo.defaults.trainer.temperature=1.0",
+        *overrides,
+    )
+
+
+def test_the_stage_trains_only_on_prompts_its_scoring_step_kept(
+    smoke_config, scripted_model_dir, questions, tmp_path
+):
+    from posttrain.data.pass_rates import PassRates
+    from posttrain.data.prepare import PreparedData
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
+    from posttrain.flows.plan_walker import run_cached
+    from posttrain.pipeline.plan import build_plan, preview
+
+    cfg = scored_config(smoke_config, tmp_path, scripted_model_dir, questions)
+    assert [name for name, *_ in preview(cfg)][:3] == ["data", "score-grpo-correctness", "grpo-correctness"]
+    summary = posttrain_pipeline(cfg)
+    outcomes = {o["step"]: o for o in summary["outcomes"]}
+    score = outcomes["score-grpo-correctness"]
+    assert score["status"] == "ran" and score["kind"] == "score"
+    assert Path(score["output"]).parent == tmp_path / "store" / "scores"
+    rates = PassRates.load(score["output"])
+    assert rates.samples == 8 and len(rates.correct) == 18
+
+    prepared = PreparedData.load(outcomes["data"]["output"])
+    gold = {str(r["id"]): r["answer"].split("####")[-1].strip() for r in prepared.train}
+    assert {gold[pid] for pid, n in rates.correct.items() if n == 0} >= {"9"}  # never solved
+    assert all(n == 0 for pid, n in rates.correct.items() if gold[pid] == "9")
+    kept = {pid for pid, n in rates.correct.items() if 0 < n < 8}
+    assert kept and all(gold[pid] in ("7", "8") for pid in kept)
+    stage = outcomes["grpo-correctness"]
+    assert stage["status"] == "ran" and stage["metrics"]["train_examples"] == len(kept)
+
+    # a rerun serves everything from cache, without Prefect; a new learning rate retrains only
+    again = run_cached(cfg)
+    assert again is not None and {o["status"] for o in again["outcomes"]} == {"cached"}
+    lr = scored_config(
+        smoke_config, tmp_path, scripted_model_dir, questions, "grpo.stages.0.trainer.learning_rate=0.002"
+    )
+    plan = {name: (status, why) for name, status, why in preview(lr)}
+    assert plan["score-grpo-correctness"][0] == "cached" and plan["grpo-correctness"][0] == "run"
+    assert (
+        build_plan(lr).step("score-grpo-correctness").key(lr, _inputs(build_plan(lr), summary))
+        == score["key"]
+    )
+
+    import mlflow
+
+    from posttrain.tracking.mlflow_io import experiment_name
+
+    client = mlflow.MlflowClient(cfg.tracking.tracking_uri)
+    runs = client.search_runs(
+        [client.get_experiment_by_name(experiment_name(cfg)).experiment_id],
+        filter_string="tags.mlflow.runName = 'score-grpo-correctness'",
+    )
+    run = next(r for r in runs if r.data.tags.get("cached") != "true")  # the producer, not the rerun
+    assert run.data.metrics["kept"] == len(kept) and run.data.metrics["prompts"] == 18
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"pass_rates.png", "pass_rates.json"} <= artifacts
+
+
+def _inputs(plan, summary):
+    """The scoring step's inputs as the first run had them (the base model, its prepared data)."""
+    from posttrain.cache.records import read_output_result
+    from posttrain.pipeline.plan import StepInputs
+    from posttrain.pipeline.steps import base_model
+
+    data_out = next(o["output"] for o in summary["outcomes"] if o["step"] == "data")
+    return StepInputs(base_model(plan.config), read_output_result("data", data_out))
