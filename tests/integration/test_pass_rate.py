@@ -58,6 +58,14 @@ def test_pass_rates_match_the_scripted_models_success_rates(answers_seven_mostly
     assert len(answered) == 3 * k and set(answered) == {"7", "8"}
 
 
+def test_every_candidate_is_scored_past_an_evaluations_default_limit(answers_seven_mostly):
+    from posttrain.evaluation.pass_rate import score_pass_rates
+
+    model, tokenizer = answers_seven_mostly
+    rates = score_pass_rates((model, tokenizer), rows([7, 9] * 60), stage(samples=2), seed=0).rates
+    assert len(rates.correct) == 120
+
+
 def test_scoring_is_reproducible_from_the_seed(answers_seven_mostly):
     from posttrain.evaluation.pass_rate import score_pass_rates
 

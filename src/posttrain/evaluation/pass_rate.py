@@ -49,6 +49,7 @@ def scoring_config(stage_cfg: GRPOStageConfig, seed: int) -> EvalConfig:
         tool_protocol=stage_cfg.tool_protocol,
         environment_factory=stage_cfg.environment_factory,
         seed=seed,
+        limit=None,  # every candidate the step hands over (an evaluation's default keeps 100)
     )
 
 
