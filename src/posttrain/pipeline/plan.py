@@ -319,14 +319,9 @@ class ScoreStep(Step):
         """The folder is intact and its pass-rate file reads back (bounded, every count checked)."""
         from posttrain.data.pass_rates import PassRates
 
-        if not isinstance(result, ScoreResult) or not _intact(result.output_dir, result.output_fingerprint):
-            return False
-        try:
-            PassRates.load(result.output_dir)
-        except (PosttrainError, OSError) as exc:
-            note_unreadable(exc)
-            return False
-        return True
+        return isinstance(result, ScoreResult) and _reads_back(
+            result.output_dir, result.output_fingerprint, lambda: PassRates.load(result.output_dir)
+        )
 
     def made_from(self, result: Any, inputs: StepInputs) -> bool:
         return result.model_fingerprint == inputs.model.fingerprint and result.stage == self.stage
@@ -384,15 +379,11 @@ class EvalStep(Step):
     def output_is_valid(self, result: Any) -> bool:
         """The report folder is intact (extra sets' reports live inside it, so its hash covers them)
         and every report in it reads back (bounded), as ``eval --diff`` and tracking will read it."""
-        if not isinstance(result, EvalResult) or not _intact(result.report_dir, result.output_fingerprint):
-            return False
-        try:
-            for _, folder, _ in result.reports():
-                EvalReport.load(folder)
-        except (PosttrainError, OSError) as exc:
-            note_unreadable(exc)
-            return False
-        return True
+        return isinstance(result, EvalResult) and _reads_back(
+            result.report_dir,
+            result.output_fingerprint,
+            lambda: [EvalReport.load(folder) for _, folder, _ in result.reports()],
+        )
 
     def made_from(self, result: Any, inputs: StepInputs) -> bool:
         return result.model_fingerprint == inputs.model.fingerprint and result.stage == self.stage
@@ -417,6 +408,19 @@ def _same_place(a: str, b: str) -> bool:
 def _intact(directory: str, fingerprint: str) -> bool:
     """An output folder still holds what was recorded (a record without a fingerprint never does)."""
     return bool(fingerprint) and Path(directory).is_dir() and fingerprint_tree(directory) == fingerprint
+
+
+def _reads_back(directory: str, fingerprint: str, read: Callable[[], object]) -> bool:
+    """:func:`_intact`, and ``read()`` (which reads the folder's files as later steps will, bounded)
+    raises nothing: a file that no longer parses is recomputed, even under a record that vouches for it."""
+    if not _intact(directory, fingerprint):
+        return False
+    try:
+        read()
+    except (PosttrainError, OSError) as exc:
+        note_unreadable(exc)
+        return False
+    return True
 
 
 Visitor = Callable[[Step, "str | None", StepInputs], Any]
