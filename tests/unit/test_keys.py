@@ -223,13 +223,14 @@ PINNED_CONFIG_HASHES = {
         "eval": "03f0a046e815ec7a",
         "seed_group": "84c69318d4fd",
     },
-    # Its stages changed on purpose (SFT on 256 solutions, one GRPO stage with the setup reward).
+    # Its stages changed on purpose: one GRPO stage with the setup reward, then SFT on 1,152
+    # solutions over 144 steps (SFT given the GRPO stage's minutes won by 45 points, issue 40).
     "smollm2-arith-calc-cpu.yaml": {
         "data": "70b390f9d4f7484b",
-        "sft": "24eec0eeeee0deea",
+        "sft": "2e1daac12fbf6fda",
         "grpo-ops1-3": "cfab9b591674b7a3",
         "eval": "78b6211f225479dd",
-        "seed_group": "a797ab982391",
+        "seed_group": "7f4cc6e6f6d4",
     },
     "smollm2-arith-cpu.yaml": {
         "data": "70b390f9d4f7484b",
