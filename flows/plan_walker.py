@@ -327,8 +327,8 @@ def _log_result(run: Any, result: Any, *, cfg: PipelineConfig, model_id: str | N
         rates = PassRates.load(result.output_dir)
         questions = {r.id: r.question for r in EvalReport.load(result.output_dir).records}
         run.log_metrics({k: v for k, v in result.summary.items() if isinstance(v, int | float)})
-        band = stage_section(cfg, result.stage).pass_rate.band  # today's band: it is not in the key
-        run.log_pass_rates(rates.correct, rates.samples, band, questions)
+        pass_rate = stage_section(cfg, result.stage).pass_rate  # today's band: it is not in the key
+        run.log_pass_rates(rates, pass_rate, questions)
         return
     info = read_stage_json(result.output_dir)
     run.log_stage_json(info)

@@ -393,6 +393,6 @@ def test_a_scoring_step_logs_its_pass_rates_under_the_stages_band(tmp_path):
     _log_result(run, result, cfg=_smoke_cfg("grpo.stages.1.pass_rate={samples: 4, band: [0.3, 1.0]}"))
     assert run.called("log_metrics") == [(({"prompts": 3, "mean_pass_rate": 0.25},), {})]
     [(args, _)] = run.called("log_pass_rates")
-    correct, samples, band, questions = args
-    assert (correct, samples, band) == ({"a": 0, "b": 1, "c": 2}, 4, (0.3, 1.0))
+    rates, pass_rate, questions = args
+    assert (rates.correct, rates.samples, pass_rate.band) == ({"a": 0, "b": 1, "c": 2}, 4, (0.3, 1.0))
     assert questions == {"a": "question a", "b": "question b", "c": "question c"}

@@ -706,9 +706,13 @@ def test_logging_a_local_model_drops_only_mlflows_hub_lookup_notices(caplog):
 
 
 def test_a_scoring_step_logs_its_histogram_table_and_kept_share(uri, tmp_path):
+    from posttrain.core.config import PassRateConfig
+    from posttrain.data.pass_rates import PassRates
+
     with start_pipeline_run(make_cfg(uri)) as tracker, tracker.stage("score-grpo-x", kind="score") as stage:
         questions = {"a": "1+1?", "b": "2*3?", "c": "9-4?"}
-        stage.log_pass_rates({"a": 0, "b": 1, "c": 2, "d": 4}, 4, (0.0, 1.0), questions)
+        rates = PassRates(4, {"a": 0, "b": 1, "c": 2, "d": 4})
+        stage.log_pass_rates(rates, PassRateConfig(samples=4), questions)
     run = client(uri).get_run(stage.run_id)
     assert run.data.metrics["kept"] == 2 and run.data.metrics["kept_share"] == 0.5
     png = download(uri, stage.run_id, "pass_rates.png", tmp_path / "p").read_bytes()

@@ -366,7 +366,7 @@ def pass_rate_figure(histogram: Sequence[int], band: tuple[float, float], title:
     kept ones (pass rate strictly inside ``band``) in colour, the dropped ones grey."""
     k = len(histogram) - 1
     fig, (ax,) = _figure(6, 3.5)
-    kept = [band[0] < i / k < band[1] for i in range(k + 1)]
+    kept = [band[0] < i / k < band[1] for i in range(k + 1)]  # PassRateConfig.keeps, per bar
     bars = ax.bar(range(k + 1), histogram, color=["tab:blue" if keep else "lightgrey" for keep in kept])
     ax.bar_label(bars, fontsize=7)
     ax.set_xticks(range(k + 1), [f"{i}/{k}" for i in range(k + 1)])

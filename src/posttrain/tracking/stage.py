@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.core.config import PassRateConfig
 from posttrain.core.hashing import jsonable
 from posttrain.core.redact import redact, redact_text
+from posttrain.data.pass_rates import PassRates, kept_ids
 from posttrain.tracking.compare import (
     cell_text,
     is_curve_metric,
@@ -301,35 +303,29 @@ class StageRun:
             self._client.set_tag(self.parent_run_id, safe_key(f"alerts.{self.name}"), kinds)
 
     def log_pass_rates(
-        self,
-        correct: Mapping[str, int],
-        samples: int,
-        band: tuple[float, float],
-        questions: Mapping[str, str],
+        self, rates: PassRates, pass_rate: PassRateConfig, questions: Mapping[str, str]
     ) -> None:
         """A scoring step's pass rates: ``pass_rates.png`` (prompts by correct completions, the kept
         ones in colour), the ``pass_rates`` table (one row per prompt) and ``kept``/``kept_share``
-        under the stage's current band."""
+        under the stage's current band (``pass_rate``)."""
         if not self.enabled:
             return
         import pandas as pd
 
-        histogram = [0] * (samples + 1)
-        for n in correct.values():
-            histogram[n] += 1
-        kept = sum(1 for n in correct.values() if band[0] < n / samples < band[1])
-        self.log_metrics({"kept": kept, "kept_share": kept / max(1, len(correct))})
-        title = f"{self.name}: pass rates of {len(correct)} prompts ({kept} kept)"
-        self._client.log_figure(self.run_id, pass_rate_figure(histogram, band, title), "pass_rates.png")
+        kept = set(kept_ids(rates, pass_rate))
+        self.log_metrics({"kept": len(kept), "kept_share": len(kept) / max(1, len(rates.correct))})
+        title = f"{self.name}: pass rates of {len(rates.correct)} prompts ({len(kept)} kept)"
+        figure = pass_rate_figure(rates.histogram(), pass_rate.band, title)
+        self._client.log_figure(self.run_id, figure, "pass_rates.png")
         rows = [
             {
                 "id": pid,
                 "question": cell_text(questions.get(pid, "")),
                 "correct": n,
-                "pass_rate": n / samples,
-                "kept": band[0] < n / samples < band[1],
+                "pass_rate": rates.rate(pid),
+                "kept": pid in kept,
             }
-            for pid, n in correct.items()
+            for pid, n in rates.correct.items()
         ]
         self._client.log_table(self.run_id, pd.DataFrame(rows), "pass_rates.json")
 
