@@ -158,13 +158,7 @@ class PlanRunner:
             result = decision.result
             if decision.adopted:
                 self._record(step, key, inputs, result)
-            run = self.tracker.record_cached_stage(step.name, kind=step.kind, cache_key=key)
-            run.set_tags({"cache_key": key})
-            if decision.adopted:  # the run that produced it was killed before logging its result
-                run.set_tags({"adopted": "true"})
-                _log_result(run, result, model_id=evaluated, cfg=self.cfg)
-            if isinstance(step, TrainStep):
-                self._stage_model(step, run, key, result, cached=True)
+            self._tracked(step.name, lambda: self._log_cached(step, key, result, decision.adopted, evaluated))
         else:
             call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
             call["output_dir"] = str(output_dir)
@@ -177,6 +171,36 @@ class PlanRunner:
                 self._ran(step, key, inputs, result, run, evaluated)
         self._conclude(step, key, decision.reason, result, ran=not cached)
         return result
+
+    def _log_cached(self, step: Step, key: str, result: Any, adopted: bool, evaluated: str | None) -> None:
+        """A cached step's nested run: the producer's metrics copied, or, when no finished run
+        produced it (its run was killed, or its tracking server went away, before it logged its
+        result), everything a run of the step logs, read from the store."""
+        producer = self.tracker.find_producer(key)
+        run = self.tracker.record_cached_stage(
+            step.name, kind=step.kind, producer_run_id=producer, cache_key=key
+        )
+        run.set_tags({"cache_key": key})
+        if run.enabled and (adopted or producer is None):
+            logger.info("%s: no finished MLflow run logged this output; logging it from the store", step.name)
+            run.set_tags({"adopted": "true"} if adopted else {"logged_from_store": "true"})
+            _log_result(run, result, model_id=evaluated, cfg=self.cfg)
+            if isinstance(step, TrainStep):
+                run.log_history(read_log_history(result.output_dir))
+        if isinstance(step, TrainStep):
+            self._stage_model(step, run, key, result, cached=True)
+
+    def _tracked(self, during: str, log: Any) -> None:
+        """``log()``: MLflow calls about step ``during``. If they fail because the tracking server
+        went away, tracking is off for the rest of the run (:meth:`Tracker.went_away`) and the run
+        goes on: the step's output and record are in the store already."""
+        if not self.tracker.enabled:
+            return
+        try:
+            log()
+        except Exception as exc:
+            if not self.tracker.went_away(during, exc):
+                raise
 
     def submit(self, step: EvalStep, call: dict[str, Any]) -> Any:
         """Start evaluation ``step`` beside what follows it and return its future (with a blocking
@@ -229,13 +253,17 @@ class PlanRunner:
         """What follows a step that ran, inside its MLflow run: its cache record, its logged result,
         and for a training stage its history, LoggedModel and health alerts."""
         self._record(step, key, inputs, result)
+        self._tracked(step.name, lambda: self._log_ran(step, key, result, run, evaluated))
+        if isinstance(step, TrainStep):
+            self.after_training(step, result, run)
+
+    def _log_ran(self, step: Step, key: str, result: Any, run: StageRun, evaluated: str | None) -> None:
         _log_result(run, result, model_id=evaluated, cfg=self.cfg)
         if isinstance(step, TrainStep):
             if self.cfg.launch_of(step.section(self.cfg)).launcher == "accelerate":
                 # Its processes report to no tracker: the history rank 0 kept, logged here.
                 run.log_history(read_log_history(result.output_dir))
             self._stage_model(step, run, key, result, cached=False)
-            self.after_training(step, result, run)
 
     def _conclude(self, step: Step, key: str, reason: str, result: Any, *, ran: bool) -> None:
         """The step's shared copy and its line in the summary."""
@@ -375,9 +403,11 @@ def run_plan(
         if not sweep_point:  # every stage of this plan finished
             warn_unfinished(store)
         visit.summary.changes = stage_deltas(visit.summary)
-        if tracker.enabled:
-            tracker.log_metrics(visit.summary.changes)
-        tracker.plot_accuracy_by_stage()
+        visit._tracked("the run's summary", lambda: tracker.log_metrics(visit.summary.changes))
+        visit._tracked("the run's summary", tracker.plot_accuracy_by_stage)
+        tracker.finish()
+        if tracker.lost is not None:
+            raise tracker.lost_error(str(store.root))
     return visit.summary
 
 

@@ -251,3 +251,20 @@ def step_spy(monkeypatch, tmp_path_factory):
 def step_calls(step_spy):
     """Names of the step functions that actually ran, in order."""
     return step_spy
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server on 127.0.0.1 for the session (tests/servers.py), from Debian's
+    `postgresql` package. CI must run the tests that use it, so there a missing server is a failure;
+    elsewhere they are skipped with the reason."""
+    from servers import postgres_bindir, postgres_server
+
+    bindir = postgres_bindir()
+    if bindir is None:
+        message = "PostgreSQL's server is not installed (Debian: apt-get install postgresql; make test does it as root)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with postgres_server(bindir) as server:
+        yield server

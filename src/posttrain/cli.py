@@ -53,6 +53,8 @@ from posttrain.rewards.registry import build_reward, reward_names
 logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
+EXIT_TRACKING_LOST = 1
+"""A run whose MLflow server went away: its steps' outputs are in the store, their logs are not."""
 
 
 class CLIError(Exception):
@@ -1015,6 +1017,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exception(exc, file=sys.stderr)
         print(f"error: {redact_text(' '.join(line.split()))}", file=sys.stderr)
+        from posttrain.tracking import TrackingLost
+
+        if any(isinstance(err, TrackingLost) for err in _chain(exc)):
+            return EXIT_TRACKING_LOST  # the input was good and the work is done; the log is not
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

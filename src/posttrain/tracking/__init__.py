@@ -55,6 +55,7 @@ from posttrain.tracking.mlflow_io import (
 )
 from posttrain.tracking.parent_run import (
     Tracker,
+    TrackingLost,
     close_abandoned_runs,
     model_requirements,
     open_tracking_store,
@@ -78,6 +79,7 @@ __all__ = [
     "RunSummary",
     "StageRun",
     "Tracker",
+    "TrackingLost",
     "close_abandoned_runs",
     "compare_runs",
     "experiment_name",

@@ -71,7 +71,12 @@ def tracking_problem(tracking: TrackingConfig) -> str | None:
     An http(s) server must answer, a database server (PostgreSQL, MySQL, SQL Server) accept a
     connection, and a SQLite database's folder must exist. None when all is well.
     """
-    uri = resolve_tracking_uri(tracking)
+    return uri_problem(resolve_tracking_uri(tracking))
+
+
+def uri_problem(uri: str) -> str | None:
+    """:func:`tracking_problem` for a resolved tracking URI: also how a run that fails to log tells
+    a server that went away from a bug in what it logged."""
     if uri.startswith(("http://", "https://")):
         problem = unreachable(uri.rstrip("/") + "/health")
         return f"MLflow tracking server unreachable: {problem}" if problem else None

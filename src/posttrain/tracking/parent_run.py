@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.config import PipelineConfig, cache_form, dump_config
-from posttrain.core.errors import ConfigError
+from posttrain.core.errors import ConfigError, PosttrainError
 from posttrain.core.hashing import package_versions, stable_hash
 from posttrain.core.metric_names import is_interval_metric, parse_metric_name
 from posttrain.core.redact import redact_text
@@ -40,6 +40,7 @@ from posttrain.tracking.mlflow_io import (
     send_metric_values,
     send_params,
     sqlite_path,
+    uri_problem,
 )
 from posttrain.tracking.stage import StageRun
 
@@ -68,6 +69,37 @@ def _without_local_model_notices() -> Iterator[None]:
 # --------------------------------------------------------------------------- the pipeline run
 
 
+@contextlib.contextmanager
+def _no_retries() -> Iterator[None]:
+    """MLflow calls that give up at the first failure (a server already known to be gone): MLflow
+    reads its retry count from the environment at each request."""
+    previous = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES", None)
+        else:
+            os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = previous
+
+
+class TrackingLost(PosttrainError, RuntimeError):
+    """The tracking server (or database) went away while a pipeline ran. Every step's output and
+    cache record are in the store, so the same command, once it is back, logs what is missing
+    (each step served from cache: nothing retrains)."""
+
+
+_RETRY_CHATTER = (
+    "urllib3.connectionpool",  # a warning per retry of every call
+    "mlflow.utils.async_logging.async_logging_queue",  # an error per queued batch of the callback
+    "mlflow.system_metrics.system_metrics_monitor",  # a warning per sample it cannot send
+    "mlflow.utils.rest_utils",
+)
+"""Loggers that repeat, call after call, that a tracking server is gone: once a run has said so in
+one line, they are silenced for the rest of the process."""
+
+
 @dataclass
 class Tracker:
     """The parent run of one pipeline run (or a disabled stand-in). Picklable: plain fields only."""
@@ -82,6 +114,8 @@ class Tracker:
     system_metrics: bool = False
     """Stage runs log CPU/RAM/disk/network (and GPU) metrics (``log_system_metrics=True``)."""
     _finished: bool = field(default=False, repr=False)
+    lost: str | None = None
+    """Why tracking stopped in the middle of this run (:meth:`went_away`); None while it works."""
 
     @property
     def report_to(self) -> list[str] | str:
@@ -103,6 +137,43 @@ class Tracker:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish("FINISHED" if exc_type is None else "FAILED")
+
+    def went_away(self, during: str, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by MLflow calls made ``during`` a step, means that the tracking
+        server or database is gone. If so, tracking is off for the rest of this run (every method
+        returns at once, :attr:`lost` says why) and the pipeline goes on; otherwise (the server
+        answers: a bug, a refused value) the caller re-raises.
+
+        MLflow retries each call first (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, backoff
+        ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR``), so a server that restarts within that time is
+        never noticed."""
+        if self.lost is not None:
+            return True
+        if not self.enabled or self.tracking_uri is None:
+            return False
+        problem = uri_problem(self.tracking_uri)
+        if problem is None:
+            return False
+        self.lost = f"{problem} (during {during})"
+        self.enabled = False
+        for name in _RETRY_CHATTER:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        logger.warning(
+            "MLflow tracking at %s went away during %s: the pipeline goes on without it (%s: %s)",
+            redact_text(self.tracking_uri),
+            during,
+            type(exc).__name__,
+            redact_text(" ".join(str(exc).split())[:200]),
+        )
+        return True
+
+    def lost_error(self, store: str) -> TrackingLost:
+        """The one-line error a run ends with when tracking went away during it."""
+        return TrackingLost(
+            f"MLflow tracking at {redact_text(self.tracking_uri or '')} went away: {self.lost}. "
+            f"Every step's output is in the store {store}; once the server is back, run the same "
+            "command again: it logs what is missing from the store and retrains nothing"
+        )
 
     @contextlib.contextmanager
     def stage(
@@ -133,24 +204,58 @@ class Tracker:
         # Created with the client, then resumed as the active run: start_run(parent_run_id=...)
         # refuses a parent other than the thread's active run, which is the caller's own run when
         # posttrain runs inside `with mlflow.start_run():`.
-        created = mlflow_client(self.tracking_uri).create_run(
-            self.experiment_id, run_name=name, tags={k: str(v) for k, v in run_tags.items()}
-        )
-        with (
-            callback_env_guard(),
-            mlflow.start_run(
-                run_id=created.info.run_id,
-                nested=True,
-                log_system_metrics=True if self.system_metrics else None,
-            ) as run,
-        ):
+        created = None
+        try:
+            created = mlflow_client(self.tracking_uri).create_run(
+                self.experiment_id, run_name=name, tags={k: str(v) for k, v in run_tags.items()}
+            )
+            with callback_env_guard():
+                run = mlflow.start_run(
+                    run_id=created.info.run_id,
+                    nested=True,
+                    log_system_metrics=True if self.system_metrics else None,
+                )
             stage = StageRun(name, run.info.run_id, self.run_id, self.tracking_uri)
             if params is not None:
                 stage.log_params(params)
-            try:
+        except Exception as exc:
+            active = mlflow.active_run()
+            if created is not None and active is not None and active.info.run_id == created.info.run_id:
+                with contextlib.suppress(Exception), _no_retries():
+                    mlflow.end_run("FAILED")
+            if not self.went_away(name, exc):
+                raise
+            yield StageRun(name)
+            return
+        # Ended by hand, not by start_run's block: a run whose server went away during the step
+        # must not fail the step (its output is recorded) nor wait on the server a second time.
+        status = "FAILED"
+        try:
+            with callback_env_guard():
                 yield stage
-            finally:
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            self._end_stage(name, status)
+
+    def _end_stage(self, name: str, status: str) -> None:
+        """Flush what the trainer's callback queued and end the active stage run; after the server
+        went away, only end it locally (MLflow's stack), leaving it for the next run to close."""
+        import mlflow  # heavy: deferred until needed
+
+        try:
+            if self.lost is None:
                 flush_async_logging()
+                mlflow.end_run(status)
+                return
+        except Exception as exc:
+            if not self.went_away(name, exc):
+                raise
+        if mlflow.active_run() is not None:
+            with contextlib.suppress(Exception), _no_retries():
+                mlflow.end_run(status)  # pops MLflow's stack first, then fails to reach the server
 
     def record_cached_stage(
         self,
@@ -182,7 +287,7 @@ class Tracker:
             params = client.get_run(producer_run_id).data.params
             send_params(client, stage.run_id, {k: v for k, v in params.items() if k.startswith("stage.")})
         else:
-            logger.warning("stage %s was served from cache but no run produced key %s", name, cache_key)
+            logger.info("stage %s: served from cache, but no finished MLflow run produced it", name)
         client.set_terminated(stage.run_id, "FINISHED")
         return stage
 
@@ -362,13 +467,18 @@ class Tracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the parent run and restore the tracking URI that was set before this run."""
-        if not self.enabled or self._finished:
+        if self.run_id is None or self._finished:
             return
         import mlflow  # heavy: deferred until needed
 
-        with contextlib.suppress(Exception):
-            flush_async_logging()
-        mlflow_client(self.tracking_uri).set_terminated(self.run_id, status)
+        if self.lost is None:  # else the next run on this store closes it (close_abandoned_runs)
+            with contextlib.suppress(Exception):
+                flush_async_logging()
+            try:
+                mlflow_client(self.tracking_uri).set_terminated(self.run_id, status)
+            except Exception as exc:
+                if not self.went_away("the end of the run", exc):
+                    raise
         # set_tracking_uri(None) clears both the global and $MLFLOW_TRACKING_URI.
         mlflow.set_tracking_uri(self._previous_uri)  # type: ignore[arg-type]
         self._finished = True  # a second finish (or __exit__ after finish) is harmless
