@@ -9,7 +9,7 @@ LINKED := $(VENV)/.linked
 # import-linter needs. A new module needs relinking (5 s): a new file changes its folder's mtime.
 PACKAGE_DIRS := $(shell find src/posttrain flows tasks -type d -not -name __pycache__ 2>/dev/null)
 
-.PHONY: setup test test-quick test-slow lint demo mutation clean
+.PHONY: setup postgres test test-quick test-slow lint demo mutation clean
 
 setup: $(LINKED)
 
@@ -28,8 +28,17 @@ $(LINKED): $(STAMP) $(PACKAGE_DIRS)
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadscope
 
-test: setup
+test: setup postgres
 	$(BIN)/python -m pytest -q $(XDIST)
+
+# PostgreSQL's server for the system tests that run MLflow and Prefect on it (tests/servers.py):
+# Debian's package, installed where it is missing and this user may (root, apt-get). Elsewhere those
+# tests are skipped with the reason, except under CI, where they fail.
+postgres:
+	@command -v pg_ctl >/dev/null 2>&1 || command -v pg_ctlcluster >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	else echo "PostgreSQL's server not found (Debian: sudo apt-get install postgresql)"; fi
 
 test-quick: setup
 	$(BIN)/python -m pytest -q $(XDIST) -m "not system"

@@ -726,3 +726,47 @@ def test_a_scoring_step_logs_its_histogram_table_and_kept_share(uri, tmp_path):
         ("d", 4, 1.0, False),
     ]
     assert rows[1]["question"] == "2*3?" and rows[3]["question"] == ""
+
+
+# --------------------------------------------------------------------------- a server that went away
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_tracker_whose_server_is_gone_turns_itself_off_and_says_how_to_log_later(monkeypatch, caplog):
+    """An MLflow call fails and the server's /health does not answer: the tracker goes off for the
+    rest of the run (the next stage runs untracked, no call waits on the server again) and its
+    closing error is one line naming the server, without its password, and the store."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    uri = f"http://bob:PLANTED_SECRET@127.0.0.1:{closed_port()}"
+    tracker = Tracker(True, uri, "1", "parent-run-id")
+    with (
+        caplog.at_level(logging.WARNING, logger="posttrain.tracking.parent_run"),
+        tracker.stage("sft", kind="sft") as run,  # creating its run fails: the server is gone
+    ):
+        assert not run.enabled and run.report_to == "none"
+    assert not tracker.enabled and "during sft" in tracker.lost and "unreachable" in tracker.lost
+    said = [r.getMessage().split(" went away")[0] for r in caplog.records]
+    assert said == ["MLflow tracking at " + uri.replace("PLANTED_SECRET", "***")]  # said once
+    tracker.log_metrics({"x": 1.0})  # a no-op now, at once
+    with tracker.stage("dpo") as later:
+        assert not later.enabled
+    tracker.finish()
+    line = str(tracker.lost_error("/runs/store"))
+    assert "\n" not in line and "PLANTED_SECRET" not in line and "PLANTED_SECRET" not in caplog.text
+    assert f"127.0.0.1:{uri.rsplit(':', 1)[1]}" in line and "/runs/store" in line
+    assert "run the same command again" in line
+
+
+def test_a_failure_while_the_server_answers_is_not_a_server_gone(uri):
+    """A refused call on a reachable store is a bug or a bad value: the caller re-raises it, and
+    tracking stays on."""
+    with start_pipeline_run(make_cfg(uri)) as tracker:
+        assert not tracker.went_away("sft", RuntimeError("INVALID_PARAMETER_VALUE"))
+        assert tracker.enabled and tracker.lost is None
