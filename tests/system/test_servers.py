@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import start, stop, wait_http
 
 from posttrain.core.net import free_port
 
@@ -23,35 +21,6 @@ pytestmark = pytest.mark.servers
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {timeout} s")
-
-
-def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +166,8 @@ deadline = time.monotonic() + 60
 while True:  # the server persists events asynchronously
     with urllib.request.urlopen(request, timeout=10) as response:
         events = json.loads(response.read())["events"]
-    if events or time.monotonic() > deadline:
+    # the server persists events asynchronously: wait for the one looked for, not just any
+    if any(e["event"] == "posttrain.health.entropy" for e in events) or time.monotonic() > deadline:
         break
     time.sleep(1)
 print("event_names=" + ",".join(sorted({e["event"] for e in events})))
