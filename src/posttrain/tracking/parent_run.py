@@ -99,6 +99,25 @@ _RETRY_CHATTER = (
 """Loggers that repeat, call after call, that a tracking server is gone: once a run has said so in
 one line, they are silenced for the rest of the process."""
 
+_BACKGROUND_FAILURES = _RETRY_CHATTER[1:3]
+"""The loggers of MLflow's background threads that report a call given up after its retries: the
+trainer callback's queued metrics, the system metrics. Watched while a stage trains, so an outage
+is noticed at its first lost batch instead of at the stage's end (an hour of errors later)."""
+
+
+class _OutageWatch(logging.Filter):
+    """A logging filter on :data:`_BACKGROUND_FAILURES` while a stage runs: the first failure it
+    sees asks :meth:`Tracker.went_away`; once tracking is lost, their records are dropped."""
+
+    def __init__(self, tracker: Tracker, during: str):
+        super().__init__()
+        self.tracker, self.during = tracker, during
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.tracker.lost is None and record.levelno >= logging.WARNING:
+            self.tracker.went_away(self.during, RuntimeError(record.getMessage()))
+        return self.tracker.lost is None
+
 
 @dataclass
 class Tracker:
@@ -230,6 +249,9 @@ class Tracker:
         # Ended by hand, not by start_run's block: a run whose server went away during the step
         # must not fail the step (its output is recorded) nor wait on the server a second time.
         status = "FAILED"
+        watch = _OutageWatch(self, name)
+        for logger_name in _BACKGROUND_FAILURES:
+            logging.getLogger(logger_name).addFilter(watch)
         try:
             with callback_env_guard():
                 yield stage
@@ -238,6 +260,8 @@ class Tracker:
             status = "KILLED"
             raise
         finally:
+            for logger_name in _BACKGROUND_FAILURES:
+                logging.getLogger(logger_name).removeFilter(watch)
             self._end_stage(name, status)
 
     def _end_stage(self, name: str, status: str) -> None:
