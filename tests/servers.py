@@ -172,27 +172,29 @@ def _wait_postgres(server: Postgres, proc: subprocess.Popen, log: Path, timeout:
 
 
 @dataclass
-class MlflowServer:
-    """`mlflow server` on a backend store URI, with a local artifact destination; restartable."""
+class Server:
+    """A server process of ours in ``folder``, on a free loopback port kept across restarts."""
 
-    backend: str
     folder: Path
     port: int = 0
     proc: subprocess.Popen | None = None
+    health = "/health"
+    log = "server.log"
 
     @property
-    def uri(self) -> str:
+    def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        return server_env(self.folder)
 
     def start(self) -> None:
         self.port = self.port or free_port()
-        self.proc = start(
-            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
-             "--backend-store-uri", self.backend, "--artifacts-destination", str(self.folder / "artifacts"),
-             "--workers", "1"],
-            server_env(self.folder), self.folder / "mlflow-server.log",
-        )  # fmt: skip
-        wait_http(f"{self.uri}/health", self.proc)
+        self.proc = start(self.command(), self.env(), self.folder / self.log)
+        wait_http(self.base_url + self.health, self.proc)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -200,9 +202,9 @@ class MlflowServer:
 
 
 @contextlib.contextmanager
-def mlflow_server(backend: str, folder: Path) -> Iterator[MlflowServer]:
-    folder.mkdir(parents=True, exist_ok=True)
-    server = MlflowServer(backend, folder)
+def running(server: Server) -> Iterator[Server]:
+    """``server`` started in its (new) folder for the block, stopped after it."""
+    server.folder.mkdir(parents=True, exist_ok=True)
     server.start()
     try:
         yield server
@@ -211,17 +213,33 @@ def mlflow_server(backend: str, folder: Path) -> Iterator[MlflowServer]:
 
 
 @dataclass
-class PrefectServer:
-    """`prefect server start` on a database URL (empty: Prefect's own SQLite file); restartable."""
+class MlflowServer(Server):
+    """`mlflow server` on a backend store URI, with a local artifact destination."""
 
-    database: str
-    folder: Path
-    port: int = 0
-    proc: subprocess.Popen | None = None
+    backend: str = ""
+    log = "mlflow-server.log"
+
+    @property
+    def uri(self) -> str:
+        return self.base_url
+
+    def command(self) -> list[str]:
+        return [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
+                "--backend-store-uri", self.backend, "--artifacts-destination", str(self.folder / "artifacts"),
+                "--workers", "1"]  # fmt: skip
+
+
+@dataclass
+class PrefectServer(Server):
+    """`prefect server start` on a database URL (empty: Prefect's own SQLite file)."""
+
+    database: str = ""
+    health = "/api/health"
+    log = "prefect-server.log"
 
     @property
     def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api"
+        return self.base_url + "/api"
 
     def env(self) -> dict[str, str]:
         env = server_env(self.folder)
@@ -229,25 +247,18 @@ class PrefectServer:
             env["PREFECT_API_DATABASE_CONNECTION_URL"] = self.database
         return env
 
-    def start(self) -> None:
-        self.port = self.port or free_port()
-        self.proc = start(
-            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-            self.env(), self.folder / "prefect-server.log",
-        )  # fmt: skip
-        wait_http(f"{self.api_url}/health", self.proc)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop(self.proc)
+    def command(self) -> list[str]:
+        return [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
 
 
-@contextlib.contextmanager
-def prefect_server(database: str, folder: Path) -> Iterator[PrefectServer]:
-    folder.mkdir(parents=True, exist_ok=True)
-    server = PrefectServer(database, folder)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def prefect_cli(env: dict[str, str], *args: str, cwd: Path) -> None:
+    """`prefect --no-prompt ARGS` run to its end; a failure shows its output."""
+    out = subprocess.run(
+        [str(BIN / "prefect"), "--no-prompt", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers import start, stop, wait_http
+from servers import prefect_cli, start, stop, wait_http
 
 from posttrain.core.net import free_port
 
@@ -188,15 +188,7 @@ def test_a_process_work_pool_worker_runs_the_smoke_deployment_of_prefect_yaml(se
     pool = smoke["work_pool"]["name"]
 
     def prefect(*args: str) -> None:
-        out = subprocess.run(
-            [str(BIN / "prefect"), "--no-prompt", *args],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        prefect_cli(env, *args, cwd=REPO)
 
     prefect("work-pool", "create", pool, "--type", "process")
     prefect("deploy", "--name", "smoke")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from servers import BIN, MlflowServer, mlflow_server, server_env
+from servers import BIN, MlflowServer, running, server_env
 
 pytestmark = pytest.mark.servers
 
@@ -59,7 +59,7 @@ def team_server(postgres, tmp_path_factory):
     """`mlflow server --backend-store-uri postgresql://...` with a local artifact destination."""
     tmp = tmp_path_factory.mktemp("team-mlflow")
     backend = postgres.create_database("mlflow_team")
-    with mlflow_server(backend, tmp) as server:
+    with running(MlflowServer(tmp, backend=backend)) as server:
         yield server
 
 
@@ -174,7 +174,7 @@ def test_a_tracking_server_that_goes_away_mid_run_loses_no_training(postgres, tm
     """The server stops while SFT trains. The pipeline trains every stage anyway and ends with one
     line naming the server and what to do; every step is in the store. Once the server is back, the
     same command runs no step and logs each one from the store: no run is left RUNNING."""
-    server = MlflowServer(postgres.create_database("mlflow_outage"), tmp_path / "server")
+    server = MlflowServer(tmp_path / "server", backend=postgres.create_database("mlflow_outage"))
     server.folder.mkdir()
     server.start()
     try:

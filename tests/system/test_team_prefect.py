@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from servers import BIN, PrefectServer, start, stop
+from servers import BIN, PrefectServer, prefect_cli, running, start, stop
 
 pytestmark = pytest.mark.servers
 
@@ -25,25 +25,8 @@ def prefect_on_postgres(postgres, tmp_path, request):
     """A Prefect server of this test's own, on a fresh PostgreSQL database."""
     name = "prefect_" + request.node.name.split("[")[0][-40:].replace("-", "_")
     url = postgres.url(postgres.create_database(name).rsplit("/", 1)[1], driver="asyncpg")
-    server = PrefectServer(url, tmp_path / "prefect")
-    server.folder.mkdir()
-    server.start()
-    try:
+    with running(PrefectServer(tmp_path / "prefect", database=url)) as server:
         yield server
-    finally:
-        server.stop()
-
-
-def prefect(env: dict[str, str], *args: str) -> None:
-    out = subprocess.run(
-        [str(BIN / "prefect"), "--no-prompt", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
 def on_server(env: dict[str, str], script: str, *args: str, cwd: Path) -> dict[str, str]:
@@ -67,9 +50,9 @@ def test_two_deployments_triggered_at_once_share_one_gpu_slot(prefect_on_postgre
         "PREFECT_WORKER_QUERY_SECONDS": "1",
         "PREFECT_WORKER_PREFETCH_SECONDS": "1",
     }
-    prefect(env, "work-pool", "create", "posttrain-local", "--type", "process")
-    prefect(env, "deploy", "--name", "smoke")
-    prefect(env, "deploy", "--name", "smollm2-gsm8k-cpu")
+    prefect_cli(env, "work-pool", "create", "posttrain-local", "--type", "process", cwd=REPO)
+    prefect_cli(env, "deploy", "--name", "smoke", cwd=REPO)
+    prefect_cli(env, "deploy", "--name", "smollm2-gsm8k-cpu", cwd=REPO)
     worker = start(
         [str(BIN / "prefect"), "worker", "start", "--pool", "posttrain-local", "--limit", "2"],
         env,
