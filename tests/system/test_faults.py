@@ -281,32 +281,3 @@ def test_runs_killed_in_each_kind_of_stage_resume_to_the_exact_step_count_and_wr
         db.execute("select key, value from params where key like '%api_key%' or key like '%hub_id%'")
     )
     assert set(params.values()) <= {"***", "https://bob:***@hub.example/x"} and len(params) >= 2
-
-
-def test_two_stores_sharing_one_tracking_database_both_finish(tmp_path):
-    """Two runs at once, each on its own store, one SQLite MLflow database: both finish and both
-    have their parent run and every step's run, finished."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    procs = []
-    for name in ("one", "two"):
-        (tmp_path / f"{name}.yaml").write_text(
-            f"name: {name}\n"
-            "model: {name: tiny-random, precision: fp32}\n"
-            "data: {source: synthetic, synthetic: {num_examples: 16}, eval_size: 2, max_prompt_tokens: 1024}\n"
-            "eval: {limit: 1, max_completion_length: 2, batch_size: 1}\n"
-            f"tracking: {{tracking_uri: '{uri}', log_model: false}}\n"
-            f"orchestration: {{store: {tmp_path / name}}}\n"
-        )
-        cmd = ["run", f"{name}.yaml", "--set", f"model.cache_dir={tmp_path / f'models-{name}'}"]
-        procs.append(start_posttrain(cmd, tmp_path, tmp_path / f"{name}.log"))
-    for proc, name in zip(procs, ("one", "two"), strict=True):
-        assert proc.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-    db = sqlite3.connect(tmp_path / "mlflow.db")
-    runs = db.execute(
-        "select r.run_uuid, r.name, r.status, t.value from runs r left join tags t"
-        " on t.run_uuid = r.run_uuid and t.key = 'mlflow.parentRunId'"
-    ).fetchall()
-    parents = {run_id: name for run_id, name, _, parent in runs if parent is None}
-    assert len(parents) == 2 and {status for _, _, status, _ in runs} == {"FINISHED"}
-    for parent in parents:
-        assert sorted(name for _, name, _, p in runs if p == parent) == ["data", "eval-baseline"]
