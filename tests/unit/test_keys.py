@@ -254,10 +254,10 @@ PINNED_CONFIG_HASHES = {
         "data": "48b39a61846b8116",
         "sft": "c8651b13ab818c2f",
         "dpo": "20a0ab3bbd654ad2",
-        "grpo-format": "c00ec9ef3e57cc7a",
-        "grpo-correctness": "53ab954b7742d2c4",
+        "grpo-format": "4c65e4d806b9c1be",
+        "grpo-correctness": "b113af97c0f08699",
         "eval": "c255d5e3c8e6a1c8",
-        "seed_group": "9da702e19188",
+        "seed_group": "c37fe60c02ec",
     },
 }
 
