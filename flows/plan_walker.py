@@ -177,9 +177,8 @@ class PlanRunner:
         produced it (its run was killed, or its tracking server went away, before it logged its
         result), everything a run of the step logs, read from the store."""
         producer = self.tracker.find_producer(key)
-        run = self.tracker.record_cached_stage(
-            step.name, kind=step.kind, producer_run_id=producer, cache_key=key
-        )
+        # Searched once, here: without a cache key the record does not search again.
+        run = self.tracker.record_cached_stage(step.name, kind=step.kind, producer_run_id=producer)
         run.set_tags({"cache_key": key})
         if run.enabled and (adopted or producer is None):
             logger.info("%s: no finished MLflow run logged this output; logging it from the store", step.name)
