@@ -643,6 +643,7 @@ class PassRateConfig(StrictModel):
     succeed or all fail carries no gradient, so prompts the model always or never solves are
     dropped before the stage spends rollouts on them."""
 
+    omit_when_default: ClassVar[tuple[str, ...]] = ("refresh_every", "refresh_size")
     samples: int = Field(8, ge=2)
     """Completions sampled per candidate prompt (k), at the stage's temperature, completion length
     and tools; a prompt's pass rate is the share of them the ``correctness`` reward pays."""
@@ -655,6 +656,15 @@ class PassRateConfig(StrictModel):
     """``variance``: the kept prompts are drawn (with replacement, seeded) in proportion to
     p(1-p), the reward variance of a prompt solved with probability p, which peaks at one half:
     the prompts whose groups most likely differ come round most often."""
+    refresh_every: int | None = Field(None, ge=1)
+    """Keep the pool fresh while the stage trains: every N steps, ``refresh_size`` prompts are
+    scored again (k completions each, by the policy as it is then). Pool prompts whose pass rate
+    has left the band leave the stage; candidates of the stage's data outside the pool whose pass
+    rate is inside it join, and take the places of prompts that left (and resample rounds draw them
+    first). Needs ``zero_signal: drop`` or ``resample``. Null: the pool is what the scoring step chose."""
+    refresh_size: int = Field(32, ge=2)
+    """Prompts scored per refresh: up to half of them the pool's, least recently scored first; the
+    rest candidates from outside the pool, in a seeded order that comes round again."""
 
     @model_validator(mode="after")
     def _band_in_order(self) -> PassRateConfig:
@@ -741,6 +751,8 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
         unlike = [b for b in generation_blockers(self.trainer_options()) if b != "use_vllm"]
         if self.zero_signal_retire_after is not None and self.zero_signal == "keep":
             raise ValueError("zero_signal_retire_after: needs zero_signal: drop or resample")
+        if self.pass_rate is not None and self.pass_rate.refresh_every and self.zero_signal == "keep":
+            raise ValueError("pass_rate.refresh_every: needs zero_signal: drop or resample")
         if self.pass_rate is not None and unlike:
             raise ValueError(
                 f"pass_rate: scoring samples at the stage's temperature alone, and these trainer options "

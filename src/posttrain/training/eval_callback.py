@@ -49,7 +49,15 @@ from posttrain.generation.tools import ChatToolLoop, make_tool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EVAL_METRICS", "HeldoutEval", "heldout_slice", "score_answers"]
+__all__ = [
+    "EVAL_METRICS",
+    "HeldoutEval",
+    "completion_texts",
+    "encode_records",
+    "generation_model",
+    "heldout_slice",
+    "score_answers",
+]
 
 EVAL_METRICS = ("eval/accuracy", "eval/accuracy_flexible", "eval/format", "eval/truncated")
 BATCH_SIZE = 64
@@ -66,6 +74,41 @@ def heldout_slice(heldout: Any, data_filter: Any, limit: int) -> list[dict[str, 
         logger.warning("in-training evaluation: %s; evaluating the whole held-out slice instead", exc)
         rows = heldout
     return [dict(rows[i]) for i in range(min(limit, len(rows)))]
+
+
+def generation_model(trainer: Any, step: int) -> Any:
+    """The model that generates for ``trainer``'s policy at ``step``: the rollouts' shadow copy when
+    the stage has one (re-synced here, so the next rollout reuses this sync), else the policy."""
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    rollout = getattr(trainer, "rollout_func", None)
+    if isinstance(rollout, ShadowRollout):
+        return rollout.refresh(policy, step).model
+    return policy
+
+
+def encode_records(
+    tokenizer: Any, records: Sequence[Mapping[str, Any]], tool: Any, template_kwargs: Mapping[str, Any]
+) -> list[list[int]]:
+    """Prompt token ids of ``records`` (``prompt`` messages), each with its own tool schema when
+    ``tool`` is TRL's chat protocol."""
+    if isinstance(tool, ChatToolLoop):
+        return [
+            encode_prompts(tokenizer, [r["prompt"]], tools=tool.tools_for(i), **template_kwargs)[0]
+            for i, r in enumerate(records)
+        ]
+    return encode_prompts(tokenizer, [r["prompt"] for r in records], **template_kwargs)
+
+
+def completion_texts(tokenizer: Any, completions: Sequence[Any], tool: Any) -> list[str]:
+    """The engine's completions as text; a chat tool loop's tool turns are left out (its ``env_mask``)."""
+    chat = isinstance(tool, ChatToolLoop)
+    return tokenizer.batch_decode(
+        [
+            [t for t, m in zip(c.token_ids, c.env_mask, strict=True) if m] if chat else c.token_ids
+            for c in completions
+        ],
+        skip_special_tokens=True,
+    )
 
 
 def score_answers(texts: Sequence[str], golds: Sequence[Any], finished: Sequence[bool]) -> dict[str, float]:
@@ -125,13 +168,7 @@ class HeldoutEval(TrainerCallback):
                 rows=records,
                 template_kwargs=template_kwargs,
             )
-        if isinstance(self.tool, ChatToolLoop):
-            self.prompt_ids = [
-                encode_prompts(tokenizer, [r["prompt"]], tools=self.tool.tools_for(i), **template_kwargs)[0]
-                for i, r in enumerate(records)
-            ]
-        else:
-            self.prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in records], **template_kwargs)
+        self.prompt_ids = encode_records(tokenizer, records, self.tool, template_kwargs)
         self.golds = [r["answer"] for r in records]
         self.history: list[dict[str, float]] = []
 
@@ -159,12 +196,7 @@ class HeldoutEval(TrainerCallback):
         return named
 
     def _generation_model(self, step: int) -> Any:
-        trainer = self.trainer
-        policy = trainer.accelerator.unwrap_model(trainer.model)
-        rollout = getattr(trainer, "rollout_func", None)
-        if isinstance(rollout, ShadowRollout):
-            return rollout.refresh(policy, step).model  # the next rollout reuses this sync
-        return policy
+        return generation_model(self.trainer, step)
 
     def _evaluate(self, step: int, control: Any) -> dict[str, float]:
         start = time.perf_counter()
@@ -183,14 +215,7 @@ class HeldoutEval(TrainerCallback):
             )
         finally:
             model.train(was_training)
-        chat = isinstance(self.tool, ChatToolLoop)
-        texts = tokenizer.batch_decode(
-            [
-                [t for t, m in zip(c.token_ids, c.env_mask, strict=True) if m] if chat else c.token_ids
-                for c in completions
-            ],
-            skip_special_tokens=True,
-        )
+        texts = completion_texts(tokenizer, completions, self.tool)
         metrics = score_answers(texts, self.golds, [c.finished for c in completions])
         self.history.append({"step": step, **metrics})
         logger.info(

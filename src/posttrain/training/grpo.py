@@ -261,6 +261,7 @@ def make_grpo_trainer(
         zero_signal=stage_cfg.zero_signal,
         max_rounds=stage_cfg.zero_signal_max_rounds,
         retire_after=stage_cfg.zero_signal_retire_after,
+        refreshed=stage_cfg.pass_rate is not None and stage_cfg.pass_rate.refresh_every is not None,
         model=model,
         reward_funcs=reward_funcs,
         args=args,
@@ -272,6 +273,8 @@ def make_grpo_trainer(
         **(eval_dataset_kwargs(stage_cfg, records_dataset(records)) if records else {}),
     )
     quiet_console(trainer)
+    if stage_cfg.pass_rate is not None and stage_cfg.pass_rate.refresh_every is not None:
+        attach_pool_refresh(trainer, stage_cfg, train_dataset, data, seed=ctx.seed)
     evaluation = "off"
     if records:
         attach_evaluation(trainer, stage_cfg, records, stage=stage)
@@ -289,6 +292,21 @@ def make_grpo_trainer(
         evaluation,
     )
     return trainer, monitor
+
+
+def attach_pool_refresh(
+    trainer: Any, stage_cfg: GRPOStageConfig, train_dataset: Any, pool: Any, *, seed: int
+) -> None:
+    """Re-score the stage's pool and outside candidates every ``pass_rate.refresh_every`` steps
+    (:mod:`posttrain.training.pool_refresh`); ``pool`` is what the stage trains on at the start."""
+    from posttrain.data.prepare import select_stage_data  # heavy: datasets
+    from posttrain.training.pool_refresh import PoolRefresh
+
+    candidates = select_stage_data(train_dataset, stage_cfg.data_filter)
+    stage = f"grpo-{stage_cfg.name}"
+    trainer.add_callback(
+        PoolRefresh(trainer, candidates, [str(pid) for pid in pool["id"]], stage_cfg, seed=seed, stage=stage)
+    )
 
 
 def _log_trl_metrics(trainer: Any, metrics: dict[str, float]) -> None:

@@ -132,6 +132,7 @@ def new_grpo_trainer(
     zero_signal: str = "keep",
     max_rounds: int = 4,
     retire_after: int | None = None,
+    refreshed: bool = False,
     **kwargs: Any,
 ) -> Any:
     """``trl.GRPOTrainer(**kwargs)``, with ``rollout_func`` when given and without its experimental warning.
@@ -139,7 +140,8 @@ def new_grpo_trainer(
     The warning says the hook may change without notice; the pin above and the tests are the answer.
     ``zero_signal`` ``drop`` or ``resample`` (with at most ``max_rounds`` extra generation rounds per
     batch, and prompts retired after ``retire_after`` flat groups in a row) returns the trainer with
-    posttrain's dynamic sampling (hook 4 above); ``keep`` is TRL's own.
+    posttrain's dynamic sampling (hook 4 above); ``keep`` is TRL's own. ``refreshed``: a pool refresh
+    retires and admits prompts (posttrain.training.pool_refresh), so the sampler needs fresh prompts.
     """
     from trl import GRPOTrainer  # heavy: deferred until a trainer is built
 
@@ -147,7 +149,12 @@ def new_grpo_trainer(
     extra = (
         {}
         if zero_signal == "keep"
-        else {"zero_signal": zero_signal, "max_rounds": max_rounds, "retire_after": retire_after}
+        else {
+            "zero_signal": zero_signal,
+            "max_rounds": max_rounds,
+            "retire_after": retire_after,
+            "refreshed": refreshed,
+        }
     )
     if rollout_func is None:
         return cls(**kwargs, **extra)
@@ -186,7 +193,13 @@ def _dynamic_sampling_trainer() -> type:
         """TRL's trainer with posttrain's ``zero_signal`` handling of each training generation batch."""
 
         def __init__(
-            self, *args: Any, zero_signal: str, max_rounds: int, retire_after: int | None, **kwargs: Any
+            self,
+            *args: Any,
+            zero_signal: str,
+            max_rounds: int,
+            retire_after: int | None,
+            refreshed: bool = False,
+            **kwargs: Any,
         ) -> None:
             super().__init__(*args, **kwargs)
             if zero_signal == "resample" and self.accelerator.num_processes > 1:
@@ -194,7 +207,7 @@ def _dynamic_sampling_trainer() -> type:
                     "zero_signal: resample runs in one process only (groups are refilled per process); "
                     "use zero_signal: drop with several processes"
                 )
-            refills = zero_signal == "resample" or retire_after is not None
+            refills = zero_signal == "resample" or retire_after is not None or refreshed
             fresh = FreshPrompts(self.train_dataset, self.args.seed + 1) if refills else None
             self._posttrain_sampler = DynamicSampler(
                 zero_signal,

@@ -273,7 +273,8 @@ class ZeroSignalCounts:
 
 
 class FreshPrompts:
-    """Rows of the training data in an endless shuffled order of their own, for resample rounds."""
+    """Rows of the training data in an endless shuffled order of their own, for resample rounds;
+    prompts that joined the pool while the stage trains (:meth:`admit`) come first."""
 
     def __init__(self, dataset: Any, seed: int) -> None:
         if len(dataset) == 0:
@@ -281,11 +282,23 @@ class FreshPrompts:
         self.dataset = dataset
         self.generator = torch.Generator().manual_seed(seed)
         self.order: list[int] = []
+        self.joined: list[dict[str, Any]] = []
+        """Rows admitted by a pool refresh and not drawn yet, oldest first."""
+
+    def admit(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Queue ``rows`` (new to the pool) to be drawn before the shuffled order."""
+        self.joined.extend(dict(row) for row in rows)
 
     def take(self, count: int, retired: Set[str] = frozenset()) -> list[dict[str, Any]]:
-        """``count`` rows, skipping those whose ``id`` is in ``retired`` (while any other is left)."""
+        """``count`` rows, joined ones first, skipping those whose ``id`` is in ``retired`` (while
+        any other is left)."""
         rows = []
         for _ in range(count):
+            while self.joined and str(self.joined[0].get("id")) in retired:
+                self.joined.pop(0)
+            if self.joined:
+                rows.append(self.joined.pop(0))
+                continue
             for _attempt in range(len(self.dataset)):
                 if not self.order:
                     self.order = torch.randperm(len(self.dataset), generator=self.generator).tolist()
@@ -382,14 +395,16 @@ class DynamicSampler:
                 self.flat_streak[pid] = 0
                 continue
             self.flat_streak[pid] = self.flat_streak.get(pid, 0) + 1
-            if self.flat_streak[pid] >= self.retire_after and pid not in self.retired:
-                self.retired.append(pid)
-                logger.info(
-                    "retired prompt %s: %d groups in a row scored alike (%d retired)",
-                    pid,
-                    self.flat_streak[pid],
-                    len(self.retired),
-                )
+            if self.flat_streak[pid] >= self.retire_after:
+                self.retire(pid, f"{self.flat_streak[pid]} groups in a row scored alike")
+
+    def retire(self, pid: str, why: str) -> bool:
+        """Take prompt ``pid`` out of the stage (``why`` goes in the log); False if it already was."""
+        if pid in self.retired:
+            return False
+        self.retired.append(pid)
+        logger.info("retired prompt %s: %s (%d retired)", pid, why, len(self.retired))
+        return True
 
     def _resample(
         self,
