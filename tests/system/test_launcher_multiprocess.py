@@ -14,6 +14,7 @@ train under FSDP2 here (posttrain.pipeline.launcher refuses such a config).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -42,7 +43,10 @@ STEPS = 3
 
 
 @pytest.fixture(autouse=True)
-def loopback(monkeypatch):
+def loopback(monkeypatch, caplog):
+    # Every line the ranks print is logged at INFO by the launcher; keeping them makes a failed
+    # launch's report show the failing rank's own error, not only torchrun's summary of it.
+    caplog.set_level(logging.INFO, logger="posttrain.pipeline.launcher")
     monkeypatch.chdir(REPO)  # configs/accelerate/cpu.yaml is read relative to the working directory
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the launcher picks a free port itself
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
