@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from posttrain.cache.keys import stage_section
 from posttrain.cli import main
 from posttrain.core.config import ConfigError, apply_override, parse_config
 from posttrain.core.hashing import stable_hash
+from posttrain.core.trainer_options import _CHOICES
 from posttrain.pipeline import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
@@ -56,6 +58,14 @@ def test_every_shipped_config_validates(path, in_clone_with_gsm8k):
             minimal(grpo={"stages": [grpo_stage(num_generations=1)]}),
             "must be >= 2 (GRPO compares completions",
         ),  # TRL's own check
+        (
+            minimal(grpo={"stages": [grpo_stage(scale_rewards="nonsense")]}),
+            "grpo.stages.0.trainer: option 'scale_rewards' must be one of 'group', 'batch', 'none', got 'nonsense'",
+        ),  # TRL checks it only at the first step
+        (
+            minimal(grpo={"stages": [grpo_stage(loss_type="drgrpo")]}),
+            "option 'loss_type' must be one of 'grpo', 'dr_grpo'",
+        ),  # TRL checks it only in the loss
         (
             minimal(grpo={"stages": [grpo_stage(num_generations=3, per_device_train_batch_size=4)]}),
             "divisible by num_generations",
@@ -162,6 +172,19 @@ def test_bad_configs_fail_in_one_line_naming_the_key(tmp_path, data, fragment):
     assert fragment in message
     assert "\n" not in message
     assert message.startswith(str(tmp_path / "cfg.yaml"))
+
+
+@pytest.mark.parametrize("key", sorted(_CHOICES["grpo"]))
+def test_the_grpo_choices_are_the_ones_trl_documents_and_each_validates(key):
+    """The load-time lists stay TRL's: each value is named in the field's help and passes TRL's config."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    help_text = next(f.metadata["help"] for f in fields(GRPOConfig) if f.name == key)
+    for choice in _CHOICES["grpo"][key]:
+        assert re.search(rf"\b{choice}'", help_text), (key, choice)  # TRL's help quotes them ('x', `x'`)
+        parse_config(minimal(grpo={"stages": [grpo_stage(**{key: choice})]}))
 
 
 def test_grpo_defaults_merge_under_each_stage_as_if_written_out():

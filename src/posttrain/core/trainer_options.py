@@ -49,6 +49,18 @@ _AT_MOST = {
     "num_train_epochs": 10_000,
     "max_steps": 100_000_000,
 }
+# String options TRL types as plain `str` and checks only when the first step runs (an unknown
+# `scale_rewards` raises after the model has loaded and the first rollouts are generated): the values
+# TRL 1.16 handles, from its field help, so a typo fails at load time. tests/unit/test_config.py
+# pins each list against that help.
+_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
+    "grpo": {
+        "loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),
+        "scale_rewards": ("group", "batch", "none"),
+        "importance_sampling_level": ("token", "sequence"),
+        "vllm_mode": ("server", "colocate"),
+    },
+}
 # Options people carry over from other libraries or older TRL versions.
 _RENAMED_TRAINER_KEYS = {
     "kl_coef": "the KL coefficient is `beta` in TRL 1.16 (default 0.0)",
@@ -219,3 +231,6 @@ def _check_ranges(kind: str, options: dict[str, Any], given: set[str]) -> None:
     temperature = options.get("temperature")
     if isinstance(temperature, int | float) and not temperature > 0:
         raise bad("temperature", "> 0")
+    for key, choices in _CHOICES.get(kind, {}).items():
+        if isinstance(options.get(key), str) and options[key] not in choices:
+            raise bad(key, "one of " + ", ".join(repr(c) for c in choices))
