@@ -118,11 +118,21 @@ def set_gpu_slots(slots: int) -> None:
 
     A process that ran a ``gpu`` task while no limit existed skips the server's check for that tag
     for the next 5 s (Prefect's memory of absent limits), so the flow sets the limit before any step.
+
+    The server's upsert reads, then inserts: two runs that start together can both find no limit,
+    and the second insert fails with 409 Conflict. By then the limit exists, so one more call
+    updates it.
     """
     from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
 
     with get_client(sync_client=True) as client:
-        client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=slots)
+        try:
+            client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=slots)
+        except PrefectHTTPStatusError as exc:
+            if exc.response.status_code != 409:
+                raise
+            client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=slots)
 
 
 def redact_run_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
