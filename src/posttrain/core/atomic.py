@@ -40,6 +40,7 @@ __all__ = [
     "STAGING_SUFFIX",
     "checkpoints_dir",
     "discard_checkpoints",
+    "replace_dir",
     "staging_dir",
     "tidy_interrupted",
     "write_result",
@@ -92,11 +93,17 @@ def staging_dir(output_dir: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    replace_dir(tmp, final)
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Rename the finished directory ``new`` to ``final``, moving an existing ``final`` aside first
+    and deleting it after, so ``final`` is at every instant the old complete directory or the new one."""
     old = None
     if final.exists():
         old = final.with_name(f"{final.name}{REPLACED_SUFFIX}{secrets.token_hex(4)}")
         final.rename(old)
-    tmp.rename(final)
+    new.rename(final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

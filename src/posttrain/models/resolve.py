@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.cache.digests import sha256_file
+from posttrain.core.atomic import replace_dir
 from posttrain.core.errors import ModelError
 from posttrain.models.tiny import build_tiny_model
 
@@ -107,10 +108,7 @@ def _publish(built: Path, target: Path, replace: bool) -> None:
     if not replace and (target / MANIFEST).exists():
         shutil.rmtree(built, ignore_errors=True)
         return
-    old = Path(tempfile.mkdtemp(prefix=".old-", dir=target.parent))
-    target.rename(old / target.name)
-    built.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(built, target)
 
 
 def convert_gguf(gguf_path: Path, output_dir: Path, force: bool = False) -> Path:
