@@ -106,6 +106,21 @@ def test_keep_best_outputs_the_peak_checkpoint_and_records_its_step(
     assert chosen["scores"] == [[0, 0.1], [1, 0.3], [2, 0.6], [3, 0.4], [4, 0.2]]
     assert chosen["select_metric"] == "accuracy" and chosen["questions"] == 4 and not chosen["stopped_early"]
     assert (result.metrics["selected_step"], result.metrics["selected_score"]) == (2, 0.6)  # MLflow metrics
+    assert chosen["beat_input"] is True
+
+
+@pytest.mark.parametrize(
+    "script", [{0: 0.5, 1: 0.5, 2: 0.5}, {0: 0.5, 1: 0.25, 2: 0.25}], ids=["flat", "worse"]
+)
+def test_a_selection_that_never_beats_the_input_says_so(
+    tiny_model_dir, prepared, tmp_path, scripted, script, caplog
+):
+    scripted[0].update(script)
+    with caplog.at_level("WARNING", logger="posttrain.training.selection"):
+        result = sft(tiny_model_dir, prepared, tmp_path / "flat", keep="best", max_steps=2)
+    chosen = read_stage_json(Path(result.output_dir))["selection"]
+    assert (chosen["best_step"], chosen["beat_input"]) == (1, False)  # the first of equals
+    assert "no checkpoint scored above the stage's input on the 4 selection questions" in caplog.text
 
 
 def test_keep_last_outputs_the_last_step(tiny_model_dir, prepared, tmp_path, scripted):

@@ -8,6 +8,11 @@ evaluations without improvement. The slice is ``data.selection_size`` training r
 before training (never trained on, decontaminated against every evaluation set), never the final
 evaluation set: choosing on the numbers one reports would overstate the gain.
 
+Among equal scores the first checkpoint wins (transformers needs a strict improvement), and the
+stage's input (step 0) is evaluated but is not a candidate. So when the slice is too small or too
+easy to separate checkpoints, every score ties and the output is the first checkpoint, not a better
+one: the selection record says so (``beat_input: false``) and the stage logs a warning.
+
 The machinery is transformers': ``eval_strategy``/``eval_steps``, ``save_steps`` at every
 evaluation, ``load_best_model_at_end`` with ``metric_for_best_model``, and ``EarlyStoppingCallback``
 (see :func:`selection_trainer_options` and :mod:`posttrain.training.selection`), so the best

@@ -120,7 +120,8 @@ def stage_evaluation(trainer: Any) -> HeldoutEval | None:
 def selection_record(section: Any, trainer: Any) -> dict[str, Any] | None:
     """What ``keep: best`` chose, from the trainer's state: ``best_step`` and ``best_score``, the
     score of every evaluation (step 0, the stage's input, is shown but is not a candidate: it was
-    never a checkpoint of this stage), the last step and whether training stopped early. None for
+    never a checkpoint of this stage), whether the chosen one scored above that input
+    (``beat_input``; a warning when not), the last step and whether training stopped early. None for
     ``keep: last``."""
     evaluation = stage_evaluation(trainer)
     if section.keep != "best" or evaluation is None:
@@ -130,11 +131,27 @@ def selection_record(section: Any, trainer: Any) -> dict[str, Any] | None:
     scores = [[int(row["step"]), float(row[key])] for row in state.log_history if key in row]
     if state.best_model_checkpoint is None:
         logger.warning("keep: best found no evaluated checkpoint; the stage's output is its last step")
+    start = next((score for step, score in scores if step == 0), None)
+    beat_input = None if start is None or state.best_metric is None else state.best_metric > start
+    if beat_input is False:
+        logger.warning(
+            "[%s] keep: best: no checkpoint scored above the stage's input on the %d selection questions "
+            "(%s %.3f at step 0, best %.3f at step %s): the slice saw no gain from this stage, and its "
+            "output is the first checkpoint with the best score; raise data.selection_size to tell "
+            "checkpoints apart, or use keep: last",
+            evaluation.stage,
+            len(evaluation.golds),
+            section.select_metric,
+            start,
+            state.best_metric,
+            state.best_global_step,
+        )
     return {
         "keep": "best",
         "select_metric": section.select_metric,
         "best_step": state.best_global_step if state.best_model_checkpoint is not None else None,
         "best_score": state.best_metric,
+        "beat_input": beat_input,
         "last_step": state.global_step,
         "max_steps": state.max_steps,
         "stopped_early": state.global_step < state.max_steps,
