@@ -133,7 +133,7 @@ def selection_record(section: Any, trainer: Any) -> dict[str, Any] | None:
         logger.warning("keep: best found no evaluated checkpoint; the stage's output is its last step")
     start = next((score for step, score in scores if step == 0), None)
     beat_input = None if start is None or state.best_metric is None else state.best_metric > start
-    if beat_input is False:
+    if beat_input is False and trainer.is_world_process_zero():  # every rank has the same record
         logger.warning(
             "[%s] keep: best: no checkpoint scored above the stage's input on the %d selection questions "
             "(%s %.3f at step 0, best %.3f at step %s): the slice saw no gain from this stage, and its "
