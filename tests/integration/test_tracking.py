@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -762,6 +764,34 @@ def test_a_tracker_whose_server_is_gone_turns_itself_off_and_says_how_to_log_lat
     assert "\n" not in line and "PLANTED_SECRET" not in line and "PLANTED_SECRET" not in caplog.text
     assert f"127.0.0.1:{uri.rsplit(':', 1)[1]}" in line and "/runs/store" in line
     assert "run the same command again" in line
+
+
+def test_background_threads_failing_at_once_say_the_outage_once(monkeypatch, caplog):
+    """MLflow's background threads (the callback's async logging workers, the system-metrics
+    monitor) report a lost server through the outage watch, and can do so at the same moment:
+    the outage is said once, and every caller learns that tracking is gone."""
+    import posttrain.tracking.parent_run as parent_run
+
+    def slow_health_check(uri: str) -> str:
+        time.sleep(0.05)  # /health times out: long enough for the other threads to arrive
+        return f"MLflow tracking server unreachable: {uri}/health"
+
+    monkeypatch.setattr(parent_run, "uri_problem", slow_health_check)
+    tracker = Tracker(True, f"http://127.0.0.1:{closed_port()}", "1", "parent-run-id")
+    start, answers = threading.Barrier(4), []
+
+    def background_failure() -> None:
+        start.wait()
+        answers.append(tracker.went_away("sft", RuntimeError("log-batch failed")))
+
+    with caplog.at_level(logging.WARNING, logger="posttrain.tracking.parent_run"):
+        threads = [threading.Thread(target=background_failure) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert answers == [True] * 4 and not tracker.enabled and "during sft" in tracker.lost
+    assert sum("went away during sft" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_failure_while_the_server_answers_is_not_a_server_gone(uri):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,13 @@ trainer callback's queued metrics, the system metrics. Watched while a stage tra
 is noticed at its first lost batch instead of at the stage's end (an hour of errors later)."""
 
 
+_OUTAGE_LOCK = threading.Lock()
+"""Makes :meth:`Tracker.went_away`'s check-and-set one step. MLflow's background threads (the
+async logging queue's workers, the system-metrics monitor) call it through :class:`_OutageWatch`
+and can fail at the same moment; without it each saw tracking still on and said the outage again.
+Module-level because a Tracker is pickled to stage processes (a lock is not picklable)."""
+
+
 class _OutageWatch(logging.Filter):
     """A logging filter on :data:`_BACKGROUND_FAILURES` while a stage runs: the first failure it
     sees asks :meth:`Tracker.went_away`; once tracking is lost, their records are dropped."""
@@ -166,15 +174,16 @@ class Tracker:
         MLflow retries each call first (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, backoff
         ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR``), so a server that restarts within that time is
         never noticed."""
-        if self.lost is not None:
-            return True
-        if not self.enabled or self.tracking_uri is None:
-            return False
-        problem = uri_problem(self.tracking_uri)
-        if problem is None:
-            return False
-        self.lost = f"{problem} (during {during})"
-        self.enabled = False
+        with _OUTAGE_LOCK:
+            if self.lost is not None:
+                return True
+            if not self.enabled or self.tracking_uri is None:
+                return False
+            problem = uri_problem(self.tracking_uri)
+            if problem is None:
+                return False
+            self.lost = f"{problem} (during {during})"
+            self.enabled = False
         for name in _RETRY_CHATTER:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         logger.warning(
