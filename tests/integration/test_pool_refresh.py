@@ -9,6 +9,8 @@ it is solved sometimes, and one whose gold is 9 never.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -17,6 +19,7 @@ from scripted_models import answers_seven_mostly
 
 from posttrain.core.config import GRPOStageConfig, PassRateConfig
 from posttrain.training.pool_refresh import METRICS, PoolRefresh
+from posttrain.training.pool_state import STATE_KEY, PoolCheckpoint
 from posttrain.training.zero_signal import DynamicSampler, FreshPrompts, group_signal
 
 K = 8
@@ -177,3 +180,74 @@ def test_a_stage_that_refreshes_its_pool_logs_it_and_never_trains_a_prompt_after
         assert not {pid for pid in batch if pid in left and left[pid] < step + 1}, (step, batch)
     logged = [row for row in trainer.state.log_history if "pass_rate/pool" in row]
     assert [row["step"] for row in logged] == [1, 2]
+
+
+POOL = [f"p{i}" for i in range(6)]
+GOLDS = {**dict.fromkeys(POOL, 7), "never": 9, **{f"c{i}": 7 for i in range(6)}}
+
+
+def worked_pool(tokenizer):
+    """A refresh and its sampler two steps into a stage: partway through the fresh order, one
+    prompt retired, a run of flat groups counted, and a refresh that retired and admitted prompts."""
+    refresh, trainer = refresher(tokenizer, 0.75, GOLDS, POOL, refresh_size=6)
+    sampler = trainer._posttrain_sampler
+    sampler.fresh.take(2)
+    sampler.retire("p5", "test")
+    sampler.flat_streak["p4"] = 1
+    record = refresh.refresh(step=2)
+    assert record["joined"], "the test needs a prompt waiting in the joined queue"
+    return refresh, sampler
+
+
+def test_a_checkpointed_pool_comes_back_as_it_was(tiny_tokenizer):
+    """The pool's state goes through JSON with sorted keys (as transformers writes the trainer
+    state) and comes back: the next fresh draws and the next refresh are the original's."""
+    refresh, sampler = worked_pool(tiny_tokenizer)
+    state = SimpleNamespace(stateful_callbacks={}, global_step=2)
+    PoolCheckpoint(sampler, refresh).on_step_end(None, state, None)
+    saved = json.loads(json.dumps(state.stateful_callbacks, sort_keys=True))
+    again, trainer = refresher(tiny_tokenizer, 0.75, GOLDS, POOL, refresh_size=6)
+    again_sampler = trainer._posttrain_sampler
+    PoolCheckpoint(again_sampler, again).on_train_begin(
+        None, SimpleNamespace(stateful_callbacks=saved, global_step=2), None
+    )
+    assert again_sampler.state() == sampler.state()
+    assert list(again.scored_at.items()) == list(refresh.scored_at.items())  # ties keep their order
+
+    def ids(rows):
+        return [row["id"] for row in rows]
+
+    assert ids(again_sampler.fresh.take(5, set(again_sampler.retired))) == ids(
+        sampler.fresh.take(5, set(sampler.retired))
+    )
+    assert {**again.refresh(step=4), "seconds": 0} == {**refresh.refresh(step=4), "seconds": 0}
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda s: s.update(version=2),
+        lambda s: s.update(refresh=None),
+        lambda s: s["sampler"].update(retired="p1"),
+        lambda s: s["sampler"]["flat_streak"].update(p1=-1),
+        lambda s: s["sampler"]["fresh"].update(permutations=10**12),
+        lambda s: s["sampler"]["fresh"].update(left=10**6),
+        lambda s: s["sampler"]["fresh"].update(joined=["not-a-candidate"]),
+        lambda s: s["refresh"]["scored_at"].append(["not-a-candidate", 0]),
+        lambda s: s["refresh"]["scored_at"].append(["c5", 99]),
+        lambda s: s["refresh"].update(cursor=-1),
+        lambda s: s["refresh"].update(history={}),
+    ],
+)
+def test_a_damaged_pool_state_is_said_and_changes_nothing(damage, tiny_tokenizer, caplog):
+    refresh, sampler = worked_pool(tiny_tokenizer)
+    saved = json.loads(json.dumps(PoolCheckpoint(sampler, refresh).snapshot()))
+    damage(saved)
+    fresh, trainer = refresher(tiny_tokenizer, 0.75, GOLDS, POOL, refresh_size=6)
+    before = (trainer._posttrain_sampler.state(), fresh.state())
+    with caplog.at_level(logging.WARNING, logger="posttrain.training.pool_state"):
+        PoolCheckpoint(trainer._posttrain_sampler, fresh, stage="grpo-fresh").on_train_begin(
+            None, SimpleNamespace(stateful_callbacks={STATE_KEY: saved}, global_step=2), None
+        )
+    assert (trainer._posttrain_sampler.state(), fresh.state()) == before
+    assert [r.message for r in caplog.records if "no usable prompt-pool state" in r.message]

@@ -73,7 +73,7 @@ def distinct_characters(completions, **kwargs):
 
 # Timings differ between runs; the final row's train_loss averages only the steps of the last
 # train() call (transformers' choice when resuming).
-NOT_COMPARED = {"step_time", "train_runtime", "train_loss"}
+NOT_COMPARED = {"step_time", "train_runtime", "train_loss", "pass_rate/refresh_seconds"}
 
 
 def history(result) -> list[dict]:
@@ -158,3 +158,75 @@ def test_a_working_folder_without_a_checkpoint_starts_empty(tmp_path):
     (work / "completions").mkdir()
     assert prepare_work_dir(work) == (None, 0)
     assert list(work.iterdir()) == []
+
+
+def pool_stage_runner(tiny_model_dir: Path, data):
+    """``run(output_dir)`` for a 4-step GRPO stage whose pass-rate pool (16 prompts at 2 of 4) is
+    refreshed every step: the random model solves nothing, so each refresh retires the pool prompts
+    it scores, and later batches train fresh prompts in their place."""
+    from posttrain.core.config import PassRateConfig
+    from posttrain.data.pass_rates import PassRates
+    from posttrain.training.grpo import run_grpo_stage
+
+    rates = PassRates(4, {str(pid): 2 for pid in data["id"][:16]})
+    cfg = GRPOStageConfig(
+        name="pool",
+        rewards=[{"name": "test_resume:distinct_characters"}],
+        pass_rate=PassRateConfig(samples=4, refresh_every=1, refresh_size=8),
+        zero_signal="drop",
+        zero_signal_retire_after=2,
+        trainer={
+            **EVERY_STEP,
+            "max_steps": 4,
+            "per_device_train_batch_size": 4,
+            "num_generations": 2,
+            "max_completion_length": 12,
+        },
+    )
+    model = ModelConfig(name=str(tiny_model_dir), lora=LORA, precision="fp32")
+    return lambda out: run_grpo_stage(cfg, model, tiny_model_dir, data, out, pass_rates=rates)
+
+
+def test_a_stage_that_retires_prompts_resumes_with_them_retired(tiny_model_dir, data, tmp_path, monkeypatch):
+    """Killed after step 2, a stage whose refreshes retired prompts (and drew fresh ones in their
+    place) resumes with the same pool, the same retired prompts and the same place in the fresh
+    order: every later batch, loss and weight is the uninterrupted run's."""
+    from transformers import Trainer
+
+    from posttrain.rewards.registry import CUSTOM_CODE_ENV
+    from posttrain.training.trl_compat import _dynamic_sampling_trainer
+
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    trainer_class = _dynamic_sampling_trainer()
+    generate = trainer_class._posttrain_generate
+    batches: list[tuple[int, list[str]]] = []
+
+    def spy(self, inputs):
+        batches.append((self.state.global_step, [str(row["id"]) for row in inputs]))
+        return generate(self, inputs)
+
+    monkeypatch.setattr(trainer_class, "_posttrain_generate", spy)
+    run = pool_stage_runner(tiny_model_dir, data)
+    uninterrupted = run(tmp_path / "whole")
+    whole_batches, batches[:] = list(batches), []
+
+    save = Trainer._save_checkpoint
+
+    def save_then_die(self, model, trial):
+        save(self, model, trial)
+        if self.state.global_step == 2:
+            raise Killed
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run(tmp_path / "resumed")
+    monkeypatch.setattr(Trainer, "_save_checkpoint", save)
+    batches[:] = []
+    resumed = run(tmp_path / "resumed")
+
+    assert resumed.metrics["resumed_from_step"] == 2
+    replaced = [row for row in history(uninterrupted) if row.get("zero_signal/groups_replaced")]
+    assert [row["step"] for row in replaced if row["step"] > 2], "retired prompts were swapped after step 2"
+    assert batches == [b for b in whole_batches if b[0] >= 2]  # steps 3 and 4 drew the same prompts
+    assert history(resumed) == history(uninterrupted)
+    assert resumed.fingerprints["output"] == uninterrupted.fingerprints["output"]

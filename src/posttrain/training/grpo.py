@@ -273,8 +273,13 @@ def make_grpo_trainer(
         **(eval_dataset_kwargs(stage_cfg, records_dataset(records)) if records else {}),
     )
     quiet_console(trainer)
+    refresh = None
     if stage_cfg.pass_rate is not None and stage_cfg.pass_rate.refresh_every is not None:
-        attach_pool_refresh(trainer, stage_cfg, train_dataset, data, seed=ctx.seed)
+        refresh = attach_pool_refresh(trainer, stage_cfg, train_dataset, data, seed=ctx.seed)
+    if getattr(trainer, "_posttrain_sampler", None) is not None:
+        from posttrain.training.pool_state import PoolCheckpoint
+
+        trainer.add_callback(PoolCheckpoint(trainer._posttrain_sampler, refresh, stage=stage))
     evaluation = "off"
     if records:
         attach_evaluation(trainer, stage_cfg, records, stage=stage)
@@ -296,17 +301,20 @@ def make_grpo_trainer(
 
 def attach_pool_refresh(
     trainer: Any, stage_cfg: GRPOStageConfig, train_dataset: Any, pool: Any, *, seed: int
-) -> None:
+) -> Any:
     """Re-score the stage's pool and outside candidates every ``pass_rate.refresh_every`` steps
-    (:mod:`posttrain.training.pool_refresh`); ``pool`` is what the stage trains on at the start."""
+    (:mod:`posttrain.training.pool_refresh`); ``pool`` is what the stage trains on at the start.
+    Returns the refresh callback."""
     from posttrain.data.prepare import select_stage_data  # heavy: datasets
     from posttrain.training.pool_refresh import PoolRefresh
 
     candidates = select_stage_data(train_dataset, stage_cfg.data_filter)
     stage = f"grpo-{stage_cfg.name}"
-    trainer.add_callback(
-        PoolRefresh(trainer, candidates, [str(pid) for pid in pool["id"]], stage_cfg, seed=seed, stage=stage)
+    refresh = PoolRefresh(
+        trainer, candidates, [str(pid) for pid in pool["id"]], stage_cfg, seed=seed, stage=stage
     )
+    trainer.add_callback(refresh)
+    return refresh
 
 
 def _log_trl_metrics(trainer: Any, metrics: dict[str, float]) -> None:

@@ -84,6 +84,44 @@ class PoolRefresh(TrainerCallback):
         self.cursor = 0
         self.history: list[dict[str, Any]] = []
 
+    @property
+    def rows_by_id(self) -> dict[str, dict[str, Any]]:
+        """The stage's candidates by id (what an admitted prompt's id stands for)."""
+        return {str(row["id"]): row for row in self.rows}
+
+    def state(self) -> dict[str, Any]:
+        """The pool, where the outside order stands and the refreshes so far, as JSON values."""
+        # Pairs, not an object: the order breaks ties between prompts last scored at the same step,
+        # and transformers writes the trainer state with sorted keys.
+        pool = [[pid, step] for pid, step in self.scored_at.items()]
+        return {"scored_at": pool, "cursor": self.cursor, "history": list(self.history)}
+
+    def restore(self, state: Mapping[str, Any], steps: int) -> None:
+        """Go back to a :meth:`state` read from a checkpoint at step ``steps`` (checked against the
+        stage's candidates; ValueError if malformed)."""
+        scored_at, cursor, history = state.get("scored_at"), state.get("cursor"), state.get("history")
+        known = self.rows_by_id
+        if not isinstance(scored_at, list) or not all(
+            isinstance(pair, list)
+            and len(pair) == 2
+            and isinstance(pair[0], str)
+            and pair[0] in known
+            and type(pair[1]) is int
+            and 0 <= pair[1] <= steps
+            for pair in scored_at
+        ):
+            raise ValueError("pool refresh: scored_at must pair candidate ids with steps already trained")
+        if type(cursor) is not int or not 0 <= cursor < max(1, len(self.outside)):
+            raise ValueError(f"pool refresh: cursor {cursor!r} out of range")
+        if (
+            not isinstance(history, list)
+            or len(history) > steps
+            or not all(isinstance(r, dict) for r in history)
+        ):
+            raise ValueError("pool refresh: history must hold one record per refresh so far")
+        self.scored_at = {pid: step for pid, step in scored_at}
+        self.cursor, self.history = cursor, list(history)
+
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         if step % self.cfg.refresh_every == 0 and step < state.max_steps:
@@ -97,7 +135,7 @@ class PoolRefresh(TrainerCallback):
         for pid in [p for p in self.scored_at if p in retired]:  # left by zero_signal_retire_after
             del self.scored_at[pid]
         own = sorted(self.scored_at, key=lambda pid: self.scored_at[pid])[: self.cfg.refresh_size // 2]
-        by_id = {str(row["id"]): row for row in self.rows}
+        by_id = self.rows_by_id
         rows = [by_id[pid] for pid in own] + self._outside(self.cfg.refresh_size - len(own), retired)
         correct = self.score(rows, step)
         left, joined = [], []

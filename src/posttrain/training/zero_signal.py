@@ -34,7 +34,10 @@ says what a group with signal cost in completions.
 
 Fresh prompts come from the stage's training data in an order of their own (:class:`FreshPrompts`,
 seeded from the run's seed), independent of TRL's sampler: a resampled prompt may come round again
-later in the epoch, and a stage resumed from a checkpoint starts that order again. ``reward`` and the other TRL metrics of a step average over every round generated
+later in the epoch. What the sampler has decided (retired prompts, runs of flat groups, where the
+fresh order stands, prompts a pool refresh admitted) goes into every checkpoint
+(posttrain.training.pool_state), so a resumed stage goes on as the uninterrupted one would.
+``reward`` and the other TRL metrics of a step average over every round generated
 (the policy's reward on the data, not on the selected groups); what was trained on is logged as
 ``zero_signal/frac_signal`` (share of the trained batch's groups with signal), ``zero_signal/groups_dropped``,
 ``zero_signal/groups_resampled`` and ``zero_signal/rounds`` (extra generation rounds).
@@ -279,9 +282,11 @@ class FreshPrompts:
     def __init__(self, dataset: Any, seed: int) -> None:
         if len(dataset) == 0:
             raise ValueError("zero_signal: resample needs training data to draw fresh prompts from")
-        self.dataset = dataset
+        self.dataset, self.seed = dataset, seed
         self.generator = torch.Generator().manual_seed(seed)
         self.order: list[int] = []
+        self.permutations = 0
+        """Shuffles of the data drawn so far: with ``seed`` and ``len(order)`` they say where the order stands."""
         self.joined: list[dict[str, Any]] = []
         """Rows admitted by a pool refresh and not drawn yet, oldest first."""
 
@@ -302,11 +307,44 @@ class FreshPrompts:
             for _attempt in range(len(self.dataset)):
                 if not self.order:
                     self.order = torch.randperm(len(self.dataset), generator=self.generator).tolist()
+                    self.permutations += 1
                 row = dict(self.dataset[self.order.pop()])
                 if str(row.get("id")) not in retired:
                     break
             rows.append(row)
         return rows
+
+    def state(self) -> dict[str, Any]:
+        """Where the order stands and which admitted prompts wait (ids), as JSON values."""
+        return {
+            "permutations": self.permutations,
+            "left": len(self.order),
+            "joined": [str(row.get("id")) for row in self.joined],
+        }
+
+    def restore(self, state: Mapping[str, Any], rows_by_id: Mapping[str, Mapping[str, Any]]) -> None:
+        """Go back to a :meth:`state` (read from a checkpoint: untrusted, so checked and bounded);
+        ``rows_by_id`` resolves the admitted prompts' ids. Raises ValueError for a state this
+        order cannot have reached."""
+        permutations, left, joined = state.get("permutations"), state.get("left"), state.get("joined")
+        size = len(self.dataset)
+        if type(permutations) is not int or not 0 <= permutations <= _MAX_SHUFFLED_ROWS // size:
+            raise ValueError(f"fresh prompts: permutations {permutations!r} out of range")
+        if type(left) is not int or not 0 <= left <= (size if permutations else 0):
+            raise ValueError(f"fresh prompts: left {left!r} out of range")
+        if not isinstance(joined, list) or not all(
+            isinstance(pid, str) and pid in rows_by_id for pid in joined
+        ):
+            raise ValueError("fresh prompts: joined must list ids of the stage's candidates")
+        generator, order = torch.Generator().manual_seed(self.seed), []
+        for _ in range(permutations):
+            order = torch.randperm(size, generator=generator).tolist()
+        self.generator, self.permutations, self.order = generator, permutations, order[:left]
+        self.joined = [dict(rows_by_id[pid]) for pid in joined]
+
+
+_MAX_SHUFFLED_ROWS = 100_000_000
+"""Replaying a saved order's shuffles costs one draw per row; a state asking for more is not ours."""
 
 
 Generate = Callable[[list[dict[str, Any]]], tuple[dict[str, Any], torch.Tensor]]
@@ -397,6 +435,27 @@ class DynamicSampler:
             self.flat_streak[pid] = self.flat_streak.get(pid, 0) + 1
             if self.flat_streak[pid] >= self.retire_after:
                 self.retire(pid, f"{self.flat_streak[pid]} groups in a row scored alike")
+
+    def state(self) -> dict[str, Any]:
+        """What the sampler has decided so far, as JSON values (:mod:`posttrain.training.pool_state`)."""
+        return {
+            "retired": list(self.retired),
+            "flat_streak": dict(self.flat_streak),
+            "fresh": self.fresh.state() if self.fresh is not None else None,
+        }
+
+    def restore(self, state: Mapping[str, Any], rows_by_id: Mapping[str, Mapping[str, Any]]) -> None:
+        """Go back to a :meth:`state` read from a checkpoint (checked; ValueError if malformed)."""
+        retired, streak, fresh = state.get("retired"), state.get("flat_streak"), state.get("fresh")
+        if not isinstance(retired, list) or not all(isinstance(pid, str) for pid in retired):
+            raise ValueError("sampler: retired must be a list of ids")
+        if not isinstance(streak, dict) or not all(type(n) is int and n >= 0 for n in streak.values()):
+            raise ValueError("sampler: flat_streak must map ids to counts")
+        if (fresh is None) != (self.fresh is None) or (fresh is not None and not isinstance(fresh, dict)):
+            raise ValueError("sampler: fresh does not match this stage's source of fresh prompts")
+        if self.fresh is not None:
+            self.fresh.restore(fresh, rows_by_id)
+        self.retired, self.flat_streak = list(dict.fromkeys(retired)), dict(streak)
 
     def retire(self, pid: str, why: str) -> bool:
         """Take prompt ``pid`` out of the stage (``why`` goes in the log); False if it already was."""
