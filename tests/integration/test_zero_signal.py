@@ -600,3 +600,38 @@ def test_drop_stage_with_constant_rewards_drops_every_group_and_still_alerts(
     assert [a["kind"] for a in monitor.alerts] == ["no_signal"] and "zero_signal: resample" in monitor.alerts[
         0
     ]["remedy"]
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"zero_signal": "resample"}, "zero_signal: resample"),
+        ({"zero_signal": "drop", "zero_signal_retire_after": 2}, "zero_signal_retire_after"),
+    ],
+)
+def test_a_stage_on_several_processes_refuses_what_keeps_its_pool_in_one(
+    tiny_model_dir, data, tmp_path, monkeypatch, options, named
+):
+    """Launched some other way than by posttrain (whose config check says it first): each process
+    would retire and refill for itself, so the processes would train different pools."""
+    from accelerate import Accelerator
+
+    from posttrain.core.errors import StageError
+    from posttrain.training import grpo
+    from posttrain.training.stage_run import StageContext
+
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
+    stage = GRPOStageConfig(
+        name="zs",
+        rewards=[{"name": "xml_count"}],
+        trainer={
+            "max_steps": 1,
+            "per_device_train_batch_size": 8,
+            "num_generations": G,
+            "max_completion_length": 6,
+        },
+        **options,
+    )
+    ctx = StageContext(stage="grpo-zs", work_dir=tmp_path, seed=0, report_to="none", precision="fp32")
+    with pytest.raises(StageError, match=rf"^{named}: runs in one process only .*this stage runs on 2$"):
+        grpo.make_grpo_trainer(stage, ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir), data, ctx)

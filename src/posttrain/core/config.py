@@ -661,7 +661,8 @@ class PassRateConfig(StrictModel):
     scored again (k completions each, by the policy as it is then). Pool prompts whose pass rate
     has left the band leave the stage; candidates of the stage's data outside the pool whose pass
     rate is inside it join, and take the places of prompts that left (and resample rounds draw them
-    first). Needs ``zero_signal: drop`` or ``resample``. Null: the pool is what the scoring step chose."""
+    first). Needs ``zero_signal: drop`` or ``resample``, and one process. Null: the pool is what the
+    scoring step chose."""
     refresh_size: int = Field(32, ge=2)
     """Prompts scored per refresh: up to half of them the pool's, least recently scored first; the
     rest candidates from outside the pool, in a seeded order that comes round again."""
@@ -704,14 +705,15 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     zero_signal: Literal["keep", "drop", "resample"] = "keep"
     """Prompt groups whose completions all earned the same reward (no gradient): keep them (TRL's
     behaviour), drop them from the loss, or resample: replace them with fresh prompts' groups that
-    have signal (DAPO's dynamic sampling), dropping what is still flat after the budget.
-    See posttrain.training.zero_signal."""
+    have signal (DAPO's dynamic sampling), dropping what is still flat after the budget; resample
+    runs in one process. See posttrain.training.zero_signal."""
     zero_signal_max_rounds: int = Field(4, ge=1)
     """resample: extra generation rounds per generation batch at most (each at most the batch's size)."""
     zero_signal_retire_after: int | None = Field(None, ge=1)
     """drop or resample: retire a prompt from the stage once this many of its groups in a row
     scored alike: it is not generated for again, and a fresh prompt of the stage's data (one not
-    retired) takes its place in the batch before generation. Null: prompts never leave."""
+    retired) takes its place in the batch before generation. One process only. Null: prompts never
+    leave."""
     eval_every: int | None = Field(None, ge=1)
     """Evaluate greedily on the selection slice (``data.selection_size``; else the held-out slice) at
     the start and every N steps (``eval/accuracy``, ``eval/accuracy_flexible``, ``eval/format`` next

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.config import PipelineConfig, parse_config, read_config_mapping
+from posttrain.core.config import GRPOStageConfig, PipelineConfig, parse_config, read_config_mapping
 from posttrain.core.errors import ConfigError
 from posttrain.core.inputs import path_problem
 from posttrain.core.library_policy import import_named
@@ -82,9 +82,37 @@ def check_launchers(cfg: PipelineConfig, source: str = "<config>") -> None:
         own = section.launch is not None and section.launch.accelerate_config is not None
         key = cfg.written_key(where, "launch.accelerate_config") if own else "launch.accelerate_config"
         try:
-            accelerate_setup(launch, key)
+            processes = accelerate_setup(launch, key).num_processes
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
+        if processes > 1 and isinstance(section, GRPOStageConfig):
+            _check_one_process_options(cfg, where, section, processes, source)
+
+
+def _check_one_process_options(
+    cfg: PipelineConfig, where: str, stage: GRPOStageConfig, processes: int, source: str
+) -> None:
+    """A GRPO stage launched on several processes uses no option that keeps its prompt pool in
+    one process: each process would decide for itself, and the processes would train different pools."""
+    single = [
+        ("zero_signal", stage.zero_signal == "resample", "resample refills groups in one process only"),
+        (
+            "zero_signal_retire_after",
+            stage.zero_signal_retire_after is not None,
+            "retiring prompts runs in one process only",
+        ),
+        (
+            "pass_rate.refresh_every",
+            stage.pass_rate is not None and stage.pass_rate.refresh_every is not None,
+            "the pool refresh runs in one process only",
+        ),
+    ]
+    for path, used, why in single:
+        if used:
+            raise ConfigError(
+                f"{source}: {cfg.written_key(where, path)}: {why} (each process would keep its own "
+                f"pool), and this stage launches {processes}; use launch.num_processes: 1 for it"
+            )
 
 
 def check_shared_store(cfg: PipelineConfig, source: str = "<config>") -> None:

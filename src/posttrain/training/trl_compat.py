@@ -202,10 +202,19 @@ def _dynamic_sampling_trainer() -> type:
             **kwargs: Any,
         ) -> None:
             super().__init__(*args, **kwargs)
-            if zero_signal == "resample" and self.accelerator.num_processes > 1:
+            single = [
+                name
+                for name, used in (
+                    ("zero_signal: resample", zero_signal == "resample"),
+                    ("zero_signal_retire_after", retire_after is not None),
+                    ("pass_rate.refresh_every", refreshed),
+                )
+                if used
+            ]
+            if single and self.accelerator.num_processes > 1:
                 raise StageError(
-                    "zero_signal: resample runs in one process only (groups are refilled per process); "
-                    "use zero_signal: drop with several processes"
+                    f"{', '.join(single)}: runs in one process only (each process would keep its own "
+                    f"prompt pool); this stage runs on {self.accelerator.num_processes}"
                 )
             refills = zero_signal == "resample" or retire_after is not None or refreshed
             fresh = FreshPrompts(self.train_dataset, self.args.seed + 1) if refills else None
