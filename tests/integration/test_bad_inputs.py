@@ -549,6 +549,14 @@ CASES = [
         "{cfg}: launch.num_processes: Input should be greater than or equal to 1",
     ),
     (
+        "absurd pass-rate samples",
+        ["grpo.stages.0.zero_signal=drop", "grpo.stages.0.pass_rate={samples: 1000000}"],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0.pass_rate.samples: 1000000 is more than posttrain can use (at most 1,024)",
+    ),
+    (
         "resample on two processes",
         [*TWO_CPU_PROCESSES, "grpo.stages.0.zero_signal=resample"],
         None,

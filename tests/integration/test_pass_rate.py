@@ -152,7 +152,11 @@ def test_a_stage_with_pass_rate_refuses_to_train_without_its_scores(prepared):
     [
         ("{", "not a pass-rate file"),
         ('{"posttrain_pass_rates": 2, "samples": 4, "correct": {}}', "not a posttrain pass-rate file"),
-        ('{"posttrain_pass_rates": 1, "samples": 0, "correct": {}}', "samples must be a positive int"),
+        ('{"posttrain_pass_rates": 1, "samples": 0, "correct": {}}', r"samples must be an int in 1..1024"),
+        (
+            '{"posttrain_pass_rates": 1, "samples": 1000000000000000, "correct": {"a": 0}}',
+            r"samples must be an int in 1..1024",
+        ),
         (
             '{"posttrain_pass_rates": 1, "samples": 4, "correct": {"a": 5}}',
             r"correct.a: 5 is not an int in 0..4",
@@ -164,7 +168,16 @@ def test_a_stage_with_pass_rate_refuses_to_train_without_its_scores(prepared):
         ),
         ("[" * 200 + "]" * 200, "not a pass-rate file"),
     ],
-    ids=["truncated", "other version", "no samples", "count above k", "fraction", "bool", "too deep"],
+    ids=[
+        "truncated",
+        "other version",
+        "no samples",
+        "absurd k",
+        "count above k",
+        "fraction",
+        "bool",
+        "too deep",
+    ],
 )
 def test_a_damaged_pass_rate_file_is_refused(tmp_path, content, problem):
     (tmp_path / "pass_rates.json").write_text(content)

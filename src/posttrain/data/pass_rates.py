@@ -34,6 +34,8 @@ __all__ = [
 PASS_RATES_FILE = "pass_rates.json"
 FORMAT_VERSION = 1
 _MAX_BYTES = 32 << 20  # a few hundred thousand prompts; a bigger file is not ours
+MAX_SAMPLES = 1024
+"""Completions per prompt a scoring may sample (``pass_rate.samples``), as for ``eval.pass_k``."""
 
 
 class PassRateFileError(PosttrainError, ValueError):
@@ -84,8 +86,10 @@ class PassRates:
         if not isinstance(data, dict) or data.get("posttrain_pass_rates") != FORMAT_VERSION:
             raise PassRateFileError(f"{path}: not a posttrain pass-rate file (version {FORMAT_VERSION})")
         samples, correct = data.get("samples"), data.get("correct")
-        if type(samples) is not int or samples < 1 or not isinstance(correct, dict):
-            raise PassRateFileError(f"{path}: samples must be a positive int and correct an object")
+        if type(samples) is not int or not 1 <= samples <= MAX_SAMPLES or not isinstance(correct, dict):
+            raise PassRateFileError(
+                f"{path}: samples must be an int in 1..{MAX_SAMPLES} and correct an object"
+            )
         for pid, n in correct.items():
             if type(n) is not int or not 0 <= n <= samples:
                 raise PassRateFileError(f"{path}: correct.{pid}: {n!r} is not an int in 0..{samples}")

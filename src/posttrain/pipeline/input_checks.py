@@ -29,6 +29,7 @@ from posttrain.core.errors import ConfigError, DataError
 from posttrain.core.inputs import path_problem
 from posttrain.core.redact import redact_text
 from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
+from posttrain.data.pass_rates import MAX_SAMPLES
 from posttrain.data.sources import load_jsonl
 from posttrain.models.resolve import BUILTIN_MODELS
 
@@ -160,6 +161,24 @@ def check_bounds(cfg: PipelineConfig, source: str) -> None:
                 1024,
             ),
         ]
+        if stage.pass_rate is not None:
+            values += [
+                (
+                    cfg.written_key(f"grpo.stages.{i}", "pass_rate.samples"),
+                    stage.pass_rate.samples,
+                    MAX_SAMPLES,
+                ),
+                (
+                    cfg.written_key(f"grpo.stages.{i}", "pass_rate.candidates"),
+                    stage.pass_rate.candidates,
+                    _COUNT,
+                ),
+                (
+                    cfg.written_key(f"grpo.stages.{i}", "pass_rate.refresh_size"),
+                    stage.pass_rate.refresh_size,
+                    _COUNT,
+                ),
+            ]
     for i, extra in enumerate(cfg.eval.extra_sets):
         values.append((f"eval.extra_sets.{i}.limit", extra.limit, _COUNT))
     for key, value, most in values:
