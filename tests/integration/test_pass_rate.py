@@ -74,6 +74,29 @@ def test_scoring_is_reproducible_from_the_seed(answers_seven_mostly):
     assert again[0] == again[1]
 
 
+def test_scoring_renders_prompts_with_the_stages_chat_template_options(answers_seven_mostly, monkeypatch):
+    """The rollouts render a prompt with the stage's ``chat_template_kwargs`` (TRL's option); so
+    does the scoring, or it would measure pass rates on other prompts than the stage trains on."""
+    from posttrain.evaluation import evaluator
+    from posttrain.evaluation.pass_rate import score_pass_rates
+
+    model, tokenizer = answers_seven_mostly
+    seen = []
+    encode = evaluator.encode_prompts
+
+    def spy(tok, chats, **kwargs):
+        seen.append(kwargs)
+        return encode(tok, chats, **kwargs)
+
+    monkeypatch.setattr(evaluator, "encode_prompts", spy)
+    cfg = stage(samples=2).model_copy(
+        update={"trainer": {"max_completion_length": 12, "chat_template_kwargs": {"enable_thinking": False}}}
+    )
+    chats = [{**row, "prompt": [{"role": "user", "content": "Q"}]} for row in rows([7])]
+    score_pass_rates((model, tokenizer), chats, cfg, seed=0)
+    assert seen == [{"enable_thinking": False}]
+
+
 # --------------------------------------------------------------------------- what a stage keeps
 
 

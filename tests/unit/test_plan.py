@@ -724,6 +724,7 @@ def test_the_score_key_follows_k_the_model_and_sampling_not_the_learning_rate_or
     assert key_with("grpo.defaults.trainer.temperature=0.7") != key
     assert key_with("grpo.defaults.trainer.max_completion_length=24") != key
     assert key_with("seed=1") != key
+    assert key_with("grpo.stages.1.trainer.chat_template_kwargs={enable_thinking: false}") != key
     # what only chooses among the rates, or only trains, leaves the scoring alone
     assert key_with("grpo.stages.1.pass_rate.band=[0.2, 0.8]") == key
     assert key_with("grpo.stages.1.pass_rate.weighting=variance") == key

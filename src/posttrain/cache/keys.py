@@ -233,7 +233,8 @@ def score_identity(
 ) -> StepIdentity:
     """Identity of the pass-rate scoring of GRPO stage ``stage`` (``grpo-<name>``): the model it starts
     from, the prepared train split, k and the candidates, and everything that shapes a sample (the
-    stage's temperature, completion length, tools, data filter; the precision; the run's seed). The
+    stage's temperature, completion length, tools, chat-template options, data filter; the
+    precision; the run's seed). The
     learning rate and every other training option are not in it: a new learning rate reuses it."""
     section = stage_section(cfg, stage)
     assert isinstance(section, GRPOStageConfig) and section.pass_rate is not None
@@ -247,6 +248,12 @@ def score_identity(
                 "tools": list(section.tools),
                 "tool_protocol": section.tool_protocol,
                 "environment_factory": section.environment_factory,
+                # only when set, so the keys of stages without it stay as they were
+                **(
+                    {"chat_template_kwargs": options["chat_template_kwargs"]}
+                    if options.get("chat_template_kwargs")
+                    else {}
+                ),
             },
             "data_filter": cache_form(section.data_filter),
             "precision": cfg.model.precision,

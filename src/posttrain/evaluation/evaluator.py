@@ -107,11 +107,14 @@ def _prompt_ids(
     few_shot: Sequence[Mapping[str, Any]],
     tool: Any = None,
     samples: int = 1,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[list[int]]:
     """Token ids per record: its own ``prompt`` (messages, or already-templated text) or a built one.
 
     With TRL's chat tool protocol each prompt is rendered with the tools its row may call (their
-    JSON schemas, as TRL renders them into training prompts)."""
+    JSON schemas, as TRL renders them into training prompts). ``template_kwargs`` reach the chat
+    template (a GRPO stage's ``chat_template_kwargs``, when its pass rates are scored)."""
+    template_kwargs = dict(template_kwargs or {})
     ids: list[list[int] | None] = [None] * len(records)
     chats, chat_rows = [], []
     for row, record in enumerate(records):
@@ -123,11 +126,11 @@ def _prompt_ids(
             chat_rows.append(row)
     if isinstance(tool, ChatToolLoop):
         encoded = [
-            encode_prompts(tokenizer, [c], tools=tool.tools_for(r * samples))[0]
+            encode_prompts(tokenizer, [c], tools=tool.tools_for(r * samples), **template_kwargs)[0]
             for c, r in zip(chats, chat_rows, strict=True)
         ]
     else:
-        encoded = encode_prompts(tokenizer, chats) if chats else []  # every prompt may be text already
+        encoded = encode_prompts(tokenizer, chats, **template_kwargs) if chats else []  # may all be text
     for row, prompt_ids in zip(chat_rows, encoded, strict=True):
         ids[row] = prompt_ids
     return ids  # type: ignore[return-value]
@@ -227,6 +230,7 @@ def evaluate(
     refill_at: float = DEFAULT_REFILL_AT,
     progress: bool = False,
     server: ServerAddress | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> EvalReport:
     """Generate for and score every example of ``dataset``; return the report.
 
@@ -242,7 +246,8 @@ def evaluate(
 
     With ``cfg.backend == "vllm_server"``, ``server`` is the running server that serves ``model``
     (the pipeline's eval step starts it: :mod:`posttrain.evaluation.served`); ``model`` is then
-    only read for its tokenizer.
+    only read for its tokenizer. ``template_kwargs`` reach the chat template of every prompt posttrain
+    renders (a GRPO stage's ``chat_template_kwargs``, so its pass rates are scored on its prompts).
     """
     cfg = cfg or EvalConfig()
     samples = num_samples or cfg.pass_k
@@ -271,11 +276,12 @@ def evaluate(
             stop_ids=sorted(stop_token_ids(model, tokenizer)),
             environment_factory=cfg.environment_factory,
             rows=[r for r in records for _ in range(samples)],
+            template_kwargs=template_kwargs,
         )
         if cfg.backend == "hf"
         else None
     )
-    prompts = _prompt_ids(tokenizer, records, system_prompt, few_shot, tool, samples)
+    prompts = _prompt_ids(tokenizer, records, system_prompt, few_shot, tool, samples, template_kwargs)
     if cfg.backend == "vllm_server":
         assert server is not None
         groups, stats = generate_via_server(

@@ -1,7 +1,7 @@
 """Measure how often a model solves each candidate prompt of a GRPO stage (its ``score-<stage>`` step).
 
 k completions per prompt are sampled through the evaluator's engine, at the stage's temperature,
-completion length and tools: the engine prefills a prompt once and decodes its k rows from that
+completion length, tools and chat-template options (``chat_template_kwargs``): the engine prefills a prompt once and decodes its k rows from that
 prefill, so scoring runs at evaluation speed. Each completion is scored with the ``correctness``
 reward the stage pays (the evaluator's strict parser), so a prompt's pass rate is the share of its
 group that would have earned the full correctness reward in a rollout of the same policy.
@@ -78,6 +78,7 @@ def score_pass_rates(
         system_prompt=system_prompt,
         few_shot=few_shot,
         progress=progress,
+        template_kwargs=stage_cfg.trainer_options().get("chat_template_kwargs"),
     )
     answers = {str(row["id"]): row["answer"] for row in rows}
     scores = [
