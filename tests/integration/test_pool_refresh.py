@@ -193,6 +193,7 @@ def worked_pool(tokenizer):
     sampler = trainer._posttrain_sampler
     sampler.fresh.take(2)
     sampler.retire("p5", "test")
+    sampler._replace_retired([{"id": "p5"}] * 2)  # p5's stand-in
     sampler.flat_streak["p4"] = 1
     record = refresh.refresh(step=2)
     assert record["joined"], "the test needs a prompt waiting in the joined queue"
@@ -217,6 +218,10 @@ def test_a_checkpointed_pool_comes_back_as_it_was(tiny_tokenizer):
     def ids(rows):
         return [row["id"] for row in rows]
 
+    def next_batch(sampler):
+        return ids(sampler._replace_retired([{"id": pid} for pid in sampler.retired for _ in range(2)])[0])
+
+    assert next_batch(again_sampler) == next_batch(sampler)  # the stand-ins, old and new
     assert ids(again_sampler.fresh.take(5, set(again_sampler.retired))) == ids(
         sampler.fresh.take(5, set(sampler.retired))
     )
@@ -230,6 +235,8 @@ def test_a_checkpointed_pool_comes_back_as_it_was(tiny_tokenizer):
         lambda s: s.update(refresh=None),
         lambda s: s["sampler"].update(retired="p1"),
         lambda s: s["sampler"]["flat_streak"].update(p1=-1),
+        lambda s: s["sampler"]["stand_ins"].append(["p5", "not-a-row"]),
+        lambda s: s["sampler"]["stand_ins"].append(["never", "c0"]),  # "never" is not retired
         lambda s: s["sampler"]["fresh"].update(permutations=10**12),
         lambda s: s["sampler"]["fresh"].update(left=10**6),
         lambda s: s["sampler"]["fresh"].update(joined=["not-a-candidate"]),

@@ -261,6 +261,14 @@ def test_a_prompt_the_policy_always_solves_retires_and_is_not_generated_again(mo
     assert rounds[before][0] in (7, 8) and 1 not in [i for r in rounds[before:] for i in r]
     assert counts.replaced == 1 and trained_groups(batch) == [rounds[before][0], 2]  # both pay
     assert counts.metrics()["zero_signal/groups_replaced"] == 1.0
+    # the stand-in stays: the next time prompt 1 comes round, the same fresh prompt trains in its place
+    stand_in = rounds[before][0]
+    for _ in range(3):
+        run(batch_rows, generate)
+        assert rounds[-1][0] == stand_in
+    run.retire(str(stand_in), "a stand-in can leave too")  # then prompt 1 gets the other fresh prompt
+    run(batch_rows, generate)
+    assert rounds[-1][0] == ({7, 8} - {stand_in}).pop()
 
 
 def test_a_prompt_with_signal_in_between_keeps_its_place():

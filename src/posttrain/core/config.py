@@ -660,7 +660,7 @@ class PassRateConfig(StrictModel):
     """Keep the pool fresh while the stage trains: every N steps, ``refresh_size`` prompts are
     scored again (k completions each, by the policy as it is then). Pool prompts whose pass rate
     has left the band leave the stage; candidates of the stage's data outside the pool whose pass
-    rate is inside it join, and take the places of prompts that left (and resample rounds draw them
+    rate is inside it join, and stand in for prompts that left (and resample rounds draw them
     first). Needs ``zero_signal: drop`` or ``resample``, and one process. Null: the pool is what the
     scoring step chose."""
     refresh_size: int = Field(32, ge=2)
@@ -712,8 +712,8 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     zero_signal_retire_after: int | None = Field(None, ge=1)
     """drop or resample: retire a prompt from the stage once this many of its groups in a row
     scored alike: it is not generated for again, and a fresh prompt of the stage's data (one not
-    retired) takes its place in the batch before generation. One process only. Null: prompts never
-    leave."""
+    retired) stands in for it in every batch that would have held it. One process only. Null:
+    prompts never leave."""
     eval_every: int | None = Field(None, ge=1)
     """Evaluate greedily on the selection slice (``data.selection_size``; else the held-out slice) at
     the start and every N steps (``eval/accuracy``, ``eval/accuracy_flexible``, ``eval/format`` next

@@ -13,8 +13,8 @@ reward, as the scoring step counts):
   prompts before generation, as ``zero_signal_retire_after`` does);
 * the rest are candidates of the stage's data outside the pool, in a seeded order that comes round
   again; one whose pass rate is inside the band joins the pool and is drawn before any other fresh
-  prompt (:meth:`FreshPrompts.admit`), so it takes the place of the next prompt to leave, or of a
-  flat group in a resample round.
+  prompt (:meth:`FreshPrompts.admit`): it becomes the stand-in of the next retired prompt to come
+  round (trained whenever that one would have been), or fills a flat group in a resample round.
 
 Each refresh logs what left and what joined (ids, at INFO) and the step's ``pass_rate/*`` metrics
 (:data:`METRICS`). The scoring seeds are derived from the run's seed and the step, and no random

@@ -27,8 +27,10 @@ resample   DAPO's dynamic sampling (Yu et al. 2025, "DAPO", section 3.2): fresh 
 
 With ``zero_signal_retire_after: N`` a prompt whose groups scored alike N times in a row (always
 solved or never, by the policy as it is now) leaves the stage: before a batch is generated, a
-retired prompt's group is swapped for a fresh prompt's, so no rollout is spent on it again, and
-resample rounds skip it. Each retirement is logged with the prompt's id; ``zero_signal/prompts_retired``
+retired prompt's group is swapped for its stand-in's, so no rollout is spent on it again, and
+resample rounds skip it. The stand-in is a fresh prompt (a pool refresh's admitted prompts first),
+chosen the first time the retired prompt comes round and kept for the times after, so an admitted
+prompt trains whenever the prompt it replaced would have (a new one is chosen if it retires too). Each retirement is logged with the prompt's id; ``zero_signal/prompts_retired``
 and ``zero_signal/groups_replaced`` count them per step, and ``zero_signal/completions_per_useful_group``
 says what a group with signal cost in completions.
 
@@ -294,6 +296,13 @@ class FreshPrompts:
         """Queue ``rows`` (new to the pool) to be drawn before the shuffled order."""
         self.joined.extend(dict(row) for row in rows)
 
+    def row(self, pid: str) -> dict[str, Any] | None:
+        """The training data's row with id ``pid``, or None."""
+        if not hasattr(self, "_by_id"):
+            self._by_id = {str(self.dataset[i].get("id")): i for i in range(len(self.dataset))}
+        index = self._by_id.get(pid)
+        return None if index is None else dict(self.dataset[index])
+
     def take(self, count: int, retired: Set[str] = frozenset()) -> list[dict[str, Any]]:
         """``count`` rows, joined ones first, skipping those whose ``id`` is in ``retired`` (while
         any other is left)."""
@@ -381,6 +390,8 @@ class DynamicSampler:
         """Prompt id → its groups in a row that scored alike."""
         self.retired: list[str] = []
         """Prompts retired from the pool, in the order they left."""
+        self.stand_ins: dict[str, dict[str, Any]] = {}
+        """Retired prompt's id → the row trained in its place whenever it comes round."""
 
     def __call__(
         self,
@@ -407,16 +418,19 @@ class DynamicSampler:
         return batch, counts
 
     def _replace_retired(self, inputs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-        """``inputs`` with each retired prompt's group swapped for a fresh prompt's; how many were."""
+        """``inputs`` with each retired prompt's group swapped for its stand-in's; how many were."""
         if not self.retired:
             return inputs, 0
         assert self.fresh is not None
         retired, G = set(self.retired), self.num_generations
         out, replaced = list(inputs), 0
         for start in range(0, len(out), G):
-            if str(out[start].get("id")) in retired:
-                row = self.fresh.take(1, retired)[0]
-                out[start : start + G] = [dict(row) for _ in range(G)]
+            pid = str(out[start].get("id"))
+            if pid in retired:
+                stand_in = self.stand_ins.get(pid)
+                if stand_in is None or str(stand_in.get("id")) in retired:
+                    stand_in = self.stand_ins[pid] = self.fresh.take(1, retired)[0]
+                out[start : start + G] = [dict(stand_in) for _ in range(G)]
                 replaced += 1
         return out, replaced
 
@@ -441,21 +455,37 @@ class DynamicSampler:
         return {
             "retired": list(self.retired),
             "flat_streak": dict(self.flat_streak),
+            "stand_ins": [[pid, str(row.get("id"))] for pid, row in self.stand_ins.items()],
             "fresh": self.fresh.state() if self.fresh is not None else None,
         }
 
     def restore(self, state: Mapping[str, Any], rows_by_id: Mapping[str, Mapping[str, Any]]) -> None:
         """Go back to a :meth:`state` read from a checkpoint (checked; ValueError if malformed)."""
         retired, streak, fresh = state.get("retired"), state.get("flat_streak"), state.get("fresh")
+        pairs = state.get("stand_ins")
         if not isinstance(retired, list) or not all(isinstance(pid, str) for pid in retired):
             raise ValueError("sampler: retired must be a list of ids")
         if not isinstance(streak, dict) or not all(type(n) is int and n >= 0 for n in streak.values()):
             raise ValueError("sampler: flat_streak must map ids to counts")
         if (fresh is None) != (self.fresh is None) or (fresh is not None and not isinstance(fresh, dict)):
             raise ValueError("sampler: fresh does not match this stage's source of fresh prompts")
+        if not isinstance(pairs, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 and all(isinstance(pid, str) for pid in pair)
+            for pair in pairs
+        ):
+            raise ValueError("sampler: stand_ins must pair retired ids with ids")
+        stand_ins = {}
+        for pid, other in pairs:
+            row = rows_by_id.get(other) or (self.fresh.row(other) if self.fresh is not None else None)
+            if pid not in retired or row is None:
+                raise ValueError(
+                    f"sampler: stand-in {other!r} of {pid!r} is not a retired prompt's known row"
+                )
+            stand_ins[pid] = dict(row)
         if self.fresh is not None:
             self.fresh.restore(fresh, rows_by_id)
         self.retired, self.flat_streak = list(dict.fromkeys(retired)), dict(streak)
+        self.stand_ins = stand_ins
 
     def retire(self, pid: str, why: str) -> bool:
         """Take prompt ``pid`` out of the stage (``why`` goes in the log); False if it already was."""
