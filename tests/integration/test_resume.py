@@ -28,6 +28,23 @@ class Killed(BaseException):
     """Stands in for SIGKILL: raised right after a checkpoint is complete."""
 
 
+def killed_after(step: int, run, out: Path, monkeypatch) -> None:
+    """``run(out)`` killed right after the checkpoint of ``step`` is complete."""
+    from transformers import Trainer
+
+    save = Trainer._save_checkpoint
+
+    def save_then_die(self, model, trial):
+        save(self, model, trial)
+        if self.state.global_step == step:
+            raise Killed
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run(out)
+    monkeypatch.setattr(Trainer, "_save_checkpoint", save)
+
+
 @pytest.fixture(scope="module")
 def data(tiny_tokenizer):
     from posttrain.data.prepare import prepare_data
@@ -87,7 +104,6 @@ def history(result) -> list[dict]:
 def test_a_stage_killed_after_a_checkpoint_resumes_to_the_same_end(
     kind, tiny_model_dir, data, tmp_path, monkeypatch
 ):
-    from transformers import Trainer
 
     from posttrain.rewards.registry import CUSTOM_CODE_ENV
 
@@ -95,19 +111,9 @@ def test_a_stage_killed_after_a_checkpoint_resumes_to_the_same_end(
     run = stage_runner(kind, tiny_model_dir, data)
     uninterrupted = run(tmp_path / "whole")
 
-    save = Trainer._save_checkpoint
-
-    def save_then_die(self, model, trial):
-        save(self, model, trial)
-        if self.state.global_step == 1:
-            raise Killed
-
-    monkeypatch.setattr(Trainer, "_save_checkpoint", save_then_die)
-    with pytest.raises(Killed):
-        run(tmp_path / "resumed")
+    killed_after(1, run, tmp_path / "resumed", monkeypatch)
     work = checkpoints_dir(tmp_path / "resumed")
     assert last_checkpoint(work) == (work / "checkpoint-1", 1) and not (tmp_path / "resumed").exists()
-    monkeypatch.setattr(Trainer, "_save_checkpoint", save)
     if kind == "dpo":  # the pairs the first run sampled are reused: no sampling on resume
         monkeypatch.setattr(
             "posttrain.training.dpo.sample_completions", lambda *a, **k: pytest.fail("resampled")
@@ -191,7 +197,6 @@ def test_a_stage_that_retires_prompts_resumes_with_them_retired(tiny_model_dir, 
     """Killed after step 2, a stage whose refreshes retired prompts (and drew fresh ones in their
     place) resumes with the same pool, the same retired prompts and the same place in the fresh
     order: every later batch, loss and weight is the uninterrupted run's."""
-    from transformers import Trainer
 
     from posttrain.rewards.registry import CUSTOM_CODE_ENV
     from posttrain.training.trl_compat import _dynamic_sampling_trainer
@@ -210,17 +215,7 @@ def test_a_stage_that_retires_prompts_resumes_with_them_retired(tiny_model_dir, 
     uninterrupted = run(tmp_path / "whole")
     whole_batches, batches[:] = list(batches), []
 
-    save = Trainer._save_checkpoint
-
-    def save_then_die(self, model, trial):
-        save(self, model, trial)
-        if self.state.global_step == 2:
-            raise Killed
-
-    monkeypatch.setattr(Trainer, "_save_checkpoint", save_then_die)
-    with pytest.raises(Killed):
-        run(tmp_path / "resumed")
-    monkeypatch.setattr(Trainer, "_save_checkpoint", save)
+    killed_after(2, run, tmp_path / "resumed", monkeypatch)
     batches[:] = []
     resumed = run(tmp_path / "resumed")
 
