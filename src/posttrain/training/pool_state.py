@@ -2,7 +2,8 @@
 
 TRL's sampler order, the weights, the optimizer and the RNG states come back from a checkpoint
 through the trainer's own resume. What posttrain's dynamic sampling decided on top of that lives in
-Python objects: the prompts retired (``zero_signal_retire_after``, a pool refresh), the runs of flat
+Python objects: the prompts retired (``zero_signal_retire_after``, a pool refresh) and the prompts
+standing in for them, the runs of flat
 groups counted towards retiring, where the fresh-prompt order stands, the prompts a refresh admitted
 and not drawn yet, and the refresh's pool and outside-candidate cursor. Without them a stage killed
 after step 8 would train its retired prompts again from step 9.

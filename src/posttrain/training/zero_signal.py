@@ -30,14 +30,15 @@ solved or never, by the policy as it is now) leaves the stage: before a batch is
 retired prompt's group is swapped for its stand-in's, so no rollout is spent on it again, and
 resample rounds skip it. The stand-in is a fresh prompt (a pool refresh's admitted prompts first),
 chosen the first time the retired prompt comes round and kept for the times after, so an admitted
-prompt trains whenever the prompt it replaced would have (a new one is chosen if it retires too). Each retirement is logged with the prompt's id; ``zero_signal/prompts_retired``
-and ``zero_signal/groups_replaced`` count them per step, and ``zero_signal/completions_per_useful_group``
+prompt trains whenever the prompt it replaced would have (a new one is chosen if it retires too).
+Each retirement is logged with the prompt's id; ``zero_signal/prompts_retired`` and
+``zero_signal/groups_replaced`` count them per step, and ``zero_signal/completions_per_useful_group``
 says what a group with signal cost in completions.
 
 Fresh prompts come from the stage's training data in an order of their own (:class:`FreshPrompts`,
 seeded from the run's seed), independent of TRL's sampler: a resampled prompt may come round again
-later in the epoch. What the sampler has decided (retired prompts, runs of flat groups, where the
-fresh order stands, prompts a pool refresh admitted) goes into every checkpoint
+later in the epoch. What the sampler has decided (retired prompts and their stand-ins, runs of flat
+groups, where the fresh order stands, prompts a pool refresh admitted) goes into every checkpoint
 (posttrain.training.pool_state), so a resumed stage goes on as the uninterrupted one would.
 ``reward`` and the other TRL metrics of a step average over every round generated
 (the policy's reward on the data, not on the selected groups); what was trained on is logged as
@@ -291,6 +292,7 @@ class FreshPrompts:
         """Shuffles of the data drawn so far: with ``seed`` and ``len(order)`` they say where the order stands."""
         self.joined: list[dict[str, Any]] = []
         """Rows admitted by a pool refresh and not drawn yet, oldest first."""
+        self._by_id: dict[str, int] | None = None
 
     def admit(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Queue ``rows`` (new to the pool) to be drawn before the shuffled order."""
@@ -298,7 +300,7 @@ class FreshPrompts:
 
     def row(self, pid: str) -> dict[str, Any] | None:
         """The training data's row with id ``pid``, or None."""
-        if not hasattr(self, "_by_id"):
+        if self._by_id is None:
             self._by_id = {str(self.dataset[i].get("id")): i for i in range(len(self.dataset))}
         index = self._by_id.get(pid)
         return None if index is None else dict(self.dataset[index])
