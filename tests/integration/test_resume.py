@@ -5,6 +5,7 @@ and the checkpoint bookkeeping around it (tests/system/test_faults.py kills real
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -119,8 +120,12 @@ def test_a_stage_killed_after_a_checkpoint_resumes_to_the_same_end(
             "posttrain.training.dpo.sample_completions", lambda *a, **k: pytest.fail("resampled")
         )
 
+    started = time.perf_counter()
     resumed = run(tmp_path / "resumed")
+    this_run = time.perf_counter() - started
     assert any(row.get("grad_norm") for row in history(uninterrupted))  # it did learn something
+    # its minutes include those spent up to the checkpoint before the kill
+    assert resumed.duration_s > this_run
     assert resumed.metrics["resumed_from_step"] == 1 and "resumed_from_step" not in uninterrupted.metrics
     assert resumed.metrics["global_step"] == uninterrupted.metrics["global_step"] == 3
     # The same batches in the same order from the same optimizer state: equal logs, equal weights.

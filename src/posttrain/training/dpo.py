@@ -43,6 +43,7 @@ from posttrain.training.stage_run import (
     execute_stage,
     frozen_reference,
     load_policy,
+    train_resumable,
     trainer_arguments,
 )
 
@@ -235,7 +236,7 @@ def run_dpo(
         if records is not None:
             attach_evaluation(trainer, dpo_cfg, records, stage="dpo", max_new_tokens=eval_max_new_tokens)
         carry_token_count(trainer, ctx.resume_from)
-        output = trainer.train(resume_from_checkpoint=ctx.resume_from)
+        output = train_resumable(trainer, ctx)
         return TrainOutcome.from_trainer(
             trainer, output, tokenizer, metrics=pair_metrics, selection=selection_record(dpo_cfg, trainer)
         )

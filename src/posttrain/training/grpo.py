@@ -52,6 +52,7 @@ from posttrain.training.stage_run import (
     build_reward_funcs,
     execute_stage,
     load_policy,
+    train_resumable,
     trainer_arguments,
 )
 
@@ -375,7 +376,7 @@ def run_grpo_stage(
                 server=server,
                 pass_rates=pass_rates,
             )
-            output = trainer.train(resume_from_checkpoint=ctx.resume_from)
+            output = train_resumable(trainer, ctx)
         return TrainOutcome.from_trainer(
             trainer,
             output,

@@ -36,6 +36,7 @@ from posttrain.training.stage_run import (
     TrainOutcome,
     execute_stage,
     load_policy,
+    train_resumable,
     trainer_arguments,
 )
 from posttrain.training.trl_compat import carry_token_count, compact_fused_head_on_cpu
@@ -148,7 +149,7 @@ def run_sft(
             eval_max_new_tokens=eval_max_new_tokens,
         )
         carry_token_count(trainer, ctx.resume_from)
-        output = trainer.train(resume_from_checkpoint=ctx.resume_from)
+        output = train_resumable(trainer, ctx)
         return TrainOutcome.from_trainer(
             trainer,
             output,

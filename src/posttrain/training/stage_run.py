@@ -126,8 +126,18 @@ class StageContext:
     seed: int
     report_to: str | list[str]
     resume_from: str | None = None
-    """The checkpoint to resume from (pass it to ``trainer.train(resume_from_checkpoint=...)``),
-    or None to start from the input model."""
+    """The checkpoint to resume from (:func:`train_resumable` passes it to the trainer), or None to
+    start from the input model."""
+    clock: Any = None
+    """The stage's :class:`~posttrain.training.stage_clock.StageClock` (seconds across a kill)."""
+
+
+def train_resumable(trainer: Any, ctx: StageContext) -> Any:
+    """``trainer.train()``, from ``ctx``'s checkpoint when there is one, with the stage's clock in
+    the trainer's callbacks so its checkpoints carry the seconds spent so far."""
+    if ctx.clock is not None:
+        trainer.add_callback(ctx.clock)
+    return trainer.train(resume_from_checkpoint=ctx.resume_from)
 
 
 def precision_flags(precision: str) -> dict[str, Any]:
@@ -362,6 +372,9 @@ def execute_stage(
         logger.info(
             "[%s] resuming from step %d (%s), left by an interrupted run", stage, resume_step, resume_from
         )
+    from posttrain.training.stage_clock import StageClock  # heavy: transformers
+
+    clock = StageClock(start)
     ctx = StageContext(
         stage=stage,
         work_dir=work,
@@ -369,6 +382,7 @@ def execute_stage(
         seed=seed,
         report_to=report_to,
         resume_from=resume_from,
+        clock=clock,
     )
     try:
         outcome = train_fn(ctx)
@@ -387,7 +401,7 @@ def execute_stage(
         artifact = save_policy(outcome.model, outcome.tokenizer, out, adapter_policy=model_cfg.adapter_policy)
         adapter = _adapter_record(model_path, model_cfg, input_fp) if artifact == "adapter" else None
         write_log_history(out, outcome.log_history)
-        duration = time.perf_counter() - start
+        duration = clock.seconds()  # with the seconds before a kill, when resumed
         write_stage_json(
             out,
             stage=stage,
