@@ -120,9 +120,17 @@ def _delta_cell(metrics: Mapping[str, float], stage: str, metric: str, eval_set:
     return change.points() + (f" {SIGNIFICANT}" if change.excludes(0) else "")
 
 
-def _previous(keys: Sequence[tuple[str, str | None]], index: int) -> str | None:
+def _previous(
+    keys: Sequence[tuple[str, str | None]], index: int, metrics: Mapping[str, float] | None = None
+) -> str | None:
+    """The evaluation before ``keys[index]`` on the same set: among every compared run's steps, or
+    (``metrics``) among those one run evaluated, which its logged change was measured from."""
     stage, eval_set = keys[index]
-    earlier = [s for s, e in keys[:index] if e == eval_set and s != stage]
+    earlier = [
+        s
+        for s, e in keys[:index]
+        if e == eval_set and s != stage and (metrics is None or _name(s, "accuracy_strict", e) in metrics)
+    ]
     return earlier[-1] if earlier else None
 
 
@@ -144,6 +152,12 @@ def format_headline(
             deltas = [_delta_cell(m, stage, metric, eval_set) for m in columns]
             if previous is not None and any(d is not None for d in deltas):
                 label = f"  change from {previous.removeprefix('eval-')}"
+                # A run without the step before (another stage list) measured its change from its
+                # own previous evaluation: its cell says which.
+                for i, m in enumerate(columns):
+                    own = _previous(keys, index, m)
+                    if deltas[i] is not None and own not in (None, previous):
+                        deltas[i] = f"{deltas[i]} (from {own.removeprefix('eval-')})"
                 rows.append((label, [d or "-" for d in deltas]))
                 if metric == "accuracy_strict" and eval_set is None:
                     costs = [_cost_cell(m, stage) for m in columns]

@@ -1,0 +1,34 @@
+"""The headline rows `posttrain compare` prints: which evaluation a change is labelled as measured from."""
+
+from __future__ import annotations
+
+from posttrain.tracking.headline import format_headline
+
+
+def evaluated(**accuracy):
+    """A run's metrics: ``eval-<step>`` accuracies, and for each after the first the change from
+    the evaluation before it in that run, as the pipeline logs it."""
+    metrics, before = {}, None
+    for step, value in accuracy.items():
+        metrics[f"eval-{step}/accuracy_strict"] = value
+        if before is not None:
+            metrics[f"eval-{step}/delta_accuracy_strict"] = value - before
+        before = value
+    return metrics
+
+
+def test_a_run_without_the_step_before_says_what_its_change_is_from():
+    """Run A trained SFT then DPO; run B only DPO. B's DPO change is from its baseline, not from an
+    SFT it never ran, and its cell says so; A's needs no note."""
+    a = evaluated(baseline=0.10, sft=0.30, dpo=0.32)
+    b = evaluated(baseline=0.10, dpo=0.14)
+    rows = dict(format_headline([a, b], sorted({*a, *b}, key=list(a).index)))
+    a_cell, b_cell = rows["  change from sft"]
+    assert a_cell == "+2.0" and b_cell == "+4.0 (from baseline)"
+    assert rows["  change from baseline"] == ["+20.0", "-"]  # the SFT step B did not run
+
+
+def test_runs_with_the_same_steps_need_no_note():
+    runs = [evaluated(baseline=0.1, sft=0.3), evaluated(baseline=0.1, sft=0.25)]
+    rows = dict(format_headline(runs, list(runs[0])))
+    assert rows["  change from baseline"] == ["+20.0", "+15.0"]
