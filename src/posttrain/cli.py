@@ -212,22 +212,37 @@ def stage_value_table(outcomes: Sequence[dict], changes: dict[str, float]) -> st
     stage  minutes  change (points)      points per minute
     -----  -------  -------------------  -----------------
     sft    4.0      +10.0 [+5.0, +15.0]  +2.50
+
+    Stages with no evaluation between them (``eval.after_each_stage: false``) share one row:
+
+    >>> steps = [{"step": "eval-baseline", "kind": "eval"}, {"step": "sft", "kind": "sft"},
+    ...          {"step": "grpo-x", "kind": "grpo"}, {"step": "eval-grpo-x", "kind": "eval"}]
+    >>> print(stage_value_table(steps, {"eval-grpo-x/stage_minutes": 60.0, "eval-grpo-x/delta_accuracy_strict": 0.12}))
+    what each stage bought (strict accuracy, paired 95% interval on the same questions):
+    stage         minutes  change (points)  points per minute
+    ------------  -------  ---------------  -----------------
+    sft + grpo-x  60.0     +12.0            +0.20
     """
     from posttrain.core.stats import Interval
 
     low_name, high_name = interval_names("delta_accuracy_strict")
-    rows = []
+    rows, trained = [], []
     for outcome in outcomes:
         step = outcome["step"]
+        if outcome["kind"] in ("sft", "dpo", "grpo"):
+            trained.append(step)
+        if outcome["kind"] != "eval":
+            continue
+        # The stages since the evaluation before, together: with eval.after_each_stage off the
+        # final evaluation's change is all of them, not the last one's.
+        stages, trained = " + ".join(trained) or step.removeprefix("eval-"), []
         minutes, delta = changes.get(f"{step}/stage_minutes"), changes.get(f"{step}/delta_accuracy_strict")
-        if outcome["kind"] != "eval" or minutes is None or delta is None:
+        if minutes is None or delta is None:
             continue
         low, high = changes.get(f"{step}/{low_name}"), changes.get(f"{step}/{high_name}")
         change = Interval(delta, low, high, "paired").points() if low is not None and high is not None else ""
         per_minute = f"{100 * delta / minutes:+.2f}" if minutes > 0 else ""
-        rows.append(
-            (step.removeprefix("eval-"), f"{minutes:.1f}", change or f"{100 * delta:+.1f}", per_minute)
-        )
+        rows.append((stages, f"{minutes:.1f}", change or f"{100 * delta:+.1f}", per_minute))
     if not rows:
         return ""
     title = "what each stage bought (strict accuracy, paired 95% interval on the same questions):"
