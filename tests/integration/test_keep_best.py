@@ -281,3 +281,30 @@ def test_check_disjoint_refuses_a_shared_id():
 
     with pytest.raises(DataError, match="shares 1 id"):
         check_disjoint([{"id": "q1"}, {"id": "q2"}], heldout=[{"id": "q2"}])
+
+
+def test_a_resumed_stage_keeps_counting_towards_its_patience(
+    tiny_model_dir, prepared, tmp_path, scripted, monkeypatch
+):
+    """Patience 2: step 2 ties the best (one evaluation without a new best), step 3 is lower (two):
+    the stage stops at step 3 with step 1's weights. Killed after step 2's checkpoint, it resumes
+    with that count of one, and stops at step 3 as well, rather than training on to step 4's peak."""
+    script, _ = scripted
+    script.update({0: 0.0, 1: 0.5, 2: 0.5, 3: 0.4, 4: 0.9, 5: 0.9, 6: 0.9})
+
+    class Killed(BaseException):
+        pass
+
+    def die_after_step_2(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            raise Killed
+
+    monkeypatch.setattr(HeldoutEval, "on_save", die_after_step_2, raising=False)
+    with pytest.raises(Killed):
+        sft(tiny_model_dir, prepared, tmp_path / "resume", keep="best", patience=2, max_steps=6)
+    monkeypatch.undo()
+    scripted_again(monkeypatch, script)
+    result = sft(tiny_model_dir, prepared, tmp_path / "resume", keep="best", patience=2, max_steps=6)
+    chosen = read_stage_json(Path(result.output_dir))["selection"]
+    assert result.metrics["resumed_from_step"] == 2
+    assert (chosen["best_step"], chosen["last_step"], chosen["stopped_early"]) == (1, 3, True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from posttrain.core.keep_best import SELECT_METRICS
@@ -92,8 +93,6 @@ def attach_evaluation(
     """Evaluate ``trainer``'s policy on ``records`` at the start and every ``section.eval_every``
     steps; with ``keep: best`` on the trainer's own schedule, as its ``evaluate``, with early stopping
     after ``section.patience`` evaluations without a new best."""
-    from transformers import EarlyStoppingCallback  # heavy: deferred until needed
-
     best = section.keep == "best"
     evaluation = HeldoutEval(
         trainer,
@@ -108,8 +107,30 @@ def attach_evaluation(
     if best:
         trainer.evaluate = evaluation.evaluate
         if section.patience is not None:
-            trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=section.patience))
+            trainer.add_callback(_resumable_early_stopping()(early_stopping_patience=section.patience))
     return evaluation
+
+
+@cache
+def _resumable_early_stopping() -> type:
+    """transformers' ``EarlyStoppingCallback`` that takes back its count of evaluations without a new
+    best from the checkpoint it resumes from. The count is saved in every checkpoint, but transformers
+    restores it only with ``restore_callback_states_from_checkpoint``, which is off by default, so a
+    stage killed one evaluation before its patience ran out would start counting again."""
+    from transformers import EarlyStoppingCallback  # heavy: deferred until needed
+
+    class ResumableEarlyStopping(EarlyStoppingCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            super().on_train_begin(args, state, control, **kwargs)
+            saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+            attributes = saved.get("attributes") if isinstance(saved, dict) else None
+            count = (
+                attributes.get("early_stopping_patience_counter") if isinstance(attributes, dict) else None
+            )
+            if state.global_step > 0 and type(count) is int and 0 <= count < self.early_stopping_patience:
+                self.early_stopping_patience_counter = count
+
+    return ResumableEarlyStopping
 
 
 def stage_evaluation(trainer: Any) -> HeldoutEval | None:
