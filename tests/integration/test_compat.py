@@ -242,6 +242,16 @@ def test_dynamic_layer_contract_holds(tiny_model_dir):
     assert cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+def test_load_best_checkpoint_reaches_the_trainers_own_loader():
+    """Item 4: the end-of-training loader of ``load_best_model_at_end`` still exists and takes
+    nothing but the trainer (tests/integration/test_keep_best.py runs it)."""
+    import inspect
+
+    from transformers import Trainer
+
+    assert list(inspect.signature(Trainer._load_best_model).parameters) == ["self"]
+
+
 def test_no_init_weights_is_a_context_manager():
     with transformers_compat.no_init_weights():
         pass

@@ -308,3 +308,32 @@ def test_a_resumed_stage_keeps_counting_towards_its_patience(
     chosen = read_stage_json(Path(result.output_dir))["selection"]
     assert result.metrics["resumed_from_step"] == 2
     assert (chosen["best_step"], chosen["last_step"], chosen["stopped_early"]) == (1, 3, True)
+
+
+def test_an_early_stopped_stage_killed_while_writing_its_output_outputs_the_same_best(
+    tiny_model_dir, prepared, tmp_path, scripted, monkeypatch
+):
+    """Stopped early at step 3 (patience 2) and killed while writing: the rerun trains nothing more
+    and outputs step 1's weights, as the uninterrupted run does."""
+    from posttrain.training import stage_run
+
+    script, weights = scripted
+    script.update({0: 0.0, 1: 0.5, 2: 0.5, 3: 0.4, 4: 0.9, 5: 0.9, 6: 0.9})
+
+    class Killed(BaseException):
+        pass
+
+    def die(*args, **kwargs):
+        raise Killed
+
+    save = stage_run.save_policy
+    monkeypatch.setattr(stage_run, "save_policy", die)
+    with pytest.raises(Killed):
+        sft(tiny_model_dir, prepared, tmp_path / "stop", keep="best", patience=2, max_steps=6)
+    step_1 = weights[1]
+    monkeypatch.setattr(stage_run, "save_policy", save)
+    result = sft(tiny_model_dir, prepared, tmp_path / "stop", keep="best", patience=2, max_steps=6)
+    chosen = read_stage_json(Path(result.output_dir))["selection"]
+    assert (chosen["best_step"], chosen["last_step"], chosen["stopped_early"]) == (1, 3, True)
+    assert 4 not in weights  # step 4 never ran
+    assert same(saved_weights(Path(result.output_dir)), step_1)

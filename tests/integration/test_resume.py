@@ -230,3 +230,31 @@ def test_a_stage_that_retires_prompts_resumes_with_them_retired(tiny_model_dir, 
     assert batches == [b for b in whole_batches if b[0] >= 2]  # steps 3 and 4 drew the same prompts
     assert history(resumed) == history(uninterrupted)
     assert resumed.fingerprints["output"] == uninterrupted.fingerprints["output"]
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_a_stage_killed_while_writing_its_output_is_not_trained_again(
+    kind, tiny_model_dir, data, tmp_path, monkeypatch
+):
+    """The last checkpoint is complete and the kill comes while the output is written: the rerun
+    trains no step (the trainer alone would train a fourth) and writes the uninterrupted output."""
+    from posttrain.rewards.registry import CUSTOM_CODE_ENV
+    from posttrain.training import stage_run
+
+    monkeypatch.setenv(CUSTOM_CODE_ENV, "1")
+    run = stage_runner(kind, tiny_model_dir, data)
+    uninterrupted = run(tmp_path / "whole")
+    save = stage_run.save_policy
+
+    def die(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(stage_run, "save_policy", die)
+    with pytest.raises(Killed):
+        run(tmp_path / "resumed")
+    monkeypatch.setattr(stage_run, "save_policy", save)
+    resumed = run(tmp_path / "resumed")
+    assert resumed.metrics["resumed_from_step"] == 3 and resumed.metrics["global_step"] == 3
+    steps = [row for row in history(resumed) if "loss" in row]
+    assert steps == [row for row in history(uninterrupted) if "loss" in row]
+    assert resumed.fingerprints["output"] == uninterrupted.fingerprints["output"]

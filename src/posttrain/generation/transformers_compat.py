@@ -32,6 +32,11 @@ re-checking this file first.
    when the query heads of one KV head are packed as rows of a longer query, which is what
    transformers itself does when a mask is present (``pack_gqa``). The result is the same attention
    (the engine's fp32 equality tests hold with it).
+4. :func:`load_best_checkpoint` calls ``Trainer._load_best_model``, the end-of-training step of
+   ``load_best_model_at_end``. Why: a stage whose last checkpoint marks the end of training (its
+   last step, or an early stop) and that was killed while its output was written is not trained
+   again on rerun (``trainer.train`` has no check before its first step, so it would train one more);
+   posttrain stops it before that step and finishes as ``train`` would have, with this call.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ __all__ = [
     "GROW",
     "TRANSFORMERS_VERSIONS",
     "SlotLayer",
+    "load_best_checkpoint",
     "new_cache",
     "no_init_weights",
     "packed_decode_attention",
@@ -71,6 +77,12 @@ DYNAMIC_LAYER_CONTRACT = {
 
 GROW = 64
 """Spare columns allocated whenever a layer's buffer fills up."""
+
+
+def load_best_checkpoint(trainer: Any) -> None:
+    """Load the best checkpoint ``trainer``'s state names into its model, as ``train()`` does at its
+    end with ``load_best_model_at_end`` (item 4 above)."""
+    trainer._load_best_model()
 
 
 def no_init_weights() -> Any:

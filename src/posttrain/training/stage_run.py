@@ -24,6 +24,7 @@ output fingerprint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -134,10 +135,56 @@ class StageContext:
 
 def train_resumable(trainer: Any, ctx: StageContext) -> Any:
     """``trainer.train()``, from ``ctx``'s checkpoint when there is one, with the stage's clock in
-    the trainer's callbacks so its checkpoints carry the seconds spent so far."""
+    the trainer's callbacks so its checkpoints carry the seconds spent so far.
+
+    A checkpoint that marks the end of training (the last step, or a stop: early stopping,
+    ``on_alert: stop``) is one a kill left while the output was written: the trainer would train one
+    step more from it, so it is loaded and stopped before that step, and finished as ``train()``
+    finishes (the best checkpoint loaded for ``keep: best``)."""
     if ctx.clock is not None:
         trainer.add_callback(ctx.clock)
-    return trainer.train(resume_from_checkpoint=ctx.resume_from)
+    if ctx.resume_from is None or not training_finished(Path(ctx.resume_from)):
+        return trainer.train(resume_from_checkpoint=ctx.resume_from)
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import TrainOutput
+
+    from posttrain.generation.transformers_compat import load_best_checkpoint
+
+    class Finished(BaseException):
+        """Raised before the first step of a resumed run that had already finished."""
+
+    class StopBeforeTheStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            raise Finished
+
+    trainer.add_callback(StopBeforeTheStep())
+    with contextlib.suppress(Finished):
+        trainer.train(resume_from_checkpoint=ctx.resume_from)
+    logger.info(
+        "[%s] the checkpoint of step %d had finished training: not training again",
+        ctx.stage,
+        trainer.state.global_step,
+    )
+    if trainer.args.load_best_model_at_end and trainer.state.best_model_checkpoint is not None:
+        load_best_checkpoint(trainer)
+    return TrainOutput(trainer.state.global_step, 0.0, {})
+
+
+def training_finished(checkpoint: Path) -> bool:
+    """Whether ``checkpoint``'s trainer state says training was over when it was saved: its step is
+    the last, or the trainer had been told to stop (early stopping, a stopping alert)."""
+    try:
+        state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(state, dict):
+        return False
+    step, most = state.get("global_step"), state.get("max_steps")
+    if type(step) is int and type(most) is int and 0 < most <= step:
+        return True
+    control = (state.get("stateful_callbacks") or {}).get("TrainerControl")
+    stop = control.get("args", {}).get("should_training_stop") if isinstance(control, dict) else None
+    return stop is True
 
 
 def precision_flags(precision: str) -> dict[str, Any]:
