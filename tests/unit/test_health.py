@@ -377,3 +377,24 @@ def test_reward_hacking_fires_at_exactly_its_thresholds():
     assert [(a.step, a.kind) for a in at] == [(15, "reward_hacking")]
     assert run_steps(evals(RISING), hacking_reward_rise=rise + 1e-9, hacking_accuracy_drop=drop) == []
     assert run_steps(evals(RISING), hacking_reward_rise=rise, hacking_accuracy_drop=drop + 1e-9) == []
+
+
+def test_a_resumed_stage_replays_its_log_history_into_the_monitor(tmp_path):
+    """Resumed at step 9 of a stream that raised no_signal at step 1 and is ten steps into a flat
+    reward: the alert from before the kill is kept, and flat_reward fires at step 10 as it does
+    uninterrupted, not ten steps after the resume."""
+    flat = {"reward": 0.5, "reward_std": 0.2, "frac_reward_zero_std": 0.25, "kl": 0.02, "entropy": 1.2}
+    stream = [{"reward": 0.0, "frac_reward_zero_std": 1.0}] + [flat] * 11
+    uninterrupted = [(a.step, a.kind) for a in run(stream)]
+    assert (1, "no_signal") in uninterrupted and any(kind == "flat_reward" for _, kind in uninterrupted)
+
+    callback = HealthCallback(HealthMonitor(MonitorConfig()), stage="grpo-x")
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 9
+    state.log_history = [{**logs, "step": step} for step, logs in enumerate(stream[:9], start=1)]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    callback.on_train_begin(args, state, control)
+    for step, logs in enumerate(stream[9:], start=10):
+        state.global_step = step
+        callback.on_log(args, state, control, logs=logs)
+    assert [(a["step"], a["kind"]) for a in callback.alerts] == uninterrupted

@@ -274,6 +274,24 @@ class HealthCallback(TrainerCallback):
         self.on_alert = on_alert
         self.stage = stage
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        """On resume, replay the restored log history into a fresh monitor: its windows, active
+        alerts and the alerts raised before the kill are then what the uninterrupted run's were."""
+        if state.global_step == 0 or self.monitor.alerts or self.monitor._step:
+            return control
+        for row in state.log_history:
+            step = row.get("step")
+            if isinstance(row, dict) and type(step) is int and 0 < step <= state.global_step:
+                self.monitor.observe(step, row)
+        if self.monitor.alerts:
+            logger.info(
+                "[%s] %d health alerts from before the resume: %s",
+                self.stage,
+                len(self.monitor.alerts),
+                ", ".join(f"{a.kind} at step {a.step}" for a in self.monitor.alerts),
+            )
+        return control
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs:
             return control
