@@ -163,6 +163,23 @@ def test_only_a_complete_checkpoint_is_resumed_from(tmp_path):
     assert sorted(p.name for p in work.iterdir()) == ["checkpoint-2", "completions"]
 
 
+def test_a_checkpoint_without_the_files_its_trainer_writes_after_the_state_is_not_complete(tmp_path):
+    """TRL's GRPO with use_adaptive_entropy writes entropy_ctrl_state.json after the trainer state: a
+    kill in between leaves a checkpoint whose resume would restart the coefficient."""
+    from posttrain.training.stage_run import late_checkpoint_files
+
+    work = tmp_path / "grpo.ckpt"
+    required = late_checkpoint_files({"use_adaptive_entropy": True})
+    assert required == ("entropy_ctrl_state.json",) and late_checkpoint_files({}) == ()
+    one = write_checkpoint(work, 1, json.dumps({"global_step": 1}))
+    (one / "entropy_ctrl_state.json").write_text('{"entropy_coef": 0.01, "last_world_entropy": 1.0}')
+    write_checkpoint(work, 2, json.dumps({"global_step": 2}))  # killed before the file
+    three = write_checkpoint(work, 3, json.dumps({"global_step": 3}))
+    (three / "entropy_ctrl_state.json").write_text('{"entropy_coef": 0.0')  # killed while writing it
+    assert last_checkpoint(work, required) == (one, 1)
+    assert last_checkpoint(work) == (three, 3)  # without the option the state file is enough
+
+
 def test_a_working_folder_without_a_checkpoint_starts_empty(tmp_path):
     work = tmp_path / "sft.ckpt"
     write_checkpoint(work, 1)

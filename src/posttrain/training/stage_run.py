@@ -289,12 +289,13 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE_FILE = "trainer_state.json"
 
 
-def last_checkpoint(folder: Path) -> tuple[Path, int] | None:
+def last_checkpoint(folder: Path, required: Sequence[str] = ()) -> tuple[Path, int] | None:
     """The newest complete trainer checkpoint in ``folder`` and its step, or None.
 
     The trainer writes ``trainer_state.json`` last into a checkpoint (after the weights, optimizer,
     scheduler and RNG states), so a checkpoint whose state file parses and names the checkpoint's
-    own step is complete; one a kill interrupted mid-save is passed over.
+    own step is complete; one a kill interrupted mid-save is passed over. ``required`` names JSON
+    files a trainer writes after that state (:data:`LATE_CHECKPOINT_FILES`): each must parse too.
     """
     found = []
     for path in folder.iterdir() if folder.is_dir() else ():
@@ -305,7 +306,8 @@ def last_checkpoint(folder: Path) -> tuple[Path, int] | None:
             state = json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(state, dict) and state.get("global_step") == int(match.group(1)):
+        own_step = isinstance(state, dict) and state.get("global_step") == int(match.group(1))
+        if own_step and all(_parses(path / name) for name in required):
             found.append((int(match.group(1)), path))
     if not found:
         return None
@@ -327,7 +329,26 @@ def best_checkpoint(checkpoint: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def prepare_work_dir(folder: Path) -> tuple[str | None, int]:
+def _parses(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+LATE_CHECKPOINT_FILES = {"use_adaptive_entropy": "entropy_ctrl_state.json"}
+"""Trainer option → the file the trainer writes into a checkpoint after its state (TRL's GRPO writes
+its adaptive entropy coefficient after the trainer state and the rotation of old checkpoints): a
+checkpoint without it is not complete, or the resumed stage would restart that coefficient."""
+
+
+def late_checkpoint_files(options: Mapping[str, Any]) -> tuple[str, ...]:
+    """What :func:`last_checkpoint` must also find in a checkpoint of a stage with these options."""
+    return tuple(name for option, name in LATE_CHECKPOINT_FILES.items() if options.get(option))
+
+
+def prepare_work_dir(folder: Path, required: Sequence[str] = ()) -> tuple[str | None, int]:
     """Ready a stage's working folder: ``(checkpoint to resume from or None, its step)``.
 
     With a complete checkpoint, the newest one is kept with what the interrupted run wrote beside
@@ -336,7 +357,7 @@ def prepare_work_dir(folder: Path) -> tuple[str | None, int]:
     other checkpoint is deleted. Without one the folder is emptied, so a fresh start never mixes in
     a killed run's files.
     """
-    found = last_checkpoint(folder)
+    found = last_checkpoint(folder, required)
     if found is None:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
@@ -402,9 +423,10 @@ def execute_stage(
     options_hash = stable_hash(dict(options))
     final = Path(output_dir).resolve()
     work = checkpoints_dir(final)
-    resume_from, resume_step = prepare_work_dir(work) if main else (None, 0)
+    required = late_checkpoint_files(options)
+    resume_from, resume_step = prepare_work_dir(work, required) if main else (None, 0)
     distributed.barrier()
-    if not main and (found := last_checkpoint(work)) is not None:  # the one rank 0 kept
+    if not main and (found := last_checkpoint(work, required)) is not None:  # the one rank 0 kept
         resume_from, resume_step = str(found[0]), found[1]
     logger.info(
         "[%s] starting from %s (fingerprint %s) on %d examples, precision %s, output %s",
@@ -434,7 +456,7 @@ def execute_stage(
     try:
         outcome = train_fn(ctx)
     except BaseException:
-        if main and last_checkpoint(work) is None:  # nothing to resume from: leave nothing behind
+        if main and last_checkpoint(work, required) is None:  # nothing to resume from: leave nothing behind
             shutil.rmtree(work, ignore_errors=True)
         raise
     if not main:
