@@ -149,6 +149,10 @@ def test_several_samples_per_question_use_a_t_interval_over_questions():
     assert change.interval.estimate == pytest.approx(1 / 3)  # (0.5 + 0.5 + 0) / 3
     assert change.p_value is None and "t interval" in change.interval.method
     assert (change.fixed, change.broken) == (2, 0)
+    # the text says which count is which: the net change over all samples, the groups by sample 0
+    text = format_diff(diff_reports(a, b))
+    assert "net change +2 (questions scoring higher in B minus lower, over all samples)" in text
+    assert "by each question's first sample:\n  fixed              1" in text
 
 
 def test_stage_delta_metrics_cover_every_set(tmp_path):

@@ -281,10 +281,17 @@ def _pair_lines(pair: Pair, mode: str) -> list[str]:
 def format_diff(diff: ReportDiff, n_examples: int = 3) -> str:
     """Counts per group, then up to ``n_examples`` questions each of fixed and broken."""
     total = max(diff.matched, 1)
+    groups = (diff.fixed, diff.broken, diff.stayed_right, diff.stayed_wrong)
+    sampled = any(rec.num_samples > 1 for group in groups for pair in group for rec in pair)
+    net = diff.net
+    if sampled and diff.difference is not None:
+        # B - A averages every sample; so does the net change, as questions scoring higher minus lower
+        net = diff.difference.fixed - diff.difference.broken
     lines = [
         f"A: {diff.model_a}",
         f"B: {diff.model_b}",
-        f"{diff.matched} questions in both reports ({diff.mode} scoring); net change {diff.net:+d}",
+        f"{diff.matched} questions in both reports ({diff.mode} scoring); net change {net:+d}"
+        + (" (questions scoring higher in B minus lower, over all samples)" if sampled else ""),
     ]
     if diff.difference is not None and diff.matched:
         change = diff.difference
@@ -292,6 +299,8 @@ def format_diff(diff: ReportDiff, n_examples: int = 3) -> str:
         lines.append(
             f"  B - A: {change.interval.points()} percentage points (95% {change.interval.method}{test})"
         )
+    if sampled:
+        lines.append("  by each question's first sample:")
     for name in ("fixed", "broken", "stayed_right", "stayed_wrong"):
         count = len(getattr(diff, name))
         lines.append(f"  {name.replace('_', ' '):<13} {count:>6}  ({count / total:.1%})")
