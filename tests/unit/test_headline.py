@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posttrain.tracking.headline import format_headline
+from posttrain.tracking.headline import _spread, format_headline
 
 
 def evaluated(**accuracy):
@@ -32,3 +32,10 @@ def test_runs_with_the_same_steps_need_no_note():
     runs = [evaluated(baseline=0.1, sft=0.3), evaluated(baseline=0.1, sft=0.25)]
     rows = dict(format_headline(runs, list(runs[0])))
     assert rows["  change from baseline"] == ["+20.0", "+15.0"]
+
+
+def test_seeds_that_all_gave_the_same_change_show_no_interval_and_no_mark():
+    """A t interval over identical values has zero width: [+1.0, +1.0] * would claim a certainty
+    three seeds cannot give."""
+    assert _spread([0.01, 0.01, 0.01], points=True)[3] == "- (no spread)"
+    assert _spread([0.0, 0.01, 0.02], points=True)[3].startswith("[")

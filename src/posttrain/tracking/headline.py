@@ -218,11 +218,16 @@ def _spread(values: Sequence[float], points: bool) -> list[str]:
     fmt = "{:+.1f}" if points else "{:.1f}"
     sd = (sum((v - interval.estimate) ** 2 for v in values) / (len(values) - 1)) ** 0.5
     mark = f" {SIGNIFICANT}" if points and interval.excludes(0) else ""
+    bounds = f"[{fmt.format(scale * interval.low)}, {fmt.format(scale * interval.high)}]{mark}"
+    if max(values) == min(values):
+        # every seed gave the same value: a t interval of zero width, which claims a certainty a
+        # few seeds cannot give (accuracies on a few hundred questions often repeat exactly)
+        bounds = "- (no spread)"
     return [
         fmt.format(scale * interval.estimate) + ("" if points else "%"),
         f"{scale * sd:.1f}",
         f"{fmt.format(scale * min(values))} to {fmt.format(scale * max(values))}",
-        f"[{fmt.format(scale * interval.low)}, {fmt.format(scale * interval.high)}]{mark}",
+        bounds,
     ]
 
 
