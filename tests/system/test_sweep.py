@@ -105,7 +105,10 @@ def test_seeds_share_data_and_baseline_and_compare_aggregates_three_seeds(
         expected = t_interval(values)
         row = next(x for x in across if x.startswith("eval-sft ") and x.split()[1] == label)
         assert row.split()[2] == f"{100 * expected.estimate:.1f}%"
-        assert f"[{100 * expected.low:.1f}, {100 * expected.high:.1f}]" in row
+        if len(set(values)) > 1:
+            assert f"[{100 * expected.low:.1f}, {100 * expected.high:.1f}]" in row
+        else:  # the tiny model often scores alike on every seed: no interval of zero width
+            assert row.endswith("- (no spread)")
         changes = [r.data.metrics[f"eval-sft/delta_{metric}"] for r in parents]
         change_row = next(x for x in across if x.startswith("  change from baseline") and label in x.split())
         assert f"{100 * t_interval(changes).estimate:+.1f}" in change_row.split()
