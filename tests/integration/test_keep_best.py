@@ -55,6 +55,20 @@ def scripted_again(monkeypatch, script: dict[int, float]):
     return script, weights
 
 
+class Killed(BaseException):
+    """Stands in for SIGKILL."""
+
+
+def kill_after_checkpoint(monkeypatch, step: int) -> None:
+    """Die right after the checkpoint of ``step`` is written (the evaluation callback's ``on_save``)."""
+
+    def die(self, args, state, control, **kwargs):
+        if state.global_step == step:
+            raise Killed
+
+    monkeypatch.setattr(HeldoutEval, "on_save", die, raising=False)
+
+
 def sft(tiny_model_dir, prepared, out: Path, **selection):
     from posttrain.training.sft import run_sft
 
@@ -151,14 +165,7 @@ def test_a_resumed_stage_still_outputs_the_best_checkpoint_from_before_the_kill(
     script, weights = scripted
     script.update({0: 0.1, 1: 0.3, 2: 0.6, 3: 0.4, 4: 0.2})
 
-    class Killed(BaseException):
-        pass
-
-    def die_after_step_3(self, args, state, control, **kwargs):
-        if state.global_step == 3:
-            raise Killed
-
-    monkeypatch.setattr(HeldoutEval, "on_save", die_after_step_3, raising=False)
+    kill_after_checkpoint(monkeypatch, 3)
     with pytest.raises(Killed):
         sft(tiny_model_dir, prepared, tmp_path / "resume", keep="best")
     work = tmp_path / "resume.ckpt"
@@ -292,14 +299,7 @@ def test_a_resumed_stage_keeps_counting_towards_its_patience(
     script, _ = scripted
     script.update({0: 0.0, 1: 0.5, 2: 0.5, 3: 0.4, 4: 0.9, 5: 0.9, 6: 0.9})
 
-    class Killed(BaseException):
-        pass
-
-    def die_after_step_2(self, args, state, control, **kwargs):
-        if state.global_step == 2:
-            raise Killed
-
-    monkeypatch.setattr(HeldoutEval, "on_save", die_after_step_2, raising=False)
+    kill_after_checkpoint(monkeypatch, 2)
     with pytest.raises(Killed):
         sft(tiny_model_dir, prepared, tmp_path / "resume", keep="best", patience=2, max_steps=6)
     monkeypatch.undo()
@@ -319,9 +319,6 @@ def test_an_early_stopped_stage_killed_while_writing_its_output_outputs_the_same
 
     script, weights = scripted
     script.update({0: 0.0, 1: 0.5, 2: 0.5, 3: 0.4, 4: 0.9, 5: 0.9, 6: 0.9})
-
-    class Killed(BaseException):
-        pass
 
     def die(*args, **kwargs):
         raise Killed

@@ -539,25 +539,31 @@ def data(tiny_tokenizer):
     return prepare_data(cfg, tiny_tokenizer).train
 
 
-def train_stage(tiny_model_dir, data, tmp_path, monkeypatch, reward, fast_generation, **options):
-    """A 1-step stage of 4 groups of 4 with `reward`; returns the trainer, its monitor and the batches the
-    loss saw."""
-    from posttrain.training import grpo
+def one_step_stage(tmp_path, batch: int = 16, **options):
+    """A 1-step stage config of ``batch`` completions in groups of G, and its context."""
     from posttrain.training.stage_run import StageContext
 
-    monkeypatch.setattr(grpo, "build_reward_funcs", lambda specs: ([reward], [1.0]))
     stage = GRPOStageConfig(
         name="zs",
         rewards=[{"name": "xml_count"}],
         trainer={
             "max_steps": 1,
-            "per_device_train_batch_size": 16,
+            "per_device_train_batch_size": batch,
             "num_generations": G,
             "max_completion_length": 6,
         },
         **options,
     )
-    ctx = StageContext(stage="grpo-zs", work_dir=tmp_path, seed=0, report_to="none", precision="fp32")
+    return stage, StageContext(stage="grpo-zs", work_dir=tmp_path, seed=0, report_to="none", precision="fp32")
+
+
+def train_stage(tiny_model_dir, data, tmp_path, monkeypatch, reward, fast_generation, **options):
+    """A 1-step stage of 4 groups of 4 with `reward`; returns the trainer, its monitor and the batches the
+    loss saw."""
+    from posttrain.training import grpo
+
+    monkeypatch.setattr(grpo, "build_reward_funcs", lambda specs: ([reward], [1.0]))
+    stage, ctx = one_step_stage(tmp_path, **options)
     model_cfg = ModelConfig(name=str(tiny_model_dir), lora={"r": 4, "alpha": 8})
     trainer, monitor = grpo.make_grpo_trainer(
         stage, model_cfg, str(tiny_model_dir), data, ctx, fast_generation=fast_generation
@@ -626,20 +632,8 @@ def test_a_stage_on_several_processes_refuses_what_keeps_its_pool_in_one(
 
     from posttrain.core.errors import StageError
     from posttrain.training import grpo
-    from posttrain.training.stage_run import StageContext
 
     monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
-    stage = GRPOStageConfig(
-        name="zs",
-        rewards=[{"name": "xml_count"}],
-        trainer={
-            "max_steps": 1,
-            "per_device_train_batch_size": 8,
-            "num_generations": G,
-            "max_completion_length": 6,
-        },
-        **options,
-    )
-    ctx = StageContext(stage="grpo-zs", work_dir=tmp_path, seed=0, report_to="none", precision="fp32")
+    stage, ctx = one_step_stage(tmp_path, batch=8, **options)
     with pytest.raises(StageError, match=rf"^{named}: runs in one process only .*this stage runs on 2$"):
         grpo.make_grpo_trainer(stage, ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir), data, ctx)
