@@ -248,7 +248,7 @@ def test_a_checkpointed_pool_comes_back_as_it_was(tiny_tokenizer):
 )
 def test_a_damaged_pool_state_is_said_and_changes_nothing(damage, tiny_tokenizer, caplog):
     refresh, sampler = worked_pool(tiny_tokenizer)
-    saved = json.loads(json.dumps(PoolCheckpoint(sampler, refresh).snapshot()))
+    saved = json.loads(json.dumps(PoolCheckpoint(sampler, refresh).state()))
     damage(saved)
     fresh, trainer = refresher(tiny_tokenizer, 0.75, GOLDS, POOL, refresh_size=6)
     before = (trainer._posttrain_sampler.state(), fresh.state())

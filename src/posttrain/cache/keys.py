@@ -234,8 +234,8 @@ def score_identity(
     """Identity of the pass-rate scoring of GRPO stage ``stage`` (``grpo-<name>``): the model it starts
     from, the prepared train split, k and the candidates, and everything that shapes a sample (the
     stage's temperature, completion length, tools, chat-template options, data filter; the
-    precision; the run's seed). The
-    learning rate and every other training option are not in it: a new learning rate reuses it."""
+    precision; the run's seed). The learning rate and every other training option are not in it: a
+    new learning rate reuses it."""
     section = stage_section(cfg, stage)
     assert isinstance(section, GRPOStageConfig) and section.pass_rate is not None
     options = section.trainer_options()

@@ -1,19 +1,15 @@
 """A GRPO stage's prompt-pool decisions in its checkpoints, so a resumed stage goes on as before.
 
-TRL's sampler order, the weights, the optimizer and the RNG states come back from a checkpoint
-through the trainer's own resume. What posttrain's dynamic sampling decided on top of that lives in
-Python objects: the prompts retired (``zero_signal_retire_after``, a pool refresh) and the prompts
-standing in for them, the runs of flat
-groups counted towards retiring, where the fresh-prompt order stands, the prompts a refresh admitted
-and not drawn yet, and the refresh's pool and outside-candidate cursor. Without them a stage killed
-after step 8 would train its retired prompts again from step 9.
+What posttrain's dynamic sampling decided on top of TRL's sampler lives in Python objects: the
+prompts retired (``zero_signal_retire_after``, a pool refresh) and the prompts standing in for them,
+the runs of flat groups counted towards retiring, where the fresh-prompt order stands, the prompts a
+refresh admitted and not drawn yet, and the refresh's pool and outside-candidate cursor. Without
+them a stage killed after step 8 would train its retired prompts again from step 9.
 
-:class:`PoolCheckpoint` writes them at the end of every step into the trainer state's
-``stateful_callbacks`` (under :data:`STATE_KEY`), which the trainer saves as the last file of a
-checkpoint, so a complete checkpoint always holds the decisions of its own step; on resume it
-reads them back before the first step. The state is store content: checked against the stage's
-data and bounded (the sampler's and the refresh's ``restore``); a malformed one is said in one
-warning and the stage goes on from the pool it started with.
+:class:`PoolCheckpoint` carries them in every checkpoint (a
+:class:`~posttrain.training.checkpoint_state.CheckpointedState`). The state is store content:
+checked against the stage's data and bounded (the sampler's and the refresh's ``restore``); a
+malformed one is said in one warning and the stage goes on from the pool it started with.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from transformers import TrainerCallback
+from posttrain.training.checkpoint_state import CheckpointedState
 
 logger = logging.getLogger(__name__)
 
@@ -31,50 +27,39 @@ STATE_KEY = "posttrain_prompt_pool"
 FORMAT_VERSION = 1
 
 
-class PoolCheckpoint(TrainerCallback):
+class PoolCheckpoint(CheckpointedState):
     """Saves ``sampler``'s (posttrain.training.zero_signal.DynamicSampler) and ``refresh``'s
     (posttrain.training.pool_refresh.PoolRefresh, or None) decisions with every checkpoint and
     restores them on resume. Registered after the refresh, so a step's snapshot follows its refresh."""
 
+    key = STATE_KEY
+
     def __init__(self, sampler: Any, refresh: Any = None, *, stage: str = "grpo") -> None:
         self.sampler, self.refresh, self.stage = sampler, refresh, stage
 
-    def snapshot(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         return {
             "version": FORMAT_VERSION,
             "sampler": self.sampler.state(),
             "refresh": self.refresh.state() if self.refresh is not None else None,
         }
 
-    def on_step_end(self, args, state, control, **kwargs):
-        state.stateful_callbacks[STATE_KEY] = self.snapshot()
-        return control
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.global_step == 0:  # a fresh start: nothing to restore
-            return control
-        saved = (state.stateful_callbacks or {}).get(STATE_KEY)
+    def restore(self, saved: Any, steps: int) -> None:
+        """Go back to a :meth:`state` saved at step ``steps``; one that is not one is said in a
+        warning, and then nothing changed."""
+        before = self.state()
         try:
-            self.restore(saved, state.global_step)
+            self._apply(saved, steps)
         except (ValueError, TypeError) as exc:
+            self._apply(before, steps)
             logger.warning(
                 "[%s] the checkpoint of step %d holds no usable prompt-pool state (%s): going on from "
                 "the pool the stage started with, so retired prompts may be trained again",
                 self.stage,
-                state.global_step,
+                steps,
                 exc,
             )
-        return control
-
-    def restore(self, saved: Any, steps: int) -> None:
-        """Restore a :meth:`snapshot` taken at step ``steps``; ValueError if it is not one, and then
-        nothing changed."""
-        before = self.snapshot()
-        try:
-            self._apply(saved, steps)
-        except (ValueError, TypeError):
-            self._apply(before, steps)
-            raise
+            return
         logger.info(
             "[%s] resumed the prompt pool of step %d: %d prompts retired%s",
             self.stage,

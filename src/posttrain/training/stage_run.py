@@ -130,7 +130,7 @@ class StageContext:
     """The checkpoint to resume from (:func:`train_resumable` passes it to the trainer), or None to
     start from the input model."""
     clock: Any = None
-    """The stage's :class:`~posttrain.training.stage_clock.StageClock` (seconds across a kill)."""
+    """The stage's :class:`~posttrain.training.checkpoint_state.StageClock` (seconds across a kill)."""
 
 
 def train_resumable(trainer: Any, ctx: StageContext) -> Any:
@@ -441,7 +441,7 @@ def execute_stage(
         logger.info(
             "[%s] resuming from step %d (%s), left by an interrupted run", stage, resume_step, resume_from
         )
-    from posttrain.training.stage_clock import StageClock  # heavy: transformers
+    from posttrain.training.checkpoint_state import StageClock  # heavy: transformers
 
     clock = StageClock(start)
     ctx = StageContext(
