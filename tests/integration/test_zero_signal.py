@@ -619,7 +619,7 @@ def test_drop_stage_with_constant_rewards_drops_every_group_and_still_alerts(
 @pytest.mark.parametrize(
     "options, named",
     [
-        ({"zero_signal": "resample"}, "zero_signal: resample"),
+        ({"zero_signal": "resample"}, "zero_signal"),
         ({"zero_signal": "drop", "zero_signal_retire_after": 2}, "zero_signal_retire_after"),
     ],
 )

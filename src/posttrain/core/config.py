@@ -767,6 +767,26 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
         options = self.trainer_options()
         return bool(options.get("use_vllm")) and options.get("vllm_mode") == "server"
 
+    def one_process_options(self) -> list[tuple[str, str]]:
+        """The options set here that keep the stage's prompt pool in one process, as (key, why): each
+        process of a multi-process stage would retire and refill for itself and train another pool.
+        The config check refuses them by key before anything loads; the trainer refuses them when it
+        is launched some other way."""
+        used = [
+            ("zero_signal", self.zero_signal == "resample", "resample refills groups in one process only"),
+            (
+                "zero_signal_retire_after",
+                self.zero_signal_retire_after is not None,
+                "retiring prompts runs in one process only",
+            ),
+            (
+                "pass_rate.refresh_every",
+                self.pass_rate is not None and self.pass_rate.refresh_every is not None,
+                "the pool refresh runs in one process only",
+            ),
+        ]
+        return [(key, why) for key, on, why in used if on]
+
 
 def _unique(names: list[str], what: str) -> None:
     """Refuse repeated names (their outputs, metrics and runs are named after them)."""

@@ -93,26 +93,14 @@ def _check_one_process_options(
     cfg: PipelineConfig, where: str, stage: GRPOStageConfig, processes: int, source: str
 ) -> None:
     """A GRPO stage launched on several processes uses no option that keeps its prompt pool in
-    one process: each process would decide for itself, and the processes would train different pools."""
-    single = [
-        ("zero_signal", stage.zero_signal == "resample", "resample refills groups in one process only"),
-        (
-            "zero_signal_retire_after",
-            stage.zero_signal_retire_after is not None,
-            "retiring prompts runs in one process only",
-        ),
-        (
-            "pass_rate.refresh_every",
-            stage.pass_rate is not None and stage.pass_rate.refresh_every is not None,
-            "the pool refresh runs in one process only",
-        ),
-    ]
-    for path, used, why in single:
-        if used:
-            raise ConfigError(
-                f"{source}: {cfg.written_key(where, path)}: {why} (each process would keep its own "
-                f"pool), and this stage launches {processes}; use launch.num_processes: 1 for it"
-            )
+    one process (see GRPOStageConfig.one_process_options)."""
+    used = stage.one_process_options()
+    if used:
+        path, why = used[0]
+        raise ConfigError(
+            f"{source}: {cfg.written_key(where, path)}: {why} (each process would keep its own "
+            f"pool), and this stage launches {processes}; use launch.num_processes: 1 for it"
+        )
 
 
 def check_shared_store(cfg: PipelineConfig, source: str = "<config>") -> None:

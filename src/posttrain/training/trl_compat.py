@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,7 @@ def new_grpo_trainer(
     max_rounds: int = 4,
     retire_after: int | None = None,
     refreshed: bool = False,
+    one_process: Sequence[str] = (),
     **kwargs: Any,
 ) -> Any:
     """``trl.GRPOTrainer(**kwargs)``, with ``rollout_func`` when given and without its experimental warning.
@@ -142,6 +144,8 @@ def new_grpo_trainer(
     batch, and prompts retired after ``retire_after`` flat groups in a row) returns the trainer with
     posttrain's dynamic sampling (hook 4 above); ``keep`` is TRL's own. ``refreshed``: a pool refresh
     retires and admits prompts (posttrain.training.pool_refresh), so the sampler needs fresh prompts.
+    ``one_process``: the stage's options that keep its pool in one process
+    (``GRPOStageConfig.one_process_options``), refused when the trainer runs on several.
     """
     from trl import GRPOTrainer  # heavy: deferred until a trainer is built
 
@@ -154,6 +158,7 @@ def new_grpo_trainer(
             "max_rounds": max_rounds,
             "retire_after": retire_after,
             "refreshed": refreshed,
+            "one_process": tuple(one_process),
         }
     )
     if rollout_func is None:
@@ -199,22 +204,14 @@ def _dynamic_sampling_trainer() -> type:
             max_rounds: int,
             retire_after: int | None,
             refreshed: bool = False,
+            one_process: tuple[str, ...] = (),
             **kwargs: Any,
         ) -> None:
             super().__init__(*args, **kwargs)
-            single = [
-                name
-                for name, used in (
-                    ("zero_signal: resample", zero_signal == "resample"),
-                    ("zero_signal_retire_after", retire_after is not None),
-                    ("pass_rate.refresh_every", refreshed),
-                )
-                if used
-            ]
-            if single and self.accelerator.num_processes > 1:
+            if one_process and self.accelerator.num_processes > 1:
                 raise StageError(
-                    f"{', '.join(single)}: runs in one process only (each process would keep its own "
-                    f"prompt pool); this stage runs on {self.accelerator.num_processes}"
+                    f"{', '.join(one_process)}: runs in one process only (each process would keep its "
+                    f"own prompt pool); this stage runs on {self.accelerator.num_processes}"
                 )
             refills = zero_signal == "resample" or retire_after is not None or refreshed
             fresh = FreshPrompts(self.train_dataset, self.args.seed + 1) if refills else None
