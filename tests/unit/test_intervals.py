@@ -16,6 +16,7 @@ from posttrain.core.stats import (
     fraction_interval,
     mcnemar_exact_p,
     paired_difference,
+    paired_mean_difference,
     t_interval,
     t_quantile,
     wilson_interval,
@@ -153,6 +154,19 @@ def test_several_samples_per_question_use_a_t_interval_over_questions():
     text = format_diff(diff_reports(a, b))
     assert "net change +2 (questions scoring higher in B minus lower, over all samples)" in text
     assert "by each question's first sample:\n  fixed              1" in text
+
+
+@pytest.mark.parametrize("before, after", [(0.5, 0.75), (0.5, 0.5), (1.0, 0.0)])
+def test_questions_that_all_changed_alike_still_get_an_interval_of_some_width(before, after):
+    """Several samples per question, every question's difference the same: a t interval over the
+    differences would have zero width (and mark a change of a quarter significant with certainty)."""
+    change = paired_mean_difference([before] * 40, [after] * 40).interval
+    assert change.estimate == pytest.approx(after - before)
+    assert -1.0 <= change.low <= change.estimate <= change.high <= 1.0 and change.low < change.high
+    # as wide as Newcombe's paired interval for 0/1 scores that did not change, within a factor of two
+    width = change.high - change.low
+    unchanged = paired_difference(20, 0, 0, 20).interval
+    assert 0.5 < width / (unchanged.high - unchanged.low) < 2.0
 
 
 def test_stage_delta_metrics_cover_every_set(tmp_path):

@@ -314,6 +314,13 @@ def paired_mean_difference(
     >>> d = paired_mean_difference([0.5, 0.25, 1.0, 0.0], [0.75, 0.25, 1.0, 0.5])
     >>> round(d.interval.estimate, 4), d.fixed, d.broken, d.p_value
     (0.1875, 2, 0, None)
+
+    Questions that all changed alike have no spread to measure; the interval is then a bound that
+    holds for any questions (never of zero width):
+
+    >>> same = paired_mean_difference([0.5] * 100, [0.75] * 100).interval
+    >>> round(same.low, 4), same.estimate, round(same.high, 4)
+    (0.2038, 0.25, 0.2777)
     """
     if len(a) != len(b):
         raise ValueError(f"paired scores need equal lengths, got {len(a)} and {len(b)}")
@@ -321,12 +328,18 @@ def paired_mean_difference(
         return PairedDifference(Interval(0.0, -1.0, 1.0, "t interval over questions"), 0, 0, 0, None)
     differences = [y - x for x, y in zip(a, b, strict=True)]
     spread = t_interval(differences, confidence)
-    interval = Interval(
-        spread.estimate,
-        max(-1.0, spread.low),
-        min(1.0, spread.high),
-        f"t interval over {len(a)} questions' differences",
-    )
+    low, high = max(-1.0, spread.low), min(1.0, spread.high)
+    method = f"t interval over {len(a)} questions' differences"
+    if len(differences) > 1 and min(differences) == max(differences):
+        # Every question changed by the same amount, so the t interval has zero width: a certainty
+        # that n questions cannot give. Bound the mean instead by the share of questions that could
+        # still change otherwise (Wilson's upper bound for none of n seen), each by as much as a
+        # difference in [-1, 1] can move; an interval that holds whatever the questions look like.
+        share = wilson_interval(0, len(differences), confidence)[1]
+        change = spread.estimate
+        low, high = change - share * (1 + change), change + share * (1 - change)
+        method = f"bound over {len(a)} questions that all changed alike"
+    interval = Interval(spread.estimate, low, high, method)
     fixed = sum(d > 0 for d in differences)
     broken = sum(d < 0 for d in differences)
     return PairedDifference(interval, fixed, broken, len(a), None)
