@@ -424,16 +424,22 @@ def stage_deltas(summary: PipelineSummary) -> dict[str, float]:
     questions, as parent-run metrics: ``eval-sft/delta_accuracy_strict`` with its interval, the
     questions fixed and broken, McNemar's p (:func:`posttrain.evaluation.diff.stage_delta_metrics`),
     and ``eval-sft/stage_minutes``: the wall time of the training and scoring steps between the two
-    evaluations, what the change cost. ``posttrain compare`` reads them back; a pair whose reports
-    cannot be read is skipped, named."""
+    evaluations, what the change cost (left out, named, when a step between has no recorded time).
+    ``posttrain compare`` reads them back; a pair whose reports cannot be read is skipped, named."""
     evals = [o for o in summary.outcomes if o.kind == "eval"]
     order = {o.step: i for i, o in enumerate(summary.outcomes)}
     out: dict[str, float] = {}
     for before, after in itertools.pairwise(evals):
         between = summary.outcomes[order[before.step] + 1 : order[after.step]]
-        spent = [o.seconds for o in between if o.seconds is not None]
-        if spent:
-            out[f"{after.step}/stage_minutes"] = round(sum(spent) / 60, 3)
+        unknown = [o.step for o in between if o.seconds is None]
+        if unknown:
+            # Summing the steps that have a time would understate the cost and overstate the
+            # points per minute; no minutes is the honest figure.
+            logger.warning(
+                "%s: no stage minutes: no wall time recorded for %s", after.step, ", ".join(unknown)
+            )
+        elif between:
+            out[f"{after.step}/stage_minutes"] = round(sum(o.seconds or 0.0 for o in between) / 60, 3)
         try:
             deltas = stage_delta_metrics(before.output, after.output)
         except (OSError, ValueError, KeyError) as exc:

@@ -258,9 +258,9 @@ def test_a_pair_of_evaluations_without_readable_reports_has_no_delta(tmp_path, c
     summary = PipelineSummary("walk", None)
     for step in ("eval-baseline", "eval-sft"):
         summary.outcomes.append(StepOutcome(step, "ran", "", "k", str(tmp_path / step), kind="eval"))
-    summary.outcomes.insert(1, StepOutcome("sft", "ran", "", "k", str(tmp_path), kind="sft"))
+    summary.outcomes.insert(1, StepOutcome("sft", "ran", "", "k", str(tmp_path), kind="sft", seconds=60.0))
     with caplog.at_level(logging.WARNING, logger="posttrain.flows.plan_walker"):
-        assert stage_deltas(summary) == {}
+        assert stage_deltas(summary) == {"eval-sft/stage_minutes": 1.0}
     assert caplog.messages[0].startswith("no paired change from eval-baseline to eval-sft: ")
 
 
@@ -287,6 +287,27 @@ def test_each_change_carries_the_minutes_of_the_steps_that_bought_it(tmp_path):
     changes = stage_deltas(summary)
     assert changes["eval-grpo-x/stage_minutes"] == 5.0 and changes["eval-grpo-x/delta_accuracy_strict"] == 1.0
     assert "eval-baseline/stage_minutes" not in changes
+
+
+def test_a_change_whose_cost_is_partly_unknown_gets_no_minutes_and_says_why(tmp_path, caplog):
+    """Summing only the timed steps would understate the cost and overstate points per minute."""
+    from posttrain.evaluation import EvalRecord, EvalReport, score_completion
+    from posttrain.flows.plan_walker import PipelineSummary, StepOutcome, stage_deltas
+
+    for name in ("a", "b"):
+        record = EvalRecord.from_samples("q1", "q?", "4", [score_completion("<answer>4</answer>", "4")])
+        EvalReport(model="m", summary={}, records=(record,)).save(tmp_path / name)
+    summary = PipelineSummary("walk", None)
+    summary.outcomes += [
+        StepOutcome("eval-baseline", "ran", "", "k", str(tmp_path / "a"), kind="eval"),
+        StepOutcome("score-grpo-x", "cached", "", "k", "/s", kind="score", seconds=None),
+        StepOutcome("grpo-x", "ran", "", "k", "/g", kind="grpo", seconds=240.0),
+        StepOutcome("eval-grpo-x", "ran", "", "k", str(tmp_path / "b"), kind="eval"),
+    ]
+    with caplog.at_level(logging.WARNING, logger="posttrain.flows.plan_walker"):
+        changes = stage_deltas(summary)
+    assert "eval-grpo-x/stage_minutes" not in changes and changes["eval-grpo-x/delta_accuracy_strict"] == 0.0
+    assert caplog.messages == ["eval-grpo-x: no stage minutes: no wall time recorded for score-grpo-x"]
 
 
 def test_checkpoints_of_unfinished_stages_are_named_after_a_walk(walk, caplog):
