@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from posttrain.tracking.headline import _spread, format_headline
+from posttrain.tracking.headline import (
+    SeedRun,
+    _spread,
+    format_headline,
+    format_seed_groups,
+    repeated_seeds,
+    seed_groups,
+)
 
 
 def evaluated(**accuracy):
@@ -39,3 +46,20 @@ def test_seeds_that_all_gave_the_same_change_show_no_interval_and_no_mark():
     three seeds cannot give."""
     assert _spread([0.01, 0.01, 0.01], points=True)[3] == "- (no spread)"
     assert _spread([0.0, 0.01, 0.02], points=True)[3].startswith("[")
+
+
+def test_a_seed_given_twice_keeps_the_last_run_and_names_the_one_left_out():
+    """Two runs of seed 1 among the run ids: the summary uses the last given and says which it
+    dropped, so a rerun never silently replaces the run a user meant."""
+    runs = [
+        ("g", SeedRun("a" * 32, 0, evaluated(baseline=0.1, sft=0.3))),
+        ("g", SeedRun("b" * 32, 1, evaluated(baseline=0.1, sft=0.2))),
+        ("g", SeedRun("c" * 32, 1, evaluated(baseline=0.1, sft=0.4))),
+    ]
+    groups = seed_groups(runs)
+    assert [r.run_id[0] for r in groups["g"]] == ["a", "c"]
+    lines = format_seed_groups(groups, list(runs[0][1].metrics), repeated_seeds(runs))
+    assert (
+        lines[2] == "  one run per seed, the last given; left out: seed 1: bbbbbbbbbbbb (used: cccccccccccc)"
+    )
+    assert not any("left out" in line for line in format_seed_groups(groups, list(runs[0][1].metrics)))

@@ -25,6 +25,7 @@ from posttrain.tracking.headline import (
     counter_names,
     format_headline,
     format_seed_groups,
+    repeated_seeds,
     seed_groups,
 )
 from posttrain.tracking.mlflow_io import (
@@ -90,15 +91,17 @@ class Comparison:
     metric_names: list[str]
     """Every ``<stage>/<metric>`` seen, in stage order."""
 
+    def seed_runs(self) -> list[tuple[str | None, SeedRun]]:
+        """The compared runs that have a seed, in the order given, with their seed group."""
+        return [
+            (r.seed_group, SeedRun(r.run_id, r.seed, r.stage_metrics))
+            for r in self.runs
+            if r.seed is not None
+        ]
+
     def seed_groups(self) -> dict[str, list[SeedRun]]:
         """The compared runs by seed group, one per seed, for groups of two or more seeds."""
-        return seed_groups(
-            [
-                (r.seed_group, SeedRun(r.run_id, r.seed, r.stage_metrics))
-                for r in self.runs
-                if r.seed is not None
-            ]
-        )
+        return seed_groups(self.seed_runs())
 
     def table(self) -> list[dict[str, Any]]:
         """Side-by-side rows, one per run: id, name, start, duration, differing params, stage metrics."""
@@ -505,5 +508,7 @@ def format_comparison(comparison: Comparison, *, show_all: bool = False) -> str:
         out += [line(key, values) for key, values in items]
     if counters and not show_all:
         out += ["", f"{len(counters)} more metrics per run (decode steps, timings, per difficulty...): --all"]
-    out += format_seed_groups(comparison.seed_groups(), comparison.metric_names)
+    out += format_seed_groups(
+        comparison.seed_groups(), comparison.metric_names, repeated_seeds(comparison.seed_runs())
+    )
     return "\n".join(out)

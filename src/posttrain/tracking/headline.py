@@ -34,6 +34,7 @@ __all__ = [
     "format_headline",
     "format_seed_groups",
     "headline_keys",
+    "repeated_seeds",
     "seed_groups",
 ]
 
@@ -244,9 +245,35 @@ def _seed_delta(run: SeedRun, stage: str, previous: str, metric: str, eval_set: 
     return None if after is None or before is None else after - before
 
 
-def format_seed_groups(groups: Mapping[str, Sequence[SeedRun]], names: Sequence[str]) -> list[str]:
+def repeated_seeds(runs: Sequence[tuple[str | None, SeedRun]]) -> dict[str, list[str]]:
+    """Per seed group, the runs :func:`seed_groups` leaves out because a run given after them has
+    the same seed, as ``seed S: <left out> (used: <kept>)`` with 12-character run ids.
+
+    >>> runs = [("g", SeedRun("a" * 16, 0, {})), ("g", SeedRun("b" * 16, 1, {})), ("g", SeedRun("c" * 16, 1, {}))]
+    >>> repeated_seeds(runs)
+    {'g': ['seed 1: bbbbbbbbbbbb (used: cccccccccccc)']}
+    """
+    last: dict[tuple[str, int], str] = {}
+    for group, run in runs:
+        if group:
+            last[group, run.seed] = run.run_id
+    out: dict[str, list[str]] = {}
+    for group, run in runs:
+        if group and last[group, run.seed] != run.run_id:
+            kept = last[group, run.seed]
+            out.setdefault(group, []).append(f"seed {run.seed}: {run.run_id[:12]} (used: {kept[:12]})")
+    return out
+
+
+def format_seed_groups(
+    groups: Mapping[str, Sequence[SeedRun]],
+    names: Sequence[str],
+    repeated: Mapping[str, Sequence[str]] | None = None,
+) -> list[str]:
     """Text lines: per seed group, per headline stage, set and metric, the seeds' mean, sd, range and
-    95 % t interval, and the same for each stage's change (``*``: its interval excludes zero)."""
+    95 % t interval, and the same for each stage's change (``*``: its interval excludes zero).
+    ``repeated``: the runs left out of a group for a rerun of their seed (:func:`repeated_seeds`),
+    named under its title so that a dropped run is never a silent one."""
     lines: list[str] = []
     keys = headline_keys(names)
     for group, runs in groups.items():
@@ -256,6 +283,8 @@ def format_seed_groups(groups: Mapping[str, Sequence[SeedRun]], names: Sequence[
             f"across seeds: group {group} (seeds {seeds}): mean, sd, range and 95% t interval over the "
             f"{len(runs)} seeds ({SIGNIFICANT}: a change whose interval excludes 0)",
         ]
+        if left_out := (repeated or {}).get(group):
+            lines.append(f"  one run per seed, the last given; left out: {'; '.join(left_out)}")
         table: list[list[str]] = [["stage", "metric", "mean", "sd", "range", "95% CI over seeds"]]
         for index, (stage, eval_set) in enumerate(keys):
             where = stage + (f" [{eval_set}]" if eval_set else "")
