@@ -767,6 +767,10 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
         options = self.trainer_options()
         return bool(options.get("use_vllm")) and options.get("vllm_mode") == "server"
 
+    def refreshes_pool(self) -> bool:
+        """True when the stage re-scores its prompt pool while it trains (``pass_rate.refresh_every``)."""
+        return self.pass_rate is not None and self.pass_rate.refresh_every is not None
+
     def one_process_options(self) -> list[tuple[str, str]]:
         """The options set here that keep the stage's prompt pool in one process, as (key, why): each
         process of a multi-process stage would retire and refill for itself and train another pool.
@@ -779,11 +783,7 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
                 self.zero_signal_retire_after is not None,
                 "retiring prompts runs in one process only",
             ),
-            (
-                "pass_rate.refresh_every",
-                self.pass_rate is not None and self.pass_rate.refresh_every is not None,
-                "the pool refresh runs in one process only",
-            ),
+            ("pass_rate.refresh_every", self.refreshes_pool(), "the pool refresh runs in one process only"),
         ]
         return [(key, why) for key, on, why in used if on]
 

@@ -2,9 +2,10 @@
 
 k completions per prompt are sampled through the evaluator's engine, at the stage's temperature,
 completion length, tools and chat-template options (``chat_template_kwargs``): the engine prefills
-a prompt once and decodes its k rows from that prefill, so scoring runs at evaluation speed. Each completion is scored with the ``correctness``
-reward the stage pays (the evaluator's strict parser), so a prompt's pass rate is the share of its
-group that would have earned the full correctness reward in a rollout of the same policy.
+a prompt once and decodes its k rows from that prefill, so scoring runs at evaluation speed. Each
+completion is scored with the ``correctness`` reward the stage pays (the evaluator's strict
+parser), so a prompt's pass rate is the share of its group that would have earned the full
+correctness reward in a rollout of the same policy.
 """
 
 from __future__ import annotations

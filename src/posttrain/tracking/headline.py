@@ -253,15 +253,12 @@ def repeated_seeds(runs: Sequence[tuple[str | None, SeedRun]]) -> dict[str, list
     >>> repeated_seeds(runs)
     {'g': ['seed 1: bbbbbbbbbbbb (used: cccccccccccc)']}
     """
-    last: dict[tuple[str, int], str] = {}
-    for group, run in runs:
-        if group:
-            last[group, run.seed] = run.run_id
+    groups = seed_groups(runs)  # its rule decides which run of a seed is used
     out: dict[str, list[str]] = {}
     for group, run in runs:
-        if group and last[group, run.seed] != run.run_id:
-            kept = last[group, run.seed]
-            out.setdefault(group, []).append(f"seed {run.seed}: {run.run_id[:12]} (used: {kept[:12]})")
+        kept = {r.seed: r.run_id for r in groups.get(group or "", [])}.get(run.seed)
+        if kept is not None and kept != run.run_id:
+            out.setdefault(group or "", []).append(f"seed {run.seed}: {run.run_id[:12]} (used: {kept[:12]})")
     return out
 
 

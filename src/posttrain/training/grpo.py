@@ -262,7 +262,7 @@ def make_grpo_trainer(
         zero_signal=stage_cfg.zero_signal,
         max_rounds=stage_cfg.zero_signal_max_rounds,
         retire_after=stage_cfg.zero_signal_retire_after,
-        refreshed=stage_cfg.pass_rate is not None and stage_cfg.pass_rate.refresh_every is not None,
+        refreshed=stage_cfg.refreshes_pool(),
         one_process=[key for key, _ in stage_cfg.one_process_options()],
         model=model,
         reward_funcs=reward_funcs,
@@ -276,7 +276,7 @@ def make_grpo_trainer(
     )
     quiet_console(trainer)
     refresh = None
-    if stage_cfg.pass_rate is not None and stage_cfg.pass_rate.refresh_every is not None:
+    if stage_cfg.refreshes_pool():
         refresh = attach_pool_refresh(trainer, stage_cfg, train_dataset, data, seed=ctx.seed)
     if getattr(trainer, "_posttrain_sampler", None) is not None:
         from posttrain.training.pool_state import PoolCheckpoint
