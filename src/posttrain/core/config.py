@@ -753,7 +753,7 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
         unlike = [b for b in generation_blockers(self.trainer_options()) if b != "use_vllm"]
         if self.zero_signal_retire_after is not None and self.zero_signal == "keep":
             raise ValueError("zero_signal_retire_after: needs zero_signal: drop or resample")
-        if self.pass_rate is not None and self.pass_rate.refresh_every and self.zero_signal == "keep":
+        if self.refreshes_pool() and self.zero_signal == "keep":
             raise ValueError("pass_rate.refresh_every: needs zero_signal: drop or resample")
         if self.pass_rate is not None and unlike:
             raise ValueError(

@@ -253,10 +253,11 @@ def repeated_seeds(runs: Sequence[tuple[str | None, SeedRun]]) -> dict[str, list
     >>> repeated_seeds(runs)
     {'g': ['seed 1: bbbbbbbbbbbb (used: cccccccccccc)']}
     """
-    groups = seed_groups(runs)  # its rule decides which run of a seed is used
+    # seed_groups' rule decides which run of a seed is used
+    used = {group: {r.seed: r.run_id for r in rs} for group, rs in seed_groups(runs).items()}
     out: dict[str, list[str]] = {}
     for group, run in runs:
-        kept = {r.seed: r.run_id for r in groups.get(group or "", [])}.get(run.seed)
+        kept = used.get(group or "", {}).get(run.seed)
         if kept is not None and kept != run.run_id:
             out.setdefault(group or "", []).append(f"seed {run.seed}: {run.run_id[:12]} (used: {kept[:12]})")
     return out
