@@ -43,10 +43,7 @@ def closed_port() -> int:
 
 
 PORT = closed_port()
-TWO_CPU_PROCESSES = [
-    "launch.launcher=accelerate",
-    f"launch.accelerate_config={Path(__file__).resolve().parents[2] / 'configs/accelerate/cpu.yaml'}",
-]
+SHARDED = Path(__file__).resolve().parents[2] / "configs/accelerate/fsdp2.yaml"
 
 # (id, --set overrides or None, replacement YAML text or None, extra argv, env, expected fragment);
 # "{cfg}" in a fragment is the config's path, "{tmp}" the test's folder.
@@ -557,33 +554,19 @@ CASES = [
         "{cfg}: grpo.stages.0.pass_rate.samples: 1000000 is more than posttrain can use (at most 1,024)",
     ),
     (
-        "resample on two processes",
-        [*TWO_CPU_PROCESSES, "grpo.stages.0.zero_signal=resample"],
-        None,
-        [],
-        {},
-        "{cfg}: grpo.stages.0.zero_signal: resample refills groups in one process only (each process "
-        "would keep its own pool), and this stage launches 2; use launch.num_processes: 1 for it",
-    ),
-    (
-        "retiring prompts on two processes",
-        [*TWO_CPU_PROCESSES, "grpo.stages.0.zero_signal=drop", "grpo.stages.0.zero_signal_retire_after=2"],
-        None,
-        [],
-        {},
-        "{cfg}: grpo.stages.0.zero_signal_retire_after: retiring prompts runs in one process only",
-    ),
-    (
-        "a pool refresh on two processes",
+        "a pool refresh with a sharded policy",
         [
-            *TWO_CPU_PROCESSES,
+            "launch.launcher=accelerate",
+            f"launch.accelerate_config={SHARDED}",
             "grpo.stages.0.zero_signal=drop",
             "grpo.stages.0.pass_rate={refresh_every: 2}",
         ],
         None,
         [],
         {},
-        "{cfg}: grpo.stages.0.pass_rate.refresh_every: the pool refresh runs in one process only",
+        f"{{cfg}}: grpo.stages.0.pass_rate.refresh_every: the pool refresh generates with the whole "
+        f"policy on each process ({SHARDED} shards it: FSDP); launch this stage with DDP "
+        f"(configs/accelerate/ddp.yaml) or leave refresh_every unset",
     ),
     (
         "unknown key in a stage's launch",

@@ -16,13 +16,15 @@ from types import SimpleNamespace
 
 import pytest
 from scripted_models import answers_seven_mostly
+from thread_world import ThreadWorld
 
 from posttrain.core.config import GRPOStageConfig, PassRateConfig
 from posttrain.training.pool_refresh import METRICS, PoolRefresh
 from posttrain.training.pool_state import STATE_KEY, PoolCheckpoint
-from posttrain.training.zero_signal import DynamicSampler, FreshPrompts, group_signal
+from posttrain.training.zero_signal import DynamicSampler, FreshPrompts, Ranks, group_signal
 
 K = 8
+ONE_PROCESS = Ranks()
 MESSAGES = [{"role": "user", "content": "Q"}]
 
 
@@ -47,8 +49,9 @@ def policy(tokenizer, p_seven: float):
     return answers_seven_mostly(tokenizer, opener, p_seven)
 
 
-def fake_trainer(model, tokenizer, fresh_rows):
-    """What the refresh reads of posttrain's GRPO trainer: its policy, tokenizer and dynamic sampler."""
+def fake_trainer(model, tokenizer, fresh_rows, ranks=ONE_PROCESS, distributed_type="NO"):
+    """What the refresh reads of posttrain's GRPO trainer: its policy, tokenizer, dynamic sampler
+    and processes."""
     sampler = DynamicSampler(
         "drop", 2, lambda r: group_signal(r, [1.0], 2), fresh=FreshPrompts(fresh_rows, seed=0)
     )
@@ -56,15 +59,17 @@ def fake_trainer(model, tokenizer, fresh_rows):
         model=model,
         processing_class=tokenizer,
         args=SimpleNamespace(chat_template_kwargs=None),
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m, distributed_type=distributed_type),
         _metrics={"train": defaultdict(list)},
         _posttrain_sampler=sampler,
+        _posttrain_ranks=ranks,
     )
 
 
-def refresher(tokenizer, p_seven, candidates, pool, **pass_rate):
+def refresher(tokenizer, p_seven, candidates, pool, trainer_kwargs=None, **pass_rate):
     data = rows(candidates)
-    trainer = fake_trainer(policy(tokenizer, p_seven), tokenizer, [r for r in data if r["id"] != "sometimes"])
+    fresh = [r for r in data if r["id"] != "sometimes"]
+    trainer = fake_trainer(policy(tokenizer, p_seven), tokenizer, fresh, **(trainer_kwargs or {}))
     return PoolRefresh(trainer, data, pool, stage(**pass_rate), seed=0, stage="grpo-fresh"), trainer
 
 
@@ -93,6 +98,40 @@ def test_a_candidate_the_policy_now_sometimes_solves_joins_and_is_drawn_first(ti
     logged = {name: values[-1] for name, values in trainer._metrics["train"].items()}
     assert set(logged) == set(METRICS)
     assert (logged["pass_rate/pool"], logged["pass_rate/refresh_joined"]) == (2.0, 1.0)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_ranks_share_the_scoring_and_take_the_one_process_decisions(tiny_tokenizer, count):
+    """Each rank samples its share of the k x refresh_size completions (3 ranks: unequal shares,
+    a prompt's k completions split between ranks) with the seeds they have in one process; the
+    gathered scores give every rank the 1-process pass rates, so all leave and admit alike."""
+    pool = ["p3", "p0", "p1", "p2"]  # the refresh scores the first three
+    candidates = {**dict.fromkeys(pool, 7), "p3": 9, "c0": 7, "c1": 9, "c2": 7}  # p3 is never solved
+
+    def refresh_on(ranks=ONE_PROCESS):
+        refresh, trainer = refresher(
+            tiny_tokenizer, 0.5, candidates, pool, trainer_kwargs={"ranks": ranks}, refresh_size=6
+        )
+        counts = refresh.score(rows(candidates), step=2)
+        refresh.refresh(step=2)
+        state = refresh.state()
+        for record in state["history"]:
+            del record["seconds"]
+        sampler = trainer._posttrain_sampler
+        return counts, state, sampler.retired, [row["id"] for row in sampler.fresh.joined]
+
+    one = refresh_on()
+    assert 0 < sum(one[0].values()) < K * len(candidates)  # pass rates that depend on the seeds
+    assert one[2] and one[3]  # prompts left and joined
+    world = ThreadWorld(count)
+    assert world.run(lambda index: refresh_on(world.ranks(index))) == [one] * count
+
+
+def test_a_refresh_refuses_a_policy_the_processes_shard(tiny_tokenizer):
+    from posttrain.core.errors import StageError
+
+    with pytest.raises(StageError, match=r"^\[grpo-fresh\] pass_rate.refresh_every: .* shards it \(fsdp1\)"):
+        refresher(tiny_tokenizer, 0.5, {"a": 7}, ["a"], trainer_kwargs={"distributed_type": "FSDP"})
 
 
 def test_up_to_half_a_refresh_is_the_pools_least_recently_scored(tiny_tokenizer):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from thread_world import ThreadWorld
 
 from posttrain.core.config import DataConfig, GRPOStageConfig, ModelConfig, SyntheticConfig
 from posttrain.training.zero_signal import (
@@ -16,6 +17,7 @@ from posttrain.training.zero_signal import (
     ZERO_STD,
     DynamicSampler,
     FreshPrompts,
+    Ranks,
     ZeroSignalCounts,
     group_signal,
     recount_tokens,
@@ -294,7 +296,8 @@ def test_drop_keeps_the_rows_of_this_process_only():
         everyone = inputs + prompts([9], paying={9})  # the other process's group pays
         return batch, fake_generate([])(everyone)[1]
 
-    batch, counts = sampler("drop")(prompts([1], paying=set()), two_process_generate, process_index=0)
+    other = Ranks(index=0, count=2, gather_list=lambda ids: ids + ["9"] * G)
+    batch, counts = sampler("drop")(prompts([1], paying=set()), two_process_generate, other)
     assert trained_groups(batch) == [] and counts.groups == 2 and counts.with_signal == 1
 
 
@@ -420,7 +423,7 @@ def test_drop_sums_the_token_count_over_processes():
         gathered.append(int(t))
         return torch.stack([t, torch.tensor(100)])  # another process kept 100 tokens
 
-    batch, _ = sampler("drop")(prompts([1, 2], paying={2}), fake_generate([]), gather=gather)
+    batch, _ = sampler("drop")(prompts([1, 2], paying={2}), fake_generate([]), Ranks(gather=gather))
     assert gathered == [int(batch["completion_mask"].sum())] and gathered[0] > 0
     assert int(batch["num_items_in_batch"]) == gathered[0] + 100
 
@@ -431,7 +434,8 @@ def test_drop_masks_the_slice_of_a_later_process():
         everyone = prompts([8, 9], paying={8}) + inputs  # this is process 1: its rows come second
         return batch, fake_generate([])(everyone)[1]
 
-    batch, counts = sampler("drop")(prompts([1, 2], paying={2}), two_process_generate, process_index=1)
+    first = Ranks(index=1, count=2, gather_list=lambda ids: ["8"] * G + ["9"] * G + ids)
+    batch, counts = sampler("drop")(prompts([1, 2], paying={2}), two_process_generate, first)
     assert trained_groups(batch) == [2] and counts.groups == 4 and counts.with_signal == 2
 
 
@@ -616,24 +620,133 @@ def test_drop_stage_with_constant_rewards_drops_every_group_and_still_alerts(
     ]["remedy"]
 
 
+# ------------------------------------------------------------- several processes, played by threads
+
+
+def row_contents(batch):
+    """Each row of a batch without its padding: what the loss sees of it."""
+    rows = []
+    for i in range(len(batch["advantages"])):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+        mask = batch["completion_mask"][i].bool()
+        rows.append(
+            (
+                float(batch["advantages"][i]),
+                tuple(prompt),
+                tuple(batch["completion_ids"][i][: mask.numel()][mask].tolist()),
+                tuple(batch["old_per_token_logps"][i][mask].tolist()),
+            )
+        )
+    return rows
+
+
+def id_generate(rounds: list, index: int = 0):
+    """fake_generate for rank `index`, with each row's lengths and rewards set by its prompt and its
+    place in the group (from the row's place in the whole batch), not by its place in the slice."""
+
+    def generate(inputs):
+        rounds.append([row["id"] for row in inputs])
+        n = len(inputs)
+        places = [(index * n + i) % G for i in range(n)]
+        ids = torch.tensor([row["id"] for row in inputs])
+        p_width, c_width = 2 + len(rounds) % 2, 3 + len(rounds) % 3
+        lengths = torch.tensor([1 + (row["id"] + j) % c_width for row, j in zip(inputs, places, strict=True)])
+        completion_mask = (torch.arange(c_width)[None, :] < lengths[:, None]).long()
+        batch = {
+            "prompt_ids": ids[:, None].repeat(1, p_width),
+            "prompt_mask": torch.ones(n, p_width, dtype=torch.long),
+            "completion_ids": ids[:, None].repeat(1, c_width) * completion_mask,
+            "completion_mask": completion_mask,
+            "advantages": ids.float(),
+            "old_per_token_logps": ids[:, None].float().repeat(1, c_width),
+            "num_items_in_batch": completion_mask.sum(),
+        }
+        rewards = torch.tensor(
+            [[float(row["pays"] and j % 2)] for row, j in zip(inputs, places, strict=True)]
+        )
+        return batch, rewards
+
+    return generate
+
+
+def groups_of(ids, paying):
+    return [{"id": i, "pays": i in paying} for i in ids for _ in range(G)]
+
+
+FRESH = [(20 + i, i % 3 != 0) for i in range(12)]  # one fresh prompt in three never pays
+BATCHES = [  # the whole generation batch of each step: 4 groups; prompts 1 and 3 never pay
+    groups_of([1, 2, 3, 4], paying={2}),
+    groups_of([3, 1, 5, 6], paying={5, 6}),
+    groups_of([1, 3, 7, 8], paying={7}),  # with resample, its second round draws 3 prompts
+    groups_of([2, 1, 3, 9], paying={2, 9}),
+]
+
+
+def one_process(mode):
+    run = sampler(mode, fresh_rows=FRESH, retire_after=2)
+    generate = id_generate([])
+    out = []
+    for rows in BATCHES:
+        batch, counts = run([dict(r) for r in rows], generate)
+        out.append((row_contents(batch), int(batch["num_items_in_batch"]), counts.metrics()))
+    return out, run.state()
+
+
+def on_ranks(mode, count):
+    world = ThreadWorld(count)
+
+    def rank(index):
+        run, ranks = sampler(mode, fresh_rows=FRESH, retire_after=2), world.ranks(index, PAD)
+        generate_own = id_generate([], index)
+
+        def generate(inputs):  # TRL: this rank's batch, every rank's rewards
+            batch, rewards = generate_own(inputs)
+            return batch, ranks.gather(rewards)
+
+        out = []
+        for rows in BATCHES:
+            batch, counts = run(ranks.own([dict(r) for r in rows]), generate, ranks)
+            out.append((row_contents(batch), int(batch["num_items_in_batch"]), counts.metrics()))
+        return out, run.state()
+
+    return world.run(rank)
+
+
 @pytest.mark.parametrize(
-    "options, named",
-    [
-        ({"zero_signal": "resample"}, "zero_signal"),
-        ({"zero_signal": "drop", "zero_signal_retire_after": 2}, "zero_signal_retire_after"),
-    ],
+    "mode, count",
+    [("drop", 2), ("resample", 2), ("drop", 8)],
+    ids=["drop-groups-whole-on-a-rank", "resample-groups-whole-on-a-rank", "drop-groups-across-ranks"],
 )
-def test_a_stage_on_several_processes_refuses_what_keeps_its_pool_in_one(
-    tiny_model_dir, data, tmp_path, monkeypatch, options, named
-):
-    """Launched some other way than by posttrain (whose config check says it first): each process
-    would retire and refill for itself, so the processes would train different pools."""
-    from accelerate import Accelerator
+def test_ranks_keep_one_pool_and_together_train_the_one_process_batch(mode, count):
+    """Each rank sees its slice of every batch (with 8 ranks a group of 4 spans two); they retire
+    the same prompts, draw the same stand-ins and resample prompts, and their trained rows, joined
+    in rank order, are the 1-process run's, with its token count and metrics."""
+    expected, expected_state = one_process(mode)
+    # the fixture retires prompts, swaps in stand-ins and (resample) refills flat places
+    assert {"1", "3"} <= set(expected_state["retired"]) and expected_state["stand_ins"]
+    if mode == "resample":
+        assert [metrics["zero_signal/rounds"] for _, _, metrics in expected] == [2, 1, 1, 0]
+    results = on_ranks(mode, count)
+    for out, state in results:
+        assert state == expected_state
+        for (_, tokens, metrics), (_, want_tokens, want_metrics) in zip(out, expected, strict=True):
+            assert tokens == want_tokens and metrics == want_metrics
+    joined = [[row for out, _ in results for row in out[step][0]] for step in range(len(BATCHES))]
+    assert joined == [rows for rows, _, _ in expected]
 
-    from posttrain.core.errors import StageError
-    from posttrain.training import grpo
 
-    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
-    stage, ctx = one_step_stage(tmp_path, batch=8, **options)
-    with pytest.raises(StageError, match=rf"^{named}: runs in one process only .*this stage runs on 2$"):
-        grpo.make_grpo_trainer(stage, ModelConfig(name=str(tiny_model_dir)), str(tiny_model_dir), data, ctx)
+def test_a_round_the_ranks_cannot_share_equally_grows_and_they_still_agree():
+    """The first batch's second round draws 3 prompts: 12 completions do not split over 8 ranks, so
+    the round draws a fourth prompt. The ranks then go on from another fresh order than one process
+    (more prompts drawn), but every rank decides alike and trains whole groups."""
+    expected, expected_state = one_process("resample")
+    results = on_ranks("resample", 8)
+    first_out, first_state = results[0]
+    assert first_state["fresh"] != expected_state["fresh"]  # one prompt more drawn than in one process
+    for out, state in results[1:]:
+        assert state == first_state
+        assert [(tokens, metrics) for _, tokens, metrics in out] == [(t, m) for _, t, m in first_out]
+    for step in range(len(BATCHES)):
+        joined = [row for out, _ in results for row in out[step][0]]
+        tags = [row[0] for row in joined]  # the prompt id, in every row of its group
+        assert len(joined) == 4 * G and all(len(set(tags[i : i + G])) == 1 for i in range(0, len(tags), G))

@@ -29,7 +29,7 @@ from posttrain.models.artifacts import read_stage_json
 from posttrain.models.loading import load_stage_model
 from posttrain.pipeline.launcher import CPU_ACCELERATE_CONFIG
 from posttrain.pipeline.plan import StepInputs, build_plan
-from posttrain.pipeline.steps import ModelRef, base_model, prepare_step
+from posttrain.pipeline.steps import ModelRef, base_model, load_data, prepare_step
 from posttrain.training.distributed import RECORD_INPUTS_ENV
 
 pytestmark = pytest.mark.multiprocess
@@ -182,6 +182,60 @@ def test_grpo_on_two_processes(tiny_model_dir, tmp_path, monkeypatch):
     curve = losses(result.output_dir)
     assert len(curve) == STEPS and all(math.isfinite(x) for x in curve)
     assert_loads(result)
+
+
+def test_grpo_on_two_processes_keeps_one_prompt_pool(tiny_model_dir, tmp_path, monkeypatch):
+    """Resample, retiring and a pool refresh on 2 processes: the random model solves nothing, so
+    every group is flat, resample rounds run, prompts retire and the refresh sends pool prompts
+    away. Both ranks record the same pool decisions at every step (they decide on the whole
+    batch), so they trained one pool."""
+    from posttrain.core.results import ScoreResult
+    from posttrain.data.pass_rates import PassRates
+
+    stage = {
+        "name": "pool",
+        "rewards": [{"name": "correctness"}],
+        "zero_signal": "resample",
+        "zero_signal_max_rounds": 1,
+        "zero_signal_retire_after": 1,
+        "pass_rate": {"samples": 4, "refresh_every": 1, "refresh_size": 4},
+        "trainer": {
+            "max_steps": STEPS,
+            "per_device_train_batch_size": 4,  # 2 groups on each rank
+            "num_generations": 2,
+            "max_completion_length": 6,
+            "logging_steps": 1,
+        },
+    }
+    cfg = config(tiny_model_dir, tmp_path, "grpo", stage, "accelerate")
+    data = prepare_step(cfg, base_model(cfg), tmp_path / "data")
+    scores = tmp_path / "scores"
+    ids = load_data(data).train["id"][:12]
+    scores.mkdir()
+    PassRates(4, {str(pid): 2 for pid in ids}).save(scores)
+    scored = ScoreResult("grpo-pool", str(scores), {}, model_fingerprint="")
+    monkeypatch.setenv(RECORD_INPUTS_ENV, str(tmp_path / "rec"))
+    inputs = StepInputs(base_model(cfg), data, scored)
+    result = build_plan(cfg).step("grpo-pool").run(cfg, inputs, str(tmp_path / "two"))
+    assert result.metrics["global_step"] == STEPS
+
+    def pools(rank):
+        rows = [
+            json.loads(line)
+            for line in (tmp_path / "rec" / f"pool-rank{rank}.jsonl").read_text().splitlines()
+        ]
+        for row in rows:  # each rank times its own share of a refresh
+            for record in row["refresh"]["history"]:
+                del record["seconds"]
+        return rows
+
+    rank0 = pools(0)
+    assert len(rank0) == STEPS and rank0 == pools(1)
+    assert rank0[-1]["sampler"]["retired"] and rank0[-1]["refresh"]["history"]
+    logged = [
+        json.loads(line) for line in (Path(result.output_dir) / "log_history.jsonl").read_text().splitlines()
+    ]
+    assert any(row.get("zero_signal/rounds", 0) > 0 for row in logged)
 
 
 def test_a_failing_child_is_a_stage_error_with_its_exit_code(tiny_model_dir, tmp_path, monkeypatch):

@@ -661,8 +661,8 @@ class PassRateConfig(StrictModel):
     scored again (k completions each, by the policy as it is then). Pool prompts whose pass rate
     has left the band leave the stage; candidates of the stage's data outside the pool whose pass
     rate is inside it join, and stand in for prompts that left (and resample rounds draw them
-    first). Needs ``zero_signal: drop`` or ``resample``, and one process. Null: the pool is what the
-    scoring step chose."""
+    first). Needs ``zero_signal: drop`` or ``resample``; on several processes, each holding the whole
+    policy (DDP, not FSDP or ZeRO-3). Null: the pool is what the scoring step chose."""
     refresh_size: int = Field(32, ge=2)
     """Prompts scored per refresh: up to half of them the pool's, least recently scored first; the
     rest candidates from outside the pool, in a seeded order that comes round again."""
@@ -705,8 +705,8 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     zero_signal: Literal["keep", "drop", "resample"] = "keep"
     """Prompt groups whose completions all earned the same reward (no gradient): keep them (TRL's
     behaviour), drop them from the loss, or resample: replace them with fresh prompts' groups that
-    have signal (DAPO's dynamic sampling), dropping what is still flat after the budget; resample
-    runs in one process. See posttrain.training.zero_signal."""
+    have signal (DAPO's dynamic sampling), dropping what is still flat after the budget. See
+    posttrain.training.zero_signal."""
     zero_signal_max_rounds: int = Field(4, ge=1)
     """resample: extra generation rounds per generation batch at most (each at most the batch's size)."""
     zero_signal_retire_after: int | None = Field(None, ge=1)
@@ -770,22 +770,6 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     def refreshes_pool(self) -> bool:
         """True when the stage re-scores its prompt pool while it trains (``pass_rate.refresh_every``)."""
         return self.pass_rate is not None and self.pass_rate.refresh_every is not None
-
-    def one_process_options(self) -> list[tuple[str, str]]:
-        """The options set here that keep the stage's prompt pool in one process, as (key, why): each
-        process of a multi-process stage would retire and refill for itself and train another pool.
-        The config check refuses them by key before anything loads; the trainer refuses them when it
-        is launched some other way."""
-        used = [
-            ("zero_signal", self.zero_signal == "resample", "resample refills groups in one process only"),
-            (
-                "zero_signal_retire_after",
-                self.zero_signal_retire_after is not None,
-                "retiring prompts runs in one process only",
-            ),
-            ("pass_rate.refresh_every", self.refreshes_pool(), "the pool refresh runs in one process only"),
-        ]
-        return [(key, why) for key, on, why in used if on]
 
 
 def _unique(names: list[str], what: str) -> None:

@@ -78,6 +78,9 @@ class AccelerateSetup:
     """The file asks for GPUs (DDP/FSDP/DeepSpeed without ``use_cpu: true``)."""
     port_set: bool
     """The file names its own ``main_process_port``."""
+    shards: str | None = None
+    """How the file shards the policy across processes (``FSDP``, ``DeepSpeed ZeRO-3``), or None
+    where every process holds it whole (DDP, ZeRO-2, one process)."""
 
 
 def accelerate_setup(launch: LaunchConfig, key: str = "launch.accelerate_config") -> AccelerateSetup:
@@ -109,11 +112,17 @@ def accelerate_setup(launch: LaunchConfig, key: str = "launch.accelerate_config"
             f"{key}: {name}: distributed_type {kind} with use_cpu: true would train as plain DDP "
             f"(accelerate turns {kind} on only on GPUs); use {CPU_ACCELERATE_CONFIG} on a CPU"
         )
+    zero = raw.get("deepspeed_config")
+    zero_stage = zero.get("zero_stage") if isinstance(zero, dict) else None
+    shards = (
+        "FSDP" if kind == "FSDP" else "DeepSpeed ZeRO-3" if kind == "DEEPSPEED" and zero_stage == 3 else None
+    )
     return AccelerateSetup(
         config_file=str(path),
         num_processes=processes,
         needs_cuda=kind not in _CPU_TYPES and not raw.get("use_cpu", False),
         port_set=raw.get("main_process_port") is not None,
+        shards=shards if processes > 1 else None,
     )
 
 

@@ -82,25 +82,16 @@ def check_launchers(cfg: PipelineConfig, source: str = "<config>") -> None:
         own = section.launch is not None and section.launch.accelerate_config is not None
         key = cfg.written_key(where, "launch.accelerate_config") if own else "launch.accelerate_config"
         try:
-            processes = accelerate_setup(launch, key).num_processes
+            setup = accelerate_setup(launch, key)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
-        if processes > 1 and isinstance(section, GRPOStageConfig):
-            _check_one_process_options(cfg, where, section, processes, source)
-
-
-def _check_one_process_options(
-    cfg: PipelineConfig, where: str, stage: GRPOStageConfig, processes: int, source: str
-) -> None:
-    """A GRPO stage launched on several processes uses no option that keeps its prompt pool in
-    one process (see GRPOStageConfig.one_process_options)."""
-    used = stage.one_process_options()
-    if used:
-        path, why = used[0]
-        raise ConfigError(
-            f"{source}: {cfg.written_key(where, path)}: {why} (each process would keep its own "
-            f"pool), and this stage launches {processes}; use launch.num_processes: 1 for it"
-        )
+        if setup.shards and isinstance(section, GRPOStageConfig) and section.refreshes_pool():
+            raise ConfigError(
+                f"{source}: {cfg.written_key(where, 'pass_rate.refresh_every')}: the pool refresh "
+                f"generates with the whole policy on each process "
+                f"({setup.config_file} shards it: {setup.shards}); launch this stage with DDP "
+                f"(configs/accelerate/ddp.yaml) or leave refresh_every unset"
+            )
 
 
 def check_shared_store(cfg: PipelineConfig, source: str = "<config>") -> None:

@@ -8,7 +8,8 @@ process group is the one accelerate sets up from the launcher's environment (``W
 
 ``POSTTRAIN_RECORD_INPUTS=<folder>`` (tests and debugging only) makes each rank append a hash of
 every sequence its training forward passes see to ``<folder>/rank<N>.jsonl``, which shows which
-rank trained on what.
+rank trained on what, and a GRPO stage's prompt-pool decisions at every step end to
+``<folder>/pool-rank<N>.jsonl``, which shows whether the ranks kept one pool.
 """
 
 from __future__ import annotations
@@ -21,7 +22,17 @@ from typing import Any
 
 from posttrain.models.hardware import cuda_available
 
-__all__ = ["RECORD_INPUTS_ENV", "barrier", "is_main_process", "rank", "record_inputs", "start", "world_size"]
+__all__ = [
+    "RECORD_INPUTS_ENV",
+    "barrier",
+    "is_main_process",
+    "rank",
+    "record_inputs",
+    "record_state",
+    "sampler_ranks",
+    "start",
+    "world_size",
+]
 
 RECORD_INPUTS_ENV = "POSTTRAIN_RECORD_INPUTS"
 
@@ -56,6 +67,28 @@ def barrier() -> None:
         dist.barrier()
 
 
+def sampler_ranks(accelerator: Any, pad_id: int) -> Any:
+    """The processes of ``accelerator`` as the dynamic sampler sees them
+    (posttrain.training.zero_signal.Ranks): accelerate's collectives, identities in one process."""
+    from functools import partial
+
+    from accelerate.utils import gather_object  # heavy: deferred until needed
+
+    from posttrain.training.zero_signal import Ranks, gather_batch
+
+    if accelerator.num_processes == 1:
+        return Ranks()
+    return Ranks(
+        index=accelerator.process_index,
+        count=accelerator.num_processes,
+        gather=accelerator.gather,
+        gather_list=gather_object,
+        gather_batch=partial(
+            gather_batch, pad_id=pad_id, widen=accelerator.pad_across_processes, gather=accelerator.gather
+        ),
+    )
+
+
 def record_inputs(model: Any) -> None:
     """With ``POSTTRAIN_RECORD_INPUTS`` set, log what each training forward of ``model`` sees
     (one JSON line per forward: this rank's sequence hashes, padding excluded)."""
@@ -81,3 +114,15 @@ def record_inputs(model: Any) -> None:
             fh.write(json.dumps({"rows": rows}) + "\n")
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def record_state(name: str, value: Any) -> None:
+    """With ``POSTTRAIN_RECORD_INPUTS`` set, append ``value`` (JSON values) to
+    ``<folder>/<name>-rank<N>.jsonl``."""
+    folder = os.environ.get(RECORD_INPUTS_ENV)
+    if not folder:
+        return
+    path = Path(folder) / f"{name}-rank{rank()}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(value, sort_keys=True) + "\n")

@@ -263,7 +263,6 @@ def make_grpo_trainer(
         max_rounds=stage_cfg.zero_signal_max_rounds,
         retire_after=stage_cfg.zero_signal_retire_after,
         refreshed=stage_cfg.refreshes_pool(),
-        one_process=[key for key, _ in stage_cfg.one_process_options()],
         model=model,
         reward_funcs=reward_funcs,
         args=args,

@@ -19,6 +19,11 @@ reward, as the scoring step counts):
 Each refresh logs what left and what joined (ids, at INFO) and the step's ``pass_rate/*`` metrics
 (:data:`METRICS`). The scoring seeds are derived from the run's seed and the step, and no random
 number is drawn from torch's global generator, so the rollouts' own randomness is untouched.
+
+On several processes each rank samples an equal share of the k x ``refresh_size`` completions (with
+the seeds those completions have in one process) and the scores are gathered, so every rank takes
+the same decisions and the pool stays one pool. That needs the whole policy on each rank: a stage
+whose policy is sharded (FSDP, ZeRO-3) is refused when the trainer is built.
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ import torch
 from transformers import TrainerCallback
 
 from posttrain.core.config import GRPOStageConfig
+from posttrain.core.errors import StageError
 from posttrain.data.pass_rates import correct_counts
 from posttrain.generation.engine import generate_continuous, pad_token_id, stop_token_ids
 from posttrain.generation.sampling import sample_seeds
 from posttrain.generation.tools import make_tool
 from posttrain.rewards.accuracy import correctness_reward
 from posttrain.training.eval_callback import BATCH_SIZE, completion_texts, encode_records, generation_model
+from posttrain.training.sharded import sharding
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +80,13 @@ class PoolRefresh(TrainerCallback):
         assert cfg is not None and cfg.refresh_every is not None, "only a stage with pass_rate.refresh_every"
         self.trainer, self.cfg, self.stage_cfg, self.seed, self.stage = trainer, cfg, stage_cfg, seed, stage
         self.sampler = trainer._posttrain_sampler
+        if kind := sharding(trainer.model, trainer.accelerator):
+            raise StageError(
+                f"[{stage}] pass_rate.refresh_every: the pool refresh generates with the whole policy on "
+                f"each process, and this stage shards it ({kind}); train it with DDP or leave "
+                f"refresh_every unset"
+            )
+        self.ranks = trainer._posttrain_ranks
         self.rows = [dict(candidates[i]) for i in range(len(candidates))]
         self.scored_at: dict[str, int] = {str(pid): 0 for pid in dict.fromkeys(pool)}
         """The pool: each prompt's id → the step it was last scored at."""
@@ -195,9 +209,21 @@ class PoolRefresh(TrainerCallback):
         """Correct completions of k sampled for each row by the policy at ``step``, by id."""
         if not rows:
             return {}
-        trainer, k = self.trainer, self.cfg.samples
-        tokenizer, options = trainer.processing_class, self.stage_cfg.trainer_options()
-        requests = [dict(row) for row in rows for _ in range(k)]
+        k, ranks, options = self.cfg.samples, self.ranks, self.stage_cfg.trainer_options()
+        everyone = [dict(row) for row in rows for _ in range(k)]
+        seeds = sample_seeds(self.seed * 100_003 + step, len(everyone))
+        first, last = (len(everyone) * i // ranks.count for i in (ranks.index, ranks.index + 1))
+        requests = everyone[first:last]  # this rank's share: the others score the rest
+        scores = self._correct(requests, seeds[first:last], step, options) if requests else []
+        scores = ranks.gather_list(scores)
+        grouped = [scores[i * k : (i + 1) * k] for i in range(len(rows))]
+        return correct_counts([str(row["id"]) for row in rows], grouped)
+
+    def _correct(
+        self, requests: list[dict[str, Any]], seeds: list[int], step: int, options: Mapping[str, Any]
+    ) -> list[float | None]:
+        """The ``correctness`` reward of one completion per request, sampled with its seed."""
+        trainer, tokenizer = self.trainer, self.trainer.processing_class
         model = generation_model(trainer, step)
         tool = make_tool(
             self.stage_cfg.tools,
@@ -222,12 +248,9 @@ class PoolRefresh(TrainerCallback):
                 pad_token_id=pad_token_id(tokenizer),
                 batch_size=min(BATCH_SIZE, len(prompts)),
                 temperature=float(options.get("temperature", 1.0)),
-                seeds=sample_seeds(self.seed * 100_003 + step, len(prompts)),
+                seeds=seeds,
             )
         finally:
             model.train(was_training)
         texts = completion_texts(tokenizer, completions, tool)
-        scores = [
-            correctness_reward(texts[i * k : (i + 1) * k], [row["answer"]] * k) for i, row in enumerate(rows)
-        ]
-        return correct_counts([str(row["id"]) for row in rows], scores)
+        return correctness_reward(texts, [row["answer"] for row in requests])

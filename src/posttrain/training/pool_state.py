@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from posttrain.training.checkpoint_state import CheckpointedState
+from posttrain.training.distributed import record_state
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,11 @@ class PoolCheckpoint(CheckpointedState):
             "sampler": self.sampler.state(),
             "refresh": self.refresh.state() if self.refresh is not None else None,
         }
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control = super().on_step_end(args, state, control, **kwargs)
+        record_state("pool", state.stateful_callbacks[self.key])
+        return control
 
     def restore(self, saved: Any, steps: int) -> None:
         """Go back to a :meth:`state` saved at step ``steps``; one that is not one is said in a

@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -134,7 +133,6 @@ def new_grpo_trainer(
     max_rounds: int = 4,
     retire_after: int | None = None,
     refreshed: bool = False,
-    one_process: Sequence[str] = (),
     **kwargs: Any,
 ) -> Any:
     """``trl.GRPOTrainer(**kwargs)``, with ``rollout_func`` when given and without its experimental warning.
@@ -144,8 +142,6 @@ def new_grpo_trainer(
     batch, and prompts retired after ``retire_after`` flat groups in a row) returns the trainer with
     posttrain's dynamic sampling (hook 4 above); ``keep`` is TRL's own. ``refreshed``: a pool refresh
     retires and admits prompts (posttrain.training.pool_refresh), so the sampler needs fresh prompts.
-    ``one_process``: the stage's options that keep its pool in one process
-    (``GRPOStageConfig.one_process_options``), refused when the trainer runs on several.
     """
     from trl import GRPOTrainer  # heavy: deferred until a trainer is built
 
@@ -158,7 +154,6 @@ def new_grpo_trainer(
             "max_rounds": max_rounds,
             "retire_after": retire_after,
             "refreshed": refreshed,
-            "one_process": tuple(one_process),
         }
     )
     if rollout_func is None:
@@ -192,6 +187,7 @@ def _dynamic_sampling_trainer() -> type:
     from trl import GRPOTrainer  # heavy: deferred until a trainer is built
 
     from posttrain.generation.engine import pad_token_id
+    from posttrain.training.distributed import sampler_ranks
     from posttrain.training.zero_signal import DynamicSampler, FreshPrompts, group_signal
 
     class DynamicSamplingGRPOTrainer(GRPOTrainer):
@@ -204,15 +200,10 @@ def _dynamic_sampling_trainer() -> type:
             max_rounds: int,
             retire_after: int | None,
             refreshed: bool = False,
-            one_process: tuple[str, ...] = (),
             **kwargs: Any,
         ) -> None:
             super().__init__(*args, **kwargs)
-            if one_process and self.accelerator.num_processes > 1:
-                raise StageError(
-                    f"{', '.join(one_process)}: runs in one process only (each process would keep its "
-                    f"own prompt pool); this stage runs on {self.accelerator.num_processes}"
-                )
+            self._posttrain_ranks = sampler_ranks(self.accelerator, pad_token_id(self.processing_class))
             refills = zero_signal == "resample" or retire_after is not None or refreshed
             fresh = FreshPrompts(self.train_dataset, self.args.seed + 1) if refills else None
             self._posttrain_sampler = DynamicSampler(
@@ -246,12 +237,7 @@ def _dynamic_sampling_trainer() -> type:
         def _generate_and_score_completions(self, inputs):
             if not self.model.training:  # evaluation batches are TRL's business
                 return super()._generate_and_score_completions(inputs)
-            batch, counts = self._posttrain_sampler(
-                inputs,
-                self._posttrain_generate,
-                gather=self.accelerator.gather,
-                process_index=self.accelerator.process_index,
-            )
+            batch, counts = self._posttrain_sampler(inputs, self._posttrain_generate, self._posttrain_ranks)
             for name, value in counts.metrics().items():
                 trl_metric(self, name, value)
             return batch

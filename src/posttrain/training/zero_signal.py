@@ -50,6 +50,14 @@ right, as TRL pads them). With rotary position embeddings (Llama, Qwen, SmolLM2)
 shifts a row's positions by a constant, which leaves attention unchanged, so log-probabilities
 computed before the merge (``old_per_token_logps``, ``ref_per_token_logps``) still match.
 
+On several processes every decision is taken on the whole generation batch, the same way on
+each rank: TRL gathers the rewards of every rank's rows, the prompt ids are gathered too
+(:class:`Ranks`), and the fresh-prompt order is seeded alike everywhere, so each rank retires, swaps
+and draws exactly what the others do and keeps the same pool. A resample round's prompts are shared
+out in equal slices (the round grows to a multiple of the ranks); a rank's trained rows may come
+from another rank's round, so the rounds' batches are gathered before the merge and each rank takes
+its own slice of the merged batch, which is the 1-process merge cut in ranks.
+
 This module is plain tensor logic: :class:`DynamicSampler` runs on any ``generate(inputs)`` that
 returns TRL's batch dict and the rewards per completion; the hook into ``GRPOTrainer`` lives in
 :mod:`posttrain.training.trl_compat`.
@@ -73,8 +81,10 @@ __all__ = [
     "ZERO_STD",
     "DynamicSampler",
     "FreshPrompts",
+    "Ranks",
     "ZeroSignalCounts",
     "drop_rows",
+    "gather_batch",
     "group_signal",
     "recount_tokens",
     "round_size",
@@ -236,6 +246,36 @@ def take_rows(
     return out
 
 
+def gather_batch(
+    batch: Mapping[str, Any],
+    pad_id: int,
+    widen: Callable[..., torch.Tensor],
+    gather: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, Any]:
+    """Every rank's rows of ``batch`` (a collective: each rank calls it with its own batch).
+
+    Per-token tensors are first padded to the widest rank's width with TRL's values, prompts on the
+    left and completions on the right (``widen``: accelerate's ``pad_across_processes``), then
+    ``gather`` joins them in rank order. ``num_items_in_batch`` is kept as it is: a merge recounts it.
+    """
+    out: dict[str, Any] = {}
+    for key in sorted(batch):  # the same order on every rank: each gather is a collective
+        value = batch[key]
+        if key == RECOUNTED:
+            out[key] = value
+            continue
+        if key not in LEFT_PADDED and key not in RIGHT_PADDED and key not in PER_ROW:
+            raise ValueError(f"cannot gather {key!r} across processes (zero_signal: resample is text-only)")
+        if key in PER_ROW:
+            out[key] = gather(value)
+            continue
+        left = key in LEFT_PADDED
+        pad = (LEFT_PADDED if left else RIGHT_PADDED)[key]
+        widened = widen(value, dim=1, pad_index=pad_id if pad is None else pad, pad_first=left)
+        out[key] = gather(widened)
+    return out
+
+
 def round_size(missing: int, with_signal: int, generated: int, groups: int) -> int:
     """Prompts to draw for a resample round: the flat places left over the signal rate seen so far.
 
@@ -245,6 +285,37 @@ def round_size(missing: int, with_signal: int, generated: int, groups: int) -> i
     if with_signal == 0:
         return groups
     return max(1, min(groups, math.ceil(missing * generated / with_signal)))
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes training a stage, as the sampler needs them (the defaults: one process).
+
+    Each ``gather_*`` is a collective every rank calls at the same point, with its own part, and
+    gets every rank's parts back joined in rank order along the first dimension.
+    """
+
+    index: int = 0
+    count: int = 1
+    gather: Callable[[torch.Tensor], torch.Tensor] = _same
+    """A tensor's rows from every rank (accelerate's ``gather``)."""
+    gather_list: Callable[[list[Any]], list[Any]] = _same
+    """A list of JSON-like values from every rank (accelerate's ``gather_object``)."""
+    gather_batch: Callable[[dict[str, Any]], dict[str, Any]] = _same
+    """A TRL batch's rows from every rank, per-token tensors padded to a common width as TRL pads."""
+
+    def own(self, rows: Sequence[Any]) -> list[Any]:
+        """This rank's equal slice of ``rows`` (whole batches are cut this way: rank order).
+
+        >>> Ranks(index=1, count=2).own([0, 1, 2, 3])
+        [2, 3]
+        """
+        share = len(rows) // self.count
+        return list(rows[self.index * share : (self.index + 1) * share])
 
 
 @dataclass
@@ -366,8 +437,9 @@ class DynamicSampler:
     """Applies a stage's ``zero_signal`` mode (``drop`` or ``resample``) to one generation batch.
 
     ``signal(rewards)`` says which groups of a round have signal (:func:`group_signal` bound to the
-    trainer's weights); ``fresh`` supplies resample prompts. Rewards cover every process's rows;
-    a process's batch holds the rows ``[process_index * len(inputs), ...)`` of them.
+    trainer's weights); ``fresh`` supplies resample prompts. ``generate`` returns this rank's
+    batch and the rewards of every rank's rows (TRL gathers them); rank ``i``'s rows are
+    ``[i * len(inputs), (i + 1) * len(inputs))`` of them (:class:`Ranks`).
     """
 
     def __init__(
@@ -396,56 +468,57 @@ class DynamicSampler:
         """Retired prompt's id → the row trained in its place whenever it comes round."""
 
     def __call__(
-        self,
-        inputs: list[dict[str, Any]],
-        generate: Generate,
-        *,
-        gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-        process_index: int = 0,
+        self, inputs: list[dict[str, Any]], generate: Generate, ranks: Ranks = Ranks()
     ) -> tuple[dict[str, Any], ZeroSignalCounts]:
-        inputs, replaced = self._replace_retired(inputs)
+        """This rank's batch for ``inputs`` (its slice of the generation batch) and what was done."""
+        inputs, replaced = self._replace_retired(inputs, ranks)
+        ids = ranks.gather_list([str(row.get("id")) for row in inputs])
         batch, rewards = generate(inputs)
         signal = self.signal(rewards).tolist()
-        self._note(inputs, signal, process_index)
+        self._note(ids, signal)
         if self.mode == "resample":
-            batch, counts = self._resample(batch, signal, generate, gather)
+            batch, counts = self._resample(batch, signal, generate, ranks)
         else:
-            rows = len(inputs)
-            row_signal = torch.tensor(signal).repeat_interleave(self.num_generations)
-            keep = row_signal[process_index * rows : (process_index + 1) * rows]
+            keep = ranks.own(torch.tensor(signal).repeat_interleave(self.num_generations).tolist())
             counts = ZeroSignalCounts(len(signal), sum(signal), dropped=signal.count(False))
             counts.generated = len(signal) * self.num_generations
-            batch = self._finish(batch, keep, gather)
+            batch = self._finish(batch, torch.tensor(keep, dtype=torch.bool), ranks.gather)
         counts.retired, counts.replaced = len(self.retired), replaced
         return batch, counts
 
-    def _replace_retired(self, inputs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-        """``inputs`` with each retired prompt's group swapped for its stand-in's; how many were."""
+    def _replace_retired(
+        self, inputs: list[dict[str, Any]], ranks: Ranks = Ranks()
+    ) -> tuple[list[dict[str, Any]], int]:
+        """``inputs`` (this rank's slice of the batch) with each retired prompt's group swapped for
+        its stand-in's, and how many groups of the whole batch were. The stand-ins are chosen over
+        the whole batch in order, so every rank draws the same fresh prompts for the same groups."""
         if not self.retired:
             return inputs, 0
         assert self.fresh is not None
+        ids = ranks.gather_list([str(row.get("id")) for row in inputs])
         retired, G = set(self.retired), self.num_generations
+        first = ranks.index * len(inputs)
         out, replaced = list(inputs), 0
-        for start in range(0, len(out), G):
-            pid = str(out[start].get("id"))
-            if pid in retired:
-                stand_in = self.stand_ins.get(pid)
-                if stand_in is None or str(stand_in.get("id")) in retired:
-                    stand_in = self.stand_ins[pid] = self.fresh.take(1, retired)[0]
-                out[start : start + G] = [dict(stand_in) for _ in range(G)]
-                replaced += 1
+        for start in range(0, len(ids), G):
+            pid = ids[start]
+            if pid not in retired:
+                continue
+            stand_in = self.stand_ins.get(pid)
+            if stand_in is None or str(stand_in.get("id")) in retired:
+                stand_in = self.stand_ins[pid] = self.fresh.take(1, retired)[0]
+            for row in range(max(start, first), min(start + G, first + len(out))):
+                out[row - first] = dict(stand_in)
+            replaced += 1
         return out, replaced
 
-    def _note(self, inputs: list[dict[str, Any]], signal: list[bool], process_index: int = 0) -> None:
-        """Count each of this process's groups towards its prompt's run of flat groups; retire a
-        prompt whose run reaches ``retire_after``."""
+    def _note(self, ids: list[str], signal: list[bool]) -> None:
+        """Count each group (``ids``: the whole batch's rows) towards its prompt's run of flat
+        groups; retire a prompt whose run reaches ``retire_after``."""
         if self.retire_after is None:
             return
-        G = self.num_generations
-        first = process_index * (len(inputs) // G)
-        for group in range(len(inputs) // G):
-            pid = str(inputs[group * G].get("id"))
-            if signal[first + group]:
+        for group, has_signal in enumerate(signal):
+            pid = ids[group * self.num_generations]
+            if has_signal:
                 self.flat_streak[pid] = 0
                 continue
             self.flat_streak[pid] = self.flat_streak.get(pid, 0) + 1
@@ -498,11 +571,7 @@ class DynamicSampler:
         return True
 
     def _resample(
-        self,
-        batch: dict[str, Any],
-        signal: list[bool],
-        generate: Generate,
-        gather: Callable[[torch.Tensor], torch.Tensor],
+        self, batch: dict[str, Any], signal: list[bool], generate: Generate, ranks: Ranks
     ) -> tuple[dict[str, Any], ZeroSignalCounts]:
         G = self.num_generations
         batches = [batch]
@@ -514,10 +583,12 @@ class DynamicSampler:
             counts.rounds += 1
             assert self.fresh is not None
             size = round_size(filled.count(False), with_signal, generated, len(signal))
+            while size * G % ranks.count:  # every rank generates an equal slice of the round
+                size += 1
             prompts = [dict(row) for row in self.fresh.take(size, set(self.retired)) for _ in range(G)]
-            extra, rewards = generate(prompts)
+            extra, rewards = generate(ranks.own(prompts))
             fresh_signal = self.signal(rewards).tolist()
-            self._note(prompts, fresh_signal)
+            self._note([str(row.get("id")) for row in prompts], fresh_signal)
             generated, with_signal = generated + len(fresh_signal), with_signal + sum(fresh_signal)
             batches.append(extra)
             donors = [group for group, ok in enumerate(fresh_signal) if ok]
@@ -526,13 +597,16 @@ class DynamicSampler:
                 filled[place] = True
                 counts.resampled += 1
         if len(batches) > 1:
-            picks = [(b, group * G + j) for b, group in slots for j in range(G)]
-            batch = take_rows(batches, picks, self.pad_id)
+            # A place's donor may have been generated on another rank: merge the whole batch
+            # (every rank's rows of every round) and keep this rank's slice of it.
+            picks = ranks.own([(b, group * G + j) for b, group in slots for j in range(G)])
+            everything = [ranks.gather_batch(part) for part in batches] if ranks.count > 1 else batches
+            batch = take_rows(everything, picks, self.pad_id)
         counts.with_signal = sum(filled)
         counts.dropped = filled.count(False)
         counts.generated = generated * G
-        keep = torch.tensor(filled).repeat_interleave(G)
-        return self._finish(batch, keep, gather), counts
+        keep = torch.tensor(ranks.own(torch.tensor(filled).repeat_interleave(G).tolist()), dtype=torch.bool)
+        return self._finish(batch, keep, ranks.gather), counts
 
     def _finish(
         self, batch: dict[str, Any], keep: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]
