@@ -44,6 +44,7 @@ def closed_port() -> int:
 
 PORT = closed_port()
 SHARDED = Path(__file__).resolve().parents[2] / "configs/accelerate/fsdp2.yaml"
+ZERO3 = SHARDED.with_name("zero3.yaml")
 
 # (id, --set overrides or None, replacement YAML text or None, extra argv, env, expected fragment);
 # "{cfg}" in a fragment is the config's path, "{tmp}" the test's folder.
@@ -567,6 +568,19 @@ CASES = [
         f"{{cfg}}: grpo.stages.0.pass_rate.refresh_every: the pool refresh generates with the whole "
         f"policy on each process ({SHARDED} shards it: FSDP); launch this stage with DDP "
         f"(configs/accelerate/ddp.yaml) or leave refresh_every unset",
+    ),
+    (
+        "a pool refresh with a ZeRO-3 policy, in the stage's own launch",
+        [
+            f"grpo.stages.0.launch={{launcher: accelerate, accelerate_config: {ZERO3}}}",
+            "grpo.stages.0.zero_signal=drop",
+            "grpo.stages.0.pass_rate={refresh_every: 2}",
+        ],
+        None,
+        [],
+        {},
+        f"{{cfg}}: grpo.stages.0.pass_rate.refresh_every: the pool refresh generates with the whole "
+        f"policy on each process ({ZERO3} shards it: DeepSpeed ZeRO-3)",
     ),
     (
         "unknown key in a stage's launch",

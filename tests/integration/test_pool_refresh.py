@@ -49,7 +49,7 @@ def policy(tokenizer, p_seven: float):
     return answers_seven_mostly(tokenizer, opener, p_seven)
 
 
-def fake_trainer(model, tokenizer, fresh_rows, ranks=ONE_PROCESS, distributed_type="NO"):
+def fake_trainer(model, tokenizer, fresh_rows, ranks=ONE_PROCESS, distributed_type="NO", state=None):
     """What the refresh reads of posttrain's GRPO trainer: its policy, tokenizer, dynamic sampler
     and processes."""
     sampler = DynamicSampler(
@@ -59,7 +59,7 @@ def fake_trainer(model, tokenizer, fresh_rows, ranks=ONE_PROCESS, distributed_ty
         model=model,
         processing_class=tokenizer,
         args=SimpleNamespace(chat_template_kwargs=None),
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m, distributed_type=distributed_type),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m, distributed_type=distributed_type, state=state),
         _metrics={"train": defaultdict(list)},
         _posttrain_sampler=sampler,
         _posttrain_ranks=ranks,
@@ -127,11 +127,26 @@ def test_ranks_share_the_scoring_and_take_the_one_process_decisions(tiny_tokeniz
     assert world.run(lambda index: refresh_on(world.ranks(index))) == [one] * count
 
 
-def test_a_refresh_refuses_a_policy_the_processes_shard(tiny_tokenizer):
+@pytest.mark.parametrize(
+    "distributed_type, zero_stage, refused",
+    [("FSDP", None, "fsdp"), ("DEEPSPEED", 3, "zero3"), ("DEEPSPEED", 2, None), ("MULTI_GPU", None, None)],
+)
+def test_a_refresh_refuses_a_policy_the_processes_shard(
+    tiny_tokenizer, distributed_type, zero_stage, refused
+):
+    """Checked as the trainer is built, before accelerate prepares the model (and before it sets
+    the accelerator's ``deepspeed_config``): from accelerate's state."""
     from posttrain.core.errors import StageError
 
-    with pytest.raises(StageError, match=r"^\[grpo-fresh\] pass_rate.refresh_every: .* shards it \(fsdp1\)"):
-        refresher(tiny_tokenizer, 0.5, {"a": 7}, ["a"], trainer_kwargs={"distributed_type": "FSDP"})
+    plugin = SimpleNamespace(zero_stage=zero_stage) if zero_stage else None
+    kwargs = {"distributed_type": distributed_type, "state": SimpleNamespace(deepspeed_plugin=plugin)}
+    if refused is None:
+        refresher(tiny_tokenizer, 0.5, {"a": 7}, ["a"], trainer_kwargs=kwargs)
+        return
+    with pytest.raises(
+        StageError, match=rf"^\[grpo-fresh\] pass_rate.refresh_every: .* shards it \({refused}\)"
+    ):
+        refresher(tiny_tokenizer, 0.5, {"a": 7}, ["a"], trainer_kwargs=kwargs)
 
 
 def test_up_to_half_a_refresh_is_the_pools_least_recently_scored(tiny_tokenizer):

@@ -19,6 +19,7 @@ from posttrain.training.zero_signal import (
     FreshPrompts,
     Ranks,
     ZeroSignalCounts,
+    gather_batch,
     group_signal,
     recount_tokens,
     round_size,
@@ -750,3 +751,43 @@ def test_a_round_the_ranks_cannot_share_equally_grows_and_they_still_agree():
         joined = [row for out, _ in results for row in out[step][0]]
         tags = [row[0] for row in joined]  # the prompt id, in every row of its group
         assert len(joined) == 4 * G and all(len(set(tags[i : i + G])) == 1 for i in range(0, len(tags), G))
+
+
+def test_gathered_rows_are_padded_as_trl_pads_each_tensor():
+    """Two ranks with different widths: prompts padded on the left, completions on the right, each
+    with its own value (the pad id, 0 for masks, 1 for the tool mask and the ratio, 0.0 for logps);
+    the token count stays each rank's own (a merge recounts it)."""
+    world, pad_id = ThreadWorld(2), 9
+    t = torch.tensor
+
+    def part(tag, prompt_width, completion_width):
+        return {
+            "prompt_ids": torch.full((1, prompt_width), tag),
+            "prompt_mask": torch.ones(1, prompt_width, dtype=torch.long),
+            "completion_ids": torch.full((1, completion_width), tag),
+            "completion_mask": torch.ones(1, completion_width, dtype=torch.long),
+            "tool_mask": torch.zeros(1, completion_width, dtype=torch.long),
+            "old_per_token_logps": torch.full((1, completion_width), -float(tag)),
+            "importance_sampling_ratio": torch.full((1, completion_width), 0.5),
+            "advantages": t([float(tag)]),
+            "num_items_in_batch": t(10 * tag),
+        }
+
+    parts = [part(1, 2, 3), part(2, 3, 1)]
+
+    def rank(index):
+        ranks = world.ranks(index, pad_id)
+        return ranks.gather_batch(parts[index])
+
+    for index, out in enumerate(world.run(rank)):
+        assert out["prompt_ids"].tolist() == [[9, 1, 1], [2, 2, 2]]
+        assert out["prompt_mask"].tolist() == [[0, 1, 1], [1, 1, 1]]
+        assert out["completion_ids"].tolist() == [[1, 1, 1], [2, 9, 9]]
+        assert out["completion_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+        assert out["tool_mask"].tolist() == [[0, 0, 0], [0, 1, 1]]
+        assert out["old_per_token_logps"].tolist() == [[-1.0, -1.0, -1.0], [-2.0, 0.0, 0.0]]
+        assert out["importance_sampling_ratio"].tolist() == [[0.5, 0.5, 0.5], [0.5, 1.0, 1.0]]
+        assert out["advantages"].tolist() == [1.0, 2.0]
+        assert int(out["num_items_in_batch"]) == 10 * (index + 1)
+    with pytest.raises(ValueError, match=r"^cannot gather 'pixel_values' across processes"):
+        gather_batch({"pixel_values": t([1])}, pad_id, None, None)

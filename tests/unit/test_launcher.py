@@ -57,6 +57,29 @@ def test_shipped_accelerate_configs_load_with_accelerates_own_loader(name, kind,
         LaunchConfig(launcher="accelerate", accelerate_config=f"configs/accelerate/{name}")
     )
     assert setup.needs_cuda is needs_cuda and setup.num_processes == loaded.num_processes
+    assert setup.shards == {"fsdp2.yaml": "FSDP", "zero3.yaml": "DeepSpeed ZeRO-3"}.get(name)
+
+
+@pytest.mark.parametrize(
+    "json_text, shards",
+    [
+        ('{"zero_optimization": {"stage": 3}}', "DeepSpeed ZeRO-3"),
+        ('{"zero_optimization": {"stage": 2}}', None),
+        ("not json", None),  # unknown here: the trainer checks once DeepSpeed has read it
+        ('["a list"]', None),
+    ],
+    ids=["stage-3", "stage-2", "not-json", "not-an-object"],
+)
+def test_a_deepspeed_json_file_says_whether_the_policy_is_sharded(tmp_path, json_text, shards):
+    """accelerate files may name DeepSpeed's own JSON instead of a ``zero_stage``."""
+    (tmp_path / "ds.json").write_text(json_text)
+    config = tmp_path / "acc.yaml"
+    config.write_text(
+        "distributed_type: DEEPSPEED\nnum_processes: 2\n"
+        f"deepspeed_config:\n  deepspeed_config_file: {tmp_path / 'ds.json'}\n"
+    )
+    setup = accelerate_setup(LaunchConfig(launcher="accelerate", accelerate_config=str(config)))
+    assert setup.shards == shards
 
 
 def test_the_cpu_config_runs_two_processes_on_loopback():

@@ -712,8 +712,7 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     zero_signal_retire_after: int | None = Field(None, ge=1)
     """drop or resample: retire a prompt from the stage once this many of its groups in a row
     scored alike: it is not generated for again, and a fresh prompt of the stage's data (one not
-    retired) stands in for it in every batch that would have held it. One process only. Null:
-    prompts never leave."""
+    retired) stands in for it in every batch that would have held it. Null: prompts never leave."""
     eval_every: int | None = Field(None, ge=1)
     """Evaluate greedily on the selection slice (``data.selection_size``; else the held-out slice) at
     the start and every N steps (``eval/accuracy``, ``eval/accuracy_flexible``, ``eval/format`` next

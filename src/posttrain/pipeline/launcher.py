@@ -112,8 +112,7 @@ def accelerate_setup(launch: LaunchConfig, key: str = "launch.accelerate_config"
             f"{key}: {name}: distributed_type {kind} with use_cpu: true would train as plain DDP "
             f"(accelerate turns {kind} on only on GPUs); use {CPU_ACCELERATE_CONFIG} on a CPU"
         )
-    zero = raw.get("deepspeed_config")
-    zero_stage = zero.get("zero_stage") if isinstance(zero, dict) else None
+    zero_stage = _zero_stage(raw.get("deepspeed_config"))
     shards = (
         "FSDP" if kind == "FSDP" else "DeepSpeed ZeRO-3" if kind == "DEEPSPEED" and zero_stage == 3 else None
     )
@@ -124,6 +123,31 @@ def accelerate_setup(launch: LaunchConfig, key: str = "launch.accelerate_config"
         port_set=raw.get("main_process_port") is not None,
         shards=shards if processes > 1 else None,
     )
+
+
+_DEEPSPEED_JSON_LIMIT = 1 << 20
+"""A DeepSpeed JSON config larger than this is not one (read only for its ZeRO stage)."""
+
+
+def _zero_stage(section: Any) -> int | None:
+    """The ZeRO stage an accelerate file's ``deepspeed_config`` asks for: its ``zero_stage``, or the
+    ``zero_optimization.stage`` of the JSON file it names (``deepspeed_config_file``, read from the
+    working directory); None where neither says (the trainer checks again once DeepSpeed runs)."""
+    if not isinstance(section, dict):
+        return None
+    if section.get("zero_stage") is not None:
+        return section.get("zero_stage")
+    name = section.get("deepspeed_config_file")
+    if not isinstance(name, str):
+        return None
+    path = Path(name).expanduser()
+    try:
+        if path_problem(path, "file") or path.stat().st_size > _DEEPSPEED_JSON_LIMIT:
+            return None
+        zero = json.loads(path.read_text(encoding="utf-8")).get("zero_optimization", {})
+        return zero.get("stage") if isinstance(zero, dict) else None
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
 
 
 def world_size(cfg: PipelineConfig, section: Any) -> int:

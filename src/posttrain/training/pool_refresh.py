@@ -44,7 +44,7 @@ from posttrain.generation.sampling import sample_seeds
 from posttrain.generation.tools import make_tool
 from posttrain.rewards.accuracy import correctness_reward
 from posttrain.training.eval_callback import BATCH_SIZE, completion_texts, encode_records, generation_model
-from posttrain.training.sharded import sharding
+from posttrain.training.sharded import planned_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class PoolRefresh(TrainerCallback):
         assert cfg is not None and cfg.refresh_every is not None, "only a stage with pass_rate.refresh_every"
         self.trainer, self.cfg, self.stage_cfg, self.seed, self.stage = trainer, cfg, stage_cfg, seed, stage
         self.sampler = trainer._posttrain_sampler
-        if kind := sharding(trainer.model, trainer.accelerator):
+        if kind := planned_sharding(trainer.accelerator):
             raise StageError(
                 f"[{stage}] pass_rate.refresh_every: the pool refresh generates with the whole policy on "
                 f"each process, and this stage shards it ({kind}); train it with DDP or leave "

@@ -36,7 +36,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["gather_full_state_dict", "policy_to_save", "sharding"]
+__all__ = ["gather_full_state_dict", "planned_sharding", "policy_to_save", "sharding"]
 
 
 def _is_fsdp2(model: Any) -> bool:
@@ -56,6 +56,19 @@ def sharding(model: Any, accelerator: Any) -> str | None:
     if kind == "DEEPSPEED":
         stage = accelerator.deepspeed_config.get("zero_optimization", {}).get("stage")
         return "zero3" if stage == 3 else None
+    return None
+
+
+def planned_sharding(accelerator: Any) -> str | None:
+    """How ``accelerator`` will shard the policy once the trainer prepares it: ``fsdp``, ``zero3``
+    or None (whole on every rank). Readable before training starts, when :func:`sharding` is not:
+    accelerate sets ``deepspeed_config`` on the accelerator only as it prepares the engine."""
+    kind = str(getattr(accelerator, "distributed_type", "NO")).split(".")[-1]
+    if kind == "FSDP":
+        return "fsdp"
+    if kind == "DEEPSPEED":
+        plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+        return "zero3" if getattr(plugin, "zero_stage", None) == 3 else None
     return None
 
 

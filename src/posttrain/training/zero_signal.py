@@ -472,7 +472,8 @@ class DynamicSampler:
     ) -> tuple[dict[str, Any], ZeroSignalCounts]:
         """This rank's batch for ``inputs`` (its slice of the generation batch) and what was done."""
         inputs, replaced = self._replace_retired(inputs, ranks)
-        ids = ranks.gather_list([str(row.get("id")) for row in inputs])
+        retiring = self.retire_after is not None
+        ids = ranks.gather_list([str(row.get("id")) for row in inputs]) if retiring else []
         batch, rewards = generate(inputs)
         signal = self.signal(rewards).tolist()
         self._note(ids, signal)
@@ -496,6 +497,8 @@ class DynamicSampler:
             return inputs, 0
         assert self.fresh is not None
         ids = ranks.gather_list([str(row.get("id")) for row in inputs])
+        if len(ids) != ranks.count * len(inputs):
+            raise ValueError(f"the ranks hold unequal slices of the batch ({len(ids)} rows in all)")
         retired, G = set(self.retired), self.num_generations
         first = ranks.index * len(inputs)
         out, replaced = list(inputs), 0
