@@ -177,6 +177,22 @@ def signal_metrics(counts):
 # --------------------------------------------------------------------------- a fake TRL
 
 
+def tagged_batch(inputs, p_width: int, c_width: int, lengths: list[int]) -> dict:
+    """A TRL-shaped batch of `inputs` whose every tensor holds the row's prompt id (so a merge that
+    mixes rows shows), with completions of `lengths` tokens."""
+    ids = torch.tensor([row["id"] for row in inputs])
+    completion_mask = (torch.arange(c_width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return {
+        "prompt_ids": ids[:, None].repeat(1, p_width),
+        "prompt_mask": torch.ones(len(inputs), p_width, dtype=torch.long),
+        "completion_ids": ids[:, None].repeat(1, c_width) * completion_mask,
+        "completion_mask": completion_mask,
+        "advantages": ids.float(),
+        "old_per_token_logps": ids[:, None].float().repeat(1, c_width),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+
+
 def fake_generate(rounds: list):
     """TRL's batch for `inputs` (rows tagged with the prompt id in every tensor) and the rewards: a prompt
     whose `pays` is true scores 0,1,0,1 across its group, any other 0. Each call's widths differ."""
@@ -185,19 +201,8 @@ def fake_generate(rounds: list):
         n = len(inputs)
         call = len(rounds)
         rounds.append([row["id"] for row in inputs[::G]])
-        ids = torch.tensor([row["id"] for row in inputs])
         p_width, c_width = 2 + call, 3 + 2 * call
-        lengths = torch.tensor([1 + (i % c_width) for i in range(n)])
-        completion_mask = (torch.arange(c_width)[None, :] < lengths[:, None]).long()
-        batch = {
-            "prompt_ids": ids[:, None].repeat(1, p_width),
-            "prompt_mask": torch.ones(n, p_width, dtype=torch.long),
-            "completion_ids": ids[:, None].repeat(1, c_width) * completion_mask,
-            "completion_mask": completion_mask,
-            "advantages": ids.float(),
-            "old_per_token_logps": ids[:, None].float().repeat(1, c_width),
-            "num_items_in_batch": completion_mask.sum(),
-        }
+        batch = tagged_batch(inputs, p_width, c_width, [1 + (i % c_width) for i in range(n)])
         rewards = torch.tensor(
             [[1.0 if row.get("solved") else float(row["pays"] and i % 2)] for i, row in enumerate(inputs)]
         )
@@ -649,19 +654,9 @@ def id_generate(rounds: list, index: int = 0):
         rounds.append([row["id"] for row in inputs])
         n = len(inputs)
         places = [(index * n + i) % G for i in range(n)]
-        ids = torch.tensor([row["id"] for row in inputs])
         p_width, c_width = 2 + len(rounds) % 2, 3 + len(rounds) % 3
-        lengths = torch.tensor([1 + (row["id"] + j) % c_width for row, j in zip(inputs, places, strict=True)])
-        completion_mask = (torch.arange(c_width)[None, :] < lengths[:, None]).long()
-        batch = {
-            "prompt_ids": ids[:, None].repeat(1, p_width),
-            "prompt_mask": torch.ones(n, p_width, dtype=torch.long),
-            "completion_ids": ids[:, None].repeat(1, c_width) * completion_mask,
-            "completion_mask": completion_mask,
-            "advantages": ids.float(),
-            "old_per_token_logps": ids[:, None].float().repeat(1, c_width),
-            "num_items_in_batch": completion_mask.sum(),
-        }
+        lengths = [1 + (row["id"] + j) % c_width for row, j in zip(inputs, places, strict=True)]
+        batch = tagged_batch(inputs, p_width, c_width, lengths)
         rewards = torch.tensor(
             [[float(row["pays"] and j % 2)] for row, j in zip(inputs, places, strict=True)]
         )
