@@ -20,9 +20,9 @@ Each refresh logs what left and what joined (ids, at INFO) and the step's ``pass
 (:data:`METRICS`). The scoring seeds are derived from the run's seed and the step, and no random
 number is drawn from torch's global generator, so the rollouts' own randomness is untouched.
 
-On several processes each rank samples an equal share of the k x ``refresh_size`` completions (with
-the seeds those completions have in one process) and the scores are gathered, so every rank takes
-the same decisions and the pool stays one pool. That needs the whole policy on each rank: a stage
+On several processes each rank samples its share (a contiguous slice, near equal) of the k x
+``refresh_size`` completions, with the seeds those completions have in one process, and the scores
+are gathered, so every rank takes the same decisions and the pool stays one pool. That needs the whole policy on each rank: a stage
 whose policy is sharded (FSDP, ZeRO-3) is refused when the trainer is built.
 """
 
