@@ -21,7 +21,6 @@ import re
 import shutil
 import sys
 import traceback
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from posttrain.core.inputs import check_input_path, path_problem
 from posttrain.core.library_policy import CUSTOM_CODE_ENV, allow_custom_code
 from posttrain.core.metric_names import interval_names, slices_of
 from posttrain.core.prompts import format_sft_target
+from posttrain.core.quiet import quiet_library_warnings
 from posttrain.core.redact import RedactingFormatter, redact_text, redacting_log_records
 from posttrain.core.stats import format_percent
 from posttrain.core.sweep import parse_seeds, sweep_points
@@ -87,12 +87,6 @@ _DISK_MESSAGES = (
     "disk quota exceeded",
     "read-only file system",
     "permission denied",
-)
-# Library warnings a user can do nothing about (they concern how a library calls another, or
-# schema inference on posttrain's own tables): a run's log shows posttrain's progress instead.
-QUIET_WARNINGS = (
-    ("ignore", r"Hint: Inferred schema contains integer column", UserWarning, ""),
-    ("ignore", r".*", FutureWarning, r"transformers(\.|$)"),
 )
 
 
@@ -1018,8 +1012,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous_opt_in = os.environ.get(CUSTOM_CODE_ENV)
     if getattr(args, "allow_custom_code", False):
         allow_custom_code()  # in the environment: the flow's worker processes see it too
-    for action, message, category, module in QUIET_WARNINGS:
-        warnings.filterwarnings(action, message=message, category=category, module=module)
+    quiet_library_warnings()
     try:
         with redacting_log_records(), deferred_memos():
             status = args.func(args)

@@ -350,6 +350,16 @@ def test_callback_logs_each_alert_with_its_stage_and_remedy(caplog):
     assert _log(default, {}) is not None and _log(default, None) is not None  # nothing logged: no-op
 
 
+def test_only_rank_0_says_an_alert_and_every_rank_stops(caplog, monkeypatch):
+    """Every rank's monitor sees the same logged row: the others' copies go to DEBUG."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    callback = HealthCallback(HealthMonitor(MonitorConfig()), on_alert="stop", stage="grpo-format")
+    with caplog.at_level("DEBUG", logger="posttrain.training.health"):
+        assert _log(callback, {"kl": 5.0}).should_training_stop
+    assert [r.levelname for r in caplog.records] == ["DEBUG", "DEBUG"]
+
+
 def test_callback_fails_the_stage_when_a_reward_mostly_cannot_score():
     callback = HealthCallback(HealthMonitor(MonitorConfig(max_invalid_rewards=0.5)), stage="grpo-x")
     _log(callback, {"rewards/ok/invalid_frac": 0.5})  # at the limit: an alert, not a failure

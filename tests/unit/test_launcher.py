@@ -201,3 +201,51 @@ def test_a_gpu_accelerate_config_on_a_cpu_fails_in_one_line_before_launching(tmp
     assert str(err.value).count("\n") == 0
     assert "configs/accelerate/fsdp2.yaml needs CUDA GPUs" in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_launched_stage_process_keeps_library_warnings_off_the_terminal(tmp_path, monkeypatch):
+    """Each rank of each stage is a process of its own: without the CLI's filters it would print
+    transformers' deprecations (TRL's calls trigger them) once per rank and stage."""
+    import warnings
+
+    from posttrain.pipeline import stage_main
+
+    def deprecated_call(request):
+        warnings.warn_explicit(
+            "old", FutureWarning, "modeling_utils.py", 1, module="transformers.modeling_utils"
+        )
+        warnings.warn_explicit("ours", UserWarning, "x.py", 1, module="posttrain.x")
+
+    monkeypatch.setattr(stage_main, "run_request", deprecated_call)
+    monkeypatch.setattr(stage_main.logging, "basicConfig", lambda **kwargs: None)
+    (tmp_path / "r.json").write_text("{}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert stage_main.main([str(tmp_path / "r.json")]) == 0
+    assert [str(w.message) for w in caught] == ["ours"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_of_a_launched_stage_draws_progress_bars(tmp_path, monkeypatch, rank):
+    import datasets
+    import transformers
+
+    from posttrain.pipeline import stage_main
+
+    seen = []
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr(
+        stage_main,
+        "run_request",
+        lambda request: seen.append(
+            (datasets.is_progress_bar_enabled(), transformers.utils.logging.is_progress_bar_enabled())
+        ),
+    )
+    monkeypatch.setattr(stage_main.logging, "basicConfig", lambda **kwargs: None)
+    (tmp_path / "r.json").write_text("{}")
+    try:
+        assert stage_main.main([str(tmp_path / "r.json")]) == 0
+    finally:
+        datasets.enable_progress_bars()
+        transformers.utils.logging.enable_progress_bar()
+    assert seen == [(rank == 0, rank == 0)]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from posttrain.core.config import PipelineConfig
+from posttrain.core.quiet import quiet_library_warnings
 from posttrain.core.results import DataResult, ScoreResult
 from posttrain.pipeline.plan import TrainStep, build_plan
 from posttrain.pipeline.steps import ModelRef
@@ -42,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
     )
+    quiet_library_warnings()
+    if rank != 0:  # the same bars as rank 0's, a second time
+        import datasets  # heavy: the stage imports both anyway
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
     run_request(json.loads(Path(args[0]).read_text(encoding="utf-8")))
     return 0
 

@@ -60,6 +60,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from posttrain.core.errors import StageError
+from posttrain.training import distributed
 from posttrain.training.zero_signal import ZERO_STD
 
 logger = logging.getLogger(__name__)
@@ -297,8 +298,10 @@ class HealthCallback(TrainerCallback):
             return control
         limit = getattr(self.monitor.cfg, "max_invalid_rewards", 1.0)
         over = {n: f for n, f in self.monitor.invalid_fractions(logs).items() if f > limit}
+        # Every rank sees the same logged row and raises the same alerts; rank 0 says them.
+        say = logger.warning if distributed.is_main_process() else logger.debug
         for alert in self.monitor.observe(state.global_step, logs):
-            logger.warning(
+            say(
                 "[%s] step %d health alert %s: %s. Remedy: %s",
                 self.stage,
                 alert.step,
@@ -307,7 +310,7 @@ class HealthCallback(TrainerCallback):
                 alert.remedy,
             )
             if self.on_alert == "stop":
-                logger.warning("[%s] stopping training (monitor.on_alert: stop)", self.stage)
+                say("[%s] stopping training (monitor.on_alert: stop)", self.stage)
                 control.should_training_stop = True
         if over:
             listed = ", ".join(f"{name} {frac:.0%}" for name, frac in sorted(over.items()))

@@ -1,0 +1,25 @@
+"""Library warnings a user can do nothing about, kept off a run's terminal.
+
+They concern how one library calls another (transformers' deprecations that TRL's own calls
+trigger) or schema inference on posttrain's own tables. Every process that runs posttrain's work
+installs the same filters: the CLI, and each process ``accelerate launch`` starts for a stage
+(posttrain.pipeline.stage_main), which would otherwise print them once per rank and stage.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = ["QUIET_WARNINGS", "quiet_library_warnings"]
+
+QUIET_WARNINGS = (
+    ("ignore", r"Hint: Inferred schema contains integer column", UserWarning, ""),
+    ("ignore", r".*", FutureWarning, r"transformers(\.|$)"),
+)
+"""(action, message, category, module) for :func:`warnings.filterwarnings`."""
+
+
+def quiet_library_warnings() -> None:
+    """Install :data:`QUIET_WARNINGS` in this process."""
+    for action, message, category, module in QUIET_WARNINGS:
+        warnings.filterwarnings(action, message=message, category=category, module=module)
