@@ -50,19 +50,15 @@ def sharding(model: Any, accelerator: Any) -> str | None:
     (every rank holds it whole: in process, DDP, ZeRO-2)."""
     if _is_fsdp2(model):
         return "fsdp2"
-    kind = str(getattr(accelerator, "distributed_type", "NO")).split(".")[-1]
-    if kind == "FSDP":
-        return "fsdp1"
-    if kind == "DEEPSPEED":
-        stage = accelerator.deepspeed_config.get("zero_optimization", {}).get("stage")
-        return "zero3" if stage == 3 else None
-    return None
+    planned = planned_sharding(accelerator)
+    return "fsdp1" if planned == "fsdp" else planned
 
 
 def planned_sharding(accelerator: Any) -> str | None:
     """How ``accelerator`` will shard the policy once the trainer prepares it: ``fsdp``, ``zero3``
-    or None (whole on every rank). Readable before training starts, when :func:`sharding` is not:
-    accelerate sets ``deepspeed_config`` on the accelerator only as it prepares the engine."""
+    or None (whole on every rank), from accelerate's state, so readable before training starts
+    (accelerate sets ``deepspeed_config`` on the accelerator only as it prepares the engine; the
+    plugin's ``zero_stage`` holds the stage of a DeepSpeed JSON file too)."""
     kind = str(getattr(accelerator, "distributed_type", "NO")).split(".")[-1]
     if kind == "FSDP":
         return "fsdp"
