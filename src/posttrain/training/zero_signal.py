@@ -471,19 +471,18 @@ class DynamicSampler:
         self, inputs: list[dict[str, Any]], generate: Generate, ranks: Ranks = Ranks()
     ) -> tuple[dict[str, Any], ZeroSignalCounts]:
         """This rank's batch for ``inputs`` (its slice of the generation batch) and what was done."""
-        inputs, replaced = self._replace_retired(inputs, ranks)
-        retiring = self.retire_after is not None
-        ids = ranks.gather_list([str(row.get("id")) for row in inputs]) if retiring else []
+        inputs, ids, replaced = self._swap_retired(inputs, ranks)
+        if ids is None and self.retire_after is not None:
+            ids = ranks.gather_list([str(row.get("id")) for row in inputs])
         batch, rewards = generate(inputs)
         signal = self.signal(rewards).tolist()
-        self._note(ids, signal)
+        self._note(ids or [], signal)
         if self.mode == "resample":
             batch, counts = self._resample(batch, signal, generate, ranks)
         else:
-            keep = ranks.own(torch.tensor(signal).repeat_interleave(self.num_generations).tolist())
             counts = ZeroSignalCounts(len(signal), sum(signal), dropped=signal.count(False))
             counts.generated = len(signal) * self.num_generations
-            batch = self._finish(batch, torch.tensor(keep, dtype=torch.bool), ranks.gather)
+            batch = self._finish(batch, signal, ranks)
         counts.retired, counts.replaced = len(self.retired), replaced
         return batch, counts
 
@@ -491,10 +490,18 @@ class DynamicSampler:
         self, inputs: list[dict[str, Any]], ranks: Ranks = Ranks()
     ) -> tuple[list[dict[str, Any]], int]:
         """``inputs`` (this rank's slice of the batch) with each retired prompt's group swapped for
-        its stand-in's, and how many groups of the whole batch were. The stand-ins are chosen over
-        the whole batch in order, so every rank draws the same fresh prompts for the same groups."""
+        its stand-in's, and how many groups of the whole batch were."""
+        out, _, replaced = self._swap_retired(inputs, ranks)
+        return out, replaced
+
+    def _swap_retired(
+        self, inputs: list[dict[str, Any]], ranks: Ranks
+    ) -> tuple[list[dict[str, Any]], list[str] | None, int]:
+        """:meth:`_replace_retired`, plus the whole batch's prompt ids after the swap (None when
+        nothing is retired: then no ids were gathered). The stand-ins are chosen over the whole
+        batch in order, so every rank draws the same fresh prompts for the same groups."""
         if not self.retired:
-            return inputs, 0
+            return inputs, None, 0
         assert self.fresh is not None
         ids = ranks.gather_list([str(row.get("id")) for row in inputs])
         if len(ids) != ranks.count * len(inputs):
@@ -509,10 +516,11 @@ class DynamicSampler:
             stand_in = self.stand_ins.get(pid)
             if stand_in is None or str(stand_in.get("id")) in retired:
                 stand_in = self.stand_ins[pid] = self.fresh.take(1, retired)[0]
+            ids[start : start + G] = [str(stand_in.get("id"))] * G
             for row in range(max(start, first), min(start + G, first + len(out))):
                 out[row - first] = dict(stand_in)
             replaced += 1
-        return out, replaced
+        return out, ids, replaced
 
     def _note(self, ids: list[str], signal: list[bool]) -> None:
         """Count each group (``ids``: the whole batch's rows) towards its prompt's run of flat
@@ -608,12 +616,12 @@ class DynamicSampler:
         counts.with_signal = sum(filled)
         counts.dropped = filled.count(False)
         counts.generated = generated * G
-        keep = torch.tensor(ranks.own(torch.tensor(filled).repeat_interleave(G).tolist()), dtype=torch.bool)
-        return self._finish(batch, keep, ranks.gather), counts
+        return self._finish(batch, filled, ranks), counts
 
-    def _finish(
-        self, batch: dict[str, Any], keep: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]
-    ) -> dict[str, Any]:
-        drop_rows(batch, keep)
-        recount_tokens(batch, gather)
+    def _finish(self, batch: dict[str, Any], groups_kept: list[bool], ranks: Ranks) -> dict[str, Any]:
+        """Mask this rank's rows of the groups not kept (``groups_kept``: the whole batch's) out of
+        the loss and recount its tokens over every rank."""
+        rows_kept = [kept for kept in groups_kept for _ in range(self.num_generations)]
+        drop_rows(batch, torch.tensor(ranks.own(rows_kept), dtype=torch.bool))
+        recount_tokens(batch, ranks.gather)
         return batch
