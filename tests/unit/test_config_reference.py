@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from posttrain.cli import main
-from posttrain.core.config_reference import config_sections, render_markdown, select
+from posttrain.core.config import read_config_mapping
+from posttrain.core.config_reference import config_sections, render_markdown, render_text, select
 
 SECTIONS = config_sections()
 
@@ -94,3 +95,14 @@ def test_a_section_is_introduced_by_its_own_docstring_not_its_last_keys():
     assert top.path == "" and top.doc.startswith("One whole run")
     (launch,) = select(SECTIONS, "grpo.stages.0.launch")
     assert launch.doc.startswith("How this stage is launched") and launch.keys[-1].doc not in launch.doc
+
+
+def test_a_default_the_loader_fills_in_is_shown_as_one_not_as_required(tmp_path):
+    """`name` may be left out (the file's stem fills it in), so the reference must not call it required."""
+    (section,) = select(SECTIONS, "name")
+    assert section.keys[0].default != "required"
+    assert "(`str`, default: the config file's stem)" in render_markdown([section])
+    assert "  name: str, default: the config file's stem\n" in render_text([section])
+    config = tmp_path / "my-run.yaml"
+    config.write_text("model: {name: tiny-random}\n")
+    assert read_config_mapping(config)["name"] == "my-run"

@@ -227,7 +227,7 @@ class LaunchConfig(StrictModel):
     """``launch:``: how training stages are started (each stage may override it in ``launch:``).
 
     inprocess: in the pipeline's own process (the Prefect task's). accelerate: as a child process
-    tree, ``accelerate launch --config_file <accelerate_config> -m posttrain.pipeline.launcher``,
+    tree, ``accelerate launch --config_file <accelerate_config> -m posttrain.pipeline.stage_main``,
     which writes the stage output like an in-process stage; the parent reads the result back from
     the output directory. See posttrain.pipeline.launcher.
     """
@@ -1051,8 +1051,10 @@ class PipelineConfig(StrictModel):
 
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _LAUNCH_RENAMED
     cache_names: ClassVar[dict[str, str]] = {"launch": "training"}
+    derived_defaults: ClassVar[dict[str, str]] = {"name": "the config file's stem"}
+    """Defaults the loader fills in before validation, as the config reference words them."""
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    """Run name (default: the config file's stem): names the MLflow experiment unless
+    """Run name: names the MLflow experiment unless
     ``tracking.experiment`` is set, and the registered model ``compare --promote`` writes."""
     seed: int = 0
     """The run's seed, and the one a seed sweep varies (``posttrain sweep --seeds 0,1,2``). Every

@@ -29,6 +29,7 @@ from posttrain.core.trainer_options import TRAINER_DEFAULTS
 
 __all__ = ["ConfigKey", "ConfigSection", "config_sections", "render_markdown", "render_text", "select"]
 
+_DERIVED = "derived: "
 _TRL_CLASSES = {"sft": "trl.SFTConfig", "dpo": "trl.DPOConfig", "grpo": "trl.GRPOConfig"}
 
 
@@ -38,7 +39,8 @@ class ConfigKey:
     """Dotted key, ``[]`` after a list of mappings: ``grpo.stages[].rewards[].weight``."""
     type: str
     default: str
-    """``required``, or the default as JSON (which YAML reads as it is)."""
+    """``required``, ``derived: <words>`` for a default computed at load (the words say from what), or
+    the default as JSON (which YAML reads as it is)."""
     doc: str
     """What the key does: the field's docstring, with a pointer where it is a section of its own."""
 
@@ -112,7 +114,7 @@ def render_markdown(sections: list[ConfigSection]) -> str:
         if section.doc:
             lines += [_markdown(section.doc), ""]
         for key in section.keys:
-            default = "required" if key.default == "required" else f"default `{key.default}`"
+            default = _default_words(key.default, "`{}`")
             lines.append(f"- **`{key.path}`** (`{key.type}`, {default}): {_markdown(key.doc)}")
         lines.append("")
     return "\n".join(lines)
@@ -126,7 +128,7 @@ def render_text(sections: list[ConfigSection], width: int = 100) -> str:
         for paragraph in section.doc.split("\n\n") if section.doc else []:
             out += textwrap.wrap(_plain_text(paragraph), width, initial_indent="  ", subsequent_indent="  ")
         for key in section.keys:
-            default = "required" if key.default == "required" else f"default {key.default}"
+            default = _default_words(key.default, "{}")
             out.append(f"  {key.path}: {key.type}, {default}")
             if key.doc:
                 out += textwrap.wrap(
@@ -140,7 +142,7 @@ def render_text(sections: list[ConfigSection], width: int = 100) -> str:
 
 
 def _key(model: type[BaseModel], name: str, field: FieldInfo, path: str, doc: str) -> ConfigKey:
-    default = _default(field)
+    default = _default(model, name, field)
     kind = getattr(model, "trl_kind", None)
     if name == "trainer" and kind in TRAINER_DEFAULTS:
         # posttrain lays its own defaults under the YAML's options: they are the real defaults.
@@ -152,7 +154,18 @@ def _key(model: type[BaseModel], name: str, field: FieldInfo, path: str, doc: st
     return ConfigKey(path, _type_name(field.annotation), default, doc)
 
 
-def _default(field: FieldInfo) -> str:
+def _default_words(default: str, quote: str) -> str:
+    if default == "required":
+        return default
+    if default.startswith(_DERIVED):
+        return f"default: {default.removeprefix(_DERIVED)}"
+    return f"default {quote.format(default)}"
+
+
+def _default(model: type[BaseModel], name: str, field: FieldInfo) -> str:
+    derived = getattr(model, "derived_defaults", {})
+    if name in derived:
+        return _DERIVED + derived[name]
     if field.is_required():
         return "required"
     value = field.get_default(call_default_factory=True)
