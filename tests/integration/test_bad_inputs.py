@@ -345,6 +345,22 @@ CASES = [
         "{cfg}: eval.extra_sets.0: min_ops/max_ops/numbers apply to data: synthetic only (data is hub)",
     ),
     (
+        "a file path on an eval set that reads the held-out slice",
+        ["eval.extra_sets=[{name: bare, data: heldout, path: test.jsonl}]"],
+        None,
+        [],
+        {},
+        "{cfg}: eval.extra_sets.0: `path` applies to data: local only (data is heldout)",
+    ),
+    (
+        "a hub split on a local eval set",
+        ["eval.data=local", "eval.path=test.jsonl", "eval.hub_split=train"],
+        None,
+        [],
+        {},
+        "{cfg}: eval: `hub_split` applies to data: hub only (data is local)",
+    ),
+    (
         "eval operations range reversed",
         ["eval.data=synthetic", "eval.min_ops=3", "eval.max_ops=2"],
         None,

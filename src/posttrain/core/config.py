@@ -874,6 +874,12 @@ class _EvalSource(StrictModel):
     def _source_consistent(self) -> _EvalSource:
         if self.data == "local" and not self.path:
             raise ValueError("data: local needs `path`")
+        # A key its source never reads would otherwise change nothing, silently (a test file's
+        # path set on the wrong extra set is the usual slip).
+        if self.path is not None and self.data != "local":
+            raise ValueError(f"`path` applies to data: local only (data is {self.data})")
+        if self.hub_split != "test" and self.data != "hub":  # a written-out config holds the default
+            raise ValueError(f"`hub_split` applies to data: hub only (data is {self.data})")
         if self.data != "synthetic" and (self.min_ops, self.max_ops, self.numbers) != (None, None, None):
             raise ValueError(f"min_ops/max_ops/numbers apply to data: synthetic only (data is {self.data})")
         if self.min_ops is not None and self.max_ops is not None and self.min_ops > self.max_ops:
