@@ -63,3 +63,14 @@ def test_a_seed_given_twice_keeps_the_last_run_and_names_the_one_left_out():
         lines[2] == "  one run per seed, the last given; left out: seed 1: bbbbbbbbbbbb (used: cccccccccccc)"
     )
     assert not any("left out" in line for line in format_seed_groups(groups, list(runs[0][1].metrics)))
+
+
+def test_a_change_no_run_measured_from_the_step_before_is_labelled_by_what_it_was_measured_from():
+    """Run A: SFT then GRPO stage x; run B: SFT then GRPO stages y, z. B's y was measured from its
+    SFT, not from A's x listed before it: the row says "change from sft", with no note in the cell."""
+    a = evaluated(baseline=0.0, sft=0.10, x=0.12)
+    b = evaluated(baseline=0.0, sft=0.16, y=0.20, z=0.22)
+    names = [*a, *(f"eval-{s}/{m}" for s in "yz" for m in ("accuracy_strict", "delta_accuracy_strict"))]
+    rows = format_headline([a, b], names)
+    assert rows[rows.index(("eval-y strict", ["-", "20.0%"])) + 1] == ("  change from sft", ["-", "+4.0"])
+    assert rows[-1] == ("  change from y", ["-", "+2.0"])

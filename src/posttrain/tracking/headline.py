@@ -152,11 +152,18 @@ def format_headline(
             rows.append((f"{where} {_LABELS[metric]}", values))
             deltas = [_delta_cell(m, stage, metric, eval_set) for m in columns]
             if previous is not None and any(d is not None for d in deltas):
-                label = f"  change from {previous.removeprefix('eval-')}"
                 # A run without the step before (another stage list) measured its change from its
-                # own previous evaluation: its cell says which.
-                for i, m in enumerate(columns):
-                    own = _previous(keys, index, m)
+                # own previous evaluation: the row names the one most of its runs measured from,
+                # and a cell measured from another says which.
+                owns = [
+                    _previous(keys, index, m) if d is not None else None
+                    for m, d in zip(columns, deltas, strict=True)
+                ]
+                measured = [own for own in owns if own is not None]
+                if measured and previous not in measured:
+                    previous = max(measured, key=measured.count)
+                label = f"  change from {previous.removeprefix('eval-')}"
+                for i, own in enumerate(owns):
                     if deltas[i] is not None and own not in (None, previous):
                         deltas[i] = f"{deltas[i]} (from {own.removeprefix('eval-')})"
                 rows.append((label, [d or "-" for d in deltas]))
