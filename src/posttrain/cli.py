@@ -43,6 +43,7 @@ from posttrain.generation.vllm_server import check_vllm_server
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.resolve import list_models, pull_builtin, resolve_model_path
 from posttrain.pipeline import load_config
+from posttrain.pipeline.input_checks import tracking_uri_problem
 from posttrain.pipeline.validation import managed_vllm_stages
 from posttrain.rewards.check import judge, score_examples
 from posttrain.rewards.registry import build_reward, reward_names
@@ -74,6 +75,7 @@ EXPECTED_OS_ERRORS = {
     errno.ENOTDIR,
     errno.EISDIR,
     errno.ELOOP,
+    errno.EEXIST,  # a folder wanted where a file is (`--plot data.jsonl/x.png`)
 }
 # What a full disk or a refused write looks like from libraries that do not raise OSError: the
 # safetensors writer (Rust's io::Error text) and SQLite (MLflow's tracking database).
@@ -436,11 +438,11 @@ def _check_servers(cfg, source: str) -> None:
     from posttrain.tracking import resolve_tracking_uri, tracking_problem
 
     if cfg.tracking.enabled and (problem := tracking_problem(cfg.tracking)):
-        key = (
-            "tracking.tracking_uri"
-            if cfg.tracking.tracking_uri
-            else f"MLFLOW_TRACKING_URI={resolve_tracking_uri(cfg.tracking)}"
-        )
+        uri = resolve_tracking_uri(cfg.tracking)
+        if cfg.tracking.tracking_uri:
+            key = "tracking.tracking_uri"
+        else:  # the key names the URI: the SQLite checks' own mention of it would repeat it
+            key, problem = f"MLFLOW_TRACKING_URI={uri}", problem.removeprefix(f"{redact_text(uri)}: ")
         raise CLIError(f"{source}: {key}: {problem}")
     if problem := prefect_api_problem():
         raise CLIError(
@@ -663,6 +665,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     if args.run_ids and args.last:
         raise CLIError("give RUN_IDs or --last N, not both")
+    if not args.promote and (
+        only := [f for f in ("metric", "registered_model", "force") if getattr(args, f)]
+    ):
+        raise CLIError(f"--{only[0].replace('_', '-')} applies to --promote only")
+    if blocking := [p for p in Path(args.plot).parents if p.exists() and not p.is_dir()]:
+        raise CLIError(f"--plot {args.plot}: {blocking[0]} is a file, not a folder")
+    args.tracking_uri = _tracking_store_to_read(args.tracking_uri)
     comparison = compare_runs(
         args.experiment,
         last=None if args.run_ids else (args.last or 5),
@@ -679,6 +688,31 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tracking_store_to_read(flag: str | None) -> str:
+    """The tracking URI ``compare`` reads (``--tracking-uri``, else as a run resolves it), checked in
+    seconds as ``run`` checks it (MLflow retries for minutes), and refused where no database exists
+    yet: reading would create an empty one."""
+    from posttrain.tracking import resolve_tracking_uri
+    from posttrain.tracking.mlflow_io import sqlite_path, uri_problem
+
+    uri = flag or resolve_tracking_uri(TrackingConfig())
+    if flag:
+        where = f"--tracking-uri {uri}"
+    elif os.environ.get("MLFLOW_TRACKING_URI"):
+        where = f"MLFLOW_TRACKING_URI={uri}"
+    else:
+        where = f"the default tracking store {uri}"
+    problem = tracking_uri_problem(uri) or uri_problem(uri)
+    if problem:
+        problem = problem.removeprefix(f"{redact_text(uri)}: ")  # the sqlite checks name it too
+    db = sqlite_path(uri)
+    if problem is None and db is not None and not db.exists():
+        problem = f"no MLflow database at {db}: no run has been logged there (set --tracking-uri or MLFLOW_TRACKING_URI)"
+    if problem:
+        raise CLIError(redact_text(f"{where}: {problem}"))
+    return uri
+
+
 def _promote(comparison, args: argparse.Namespace) -> str:
     """``compare --promote``: move the champion alias to the best stage model of the compared runs."""
     from posttrain.tracking import models_of_runs, promote_champion, resolve_tracking_uri
@@ -688,7 +722,11 @@ def _promote(comparison, args: argparse.Namespace) -> str:
     candidates = models_of_runs(mlflow_client(uri), [r.run_id for r in comparison.runs])
     try:
         promotion = promote_champion(
-            uri, candidates, args.metric, registered_model=args.registered_model, force=args.force
+            uri,
+            candidates,
+            args.metric or "accuracy_strict",
+            registered_model=args.registered_model,
+            force=args.force,
         )
     except ValueError as exc:
         raise CLIError(f"--promote: {exc}") from None
@@ -953,7 +991,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="register the best stage model of these runs and move the 'champion' alias to it",
     )
     p.add_argument(
-        "--metric", default="accuracy_strict", help="--promote: evaluation metric, higher is better"
+        "--metric",
+        default=None,
+        help="--promote: evaluation metric, higher is better (default accuracy_strict)",
     )
     p.add_argument(
         "--registered-model", default=None, help="--promote: registered model (default: config name)"

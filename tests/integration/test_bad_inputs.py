@@ -1236,6 +1236,24 @@ TRUST_CASES = [
         "bad.jsonl:1: malformed JSON",
     ),
     (
+        "a tracking database that is a folder",  # MLflow retried "unable to open" for minutes
+        ["tracking.tracking_uri=sqlite:///{tmp}/db"],
+        None,
+        [],
+        {},
+        _files(dirs=("db",)),
+        "{cfg}: tracking.tracking_uri: sqlite:///{tmp}/db: {tmp}/db is not a file",
+    ),
+    (
+        "a tracking database that is not SQLite",
+        ["tracking.tracking_uri=sqlite:///{tmp}/notes.db"],
+        None,
+        [],
+        {},
+        _files({"notes.db": "hello\n"}),
+        "{cfg}: tracking.tracking_uri: sqlite:///{tmp}/notes.db: {tmp}/notes.db is not an SQLite database",
+    ),
+    (
         "an empty extra evaluation set file",
         ["eval.extra_sets=[{name: test, data: local, path: test.jsonl}]"],
         None,

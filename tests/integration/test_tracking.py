@@ -800,3 +800,45 @@ def test_a_failure_while_the_server_answers_is_not_a_server_gone(uri):
     with start_pipeline_run(make_cfg(uri)) as tracker:
         assert not tracker.went_away("sft", RuntimeError("INVALID_PARAMETER_VALUE"))
         assert tracker.enabled and tracker.lost is None
+
+
+@pytest.mark.parametrize(
+    ("case", "argv", "expected"),
+    [
+        ("no database yet", ["compare"], "the default tracking store sqlite:///{tmp}/mlflow.db: no MLflow database at"),
+        ("a folder", ["compare", "--tracking-uri", "sqlite:///{tmp}/folder"], "{tmp}/folder is not a file"),
+        ("not SQLite", ["compare", "--tracking-uri", "sqlite:///{tmp}/notes.db"], "notes.db is not an SQLite database"),
+        ("unknown scheme", ["compare", "--tracking-uri", "bogus://x"], "bogus is not a tracking store MLflow knows"),
+        ("unknown run", ["compare", "--tracking-uri", "{uri}", "0" * 32], f"no MLflow run '{'0' * 32}' at sqlite:///"),
+        ("not a run id", ["compare", "--tracking-uri", "{uri}", "x' OR 1=1"], "is not an MLflow run id"),
+        ("unknown experiment", ["compare", "--tracking-uri", "{uri}", "--experiment", "nope"], "no MLflow experiment named 'nope'"),
+        ("a step's run", ["compare", "--tracking-uri", "{uri}", "{child}"], "is not a pipeline run (a step's run; its pipeline run is {parent})"),
+        ("promote option alone", ["compare", "--metric", "format"], "--metric applies to --promote only"),
+        ("plot under a file", ["compare", "--tracking-uri", "{uri}", "--plot", "notes.db/x.png"], "notes.db is a file, not a folder"),
+    ],
+)  # fmt: skip
+def test_compare_refuses_what_it_cannot_read_in_one_line_and_writes_nothing(
+    case, argv, expected, uri, tmp_path, monkeypatch, capsys
+):
+    """`compare` used to print MLflow's traceback for an unknown run or experiment, retry for
+    minutes on a folder or a file that is not SQLite, and create an empty database where none was."""
+    from posttrain.cli import main
+
+    with (
+        start_pipeline_run(make_cfg(uri), steps=["sft"]) as tracker,
+        tracker.stage("sft", kind="sft") as stage,
+    ):
+        child = stage.run_id
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "folder").mkdir()
+    (work / "notes.db").write_text("not a database\n")
+    monkeypatch.chdir(work)
+    before = sorted(p.name for p in work.iterdir())
+    fill = {"tmp": str(work), "uri": uri, "child": child, "parent": tracker.run_id}
+    capsys.readouterr()
+    assert main([a.format(**fill) for a in argv]) == 2, case
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert expected.format(**fill) in err
+    assert sorted(p.name for p in work.iterdir()) == before  # no mlflow.db, no compare.png

@@ -13,6 +13,7 @@ __all__ = [
     "ModelError",
     "PosttrainError",
     "StageError",
+    "TrackingError",
     "refused_option",
     "yaml_boolean_hint",
 ]
@@ -40,6 +41,10 @@ class HardwareError(ModelError):
 
 class StageError(PosttrainError, RuntimeError):
     """A stage that cannot run or whose output cannot be read; the message says what to change."""
+
+
+class TrackingError(PosttrainError, ValueError):
+    """A tracking store, experiment or run that cannot be used; the message says which and where."""
 
 
 def yaml_boolean_hint(value: object) -> str:

@@ -13,6 +13,7 @@ and picks an interactive backend, which is not available on a headless training 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.core.config import TrackingConfig
+from posttrain.core.errors import TrackingError
+from posttrain.core.redact import redact_text
 from posttrain.tracking.headline import (
     SeedRun,
     counter_names,
@@ -155,11 +158,13 @@ def compare_runs(
     :func:`posttrain.tracking.resolve_tracking_uri`.
     """
     uri = tracking_uri or resolve_tracking_uri(TrackingConfig())
+    if malformed := [r for r in run_ids if not _RUN_ID.fullmatch(r)]:
+        raise TrackingError(f"{malformed[0]!r} is not an MLflow run id (32 hexadecimal characters)")
     client = mlflow_client(uri)
     if experiment is not None:
         found = client.get_experiment_by_name(experiment)
         if found is None:
-            raise ValueError(f"no MLflow experiment named {experiment!r}")
+            raise TrackingError(f"no MLflow experiment named {experiment!r} at {redact_text(uri)}")
         ids = [found.experiment_id]
     else:
         ids = [e.experiment_id for e in client.search_experiments()]
@@ -176,8 +181,16 @@ def compare_runs(
         by_id = {row["run_id"]: row for row in rows}
         missing = [r for r in run_ids if r not in by_id]
         if missing:
-            raise ValueError(f"no MLflow run {missing[0]!r} at {uri}")
+            raise TrackingError(f"no MLflow run {missing[0]!r} at {redact_text(uri)}")
         rows = [by_id[r] for r in run_ids]
+        if others := [r for r in rows if r.get(f"tags.{ROLE_TAG}") != "pipeline"]:
+            parent = others[0].get("tags.mlflow.parentRunId")
+            what = (
+                f"a step's run; its pipeline run is {parent}"
+                if isinstance(parent, str)
+                else "not posttrain's"
+            )
+            raise TrackingError(f"run {others[0]['run_id']} is not a pipeline run ({what})")
     else:
         rows = rows[::-1]  # oldest first
     curves = _reward_curves(client, ids, rows)
@@ -188,6 +201,7 @@ def compare_runs(
     return Comparison(summaries, diffs, metric_names)
 
 
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
 _ALL = 3  # mlflow.entities.ViewType.ALL: explicit run ids may sit in a deleted experiment
 
 

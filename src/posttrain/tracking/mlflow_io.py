@@ -69,9 +69,13 @@ def tracking_problem(tracking: TrackingConfig) -> str | None:
     """Why the tracking store cannot be used, found in seconds (MLflow itself retries for minutes).
 
     An http(s) server must answer, a database server (PostgreSQL, MySQL, SQL Server) accept a
-    connection, and a SQLite database's folder must exist. None when all is well.
+    connection, and a SQLite database's folder must exist and the file, where it exists, be an
+    SQLite database. None when all is well.
     """
     return uri_problem(resolve_tracking_uri(tracking))
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 def uri_problem(uri: str) -> str | None:
@@ -86,9 +90,27 @@ def uri_problem(uri: str) -> str | None:
         problem = tcp_unreachable(parts.hostname or "", parts.port or _DATABASE_PORTS[scheme])
         return f"MLflow tracking database unreachable: {problem}" if problem else None
     db = sqlite_path(uri)
-    if db is not None and not db.parent.is_dir():
+    if db is None:
+        return None
+    if not db.parent.is_dir():
         return f"{redact_text(uri)}: folder {db.parent} does not exist"
+    if db.exists() and not db.is_file():  # a folder: MLflow retries "unable to open" for minutes
+        return f"{redact_text(uri)}: {db} is not a file"
+    if not _sqlite_or_empty(db):
+        return f"{redact_text(uri)}: {db} is not an SQLite database"
     return None
+
+
+def _sqlite_or_empty(db: Path) -> bool:
+    """Whether SQLite can open ``db`` as a database: missing, empty, or starting with its header."""
+    try:
+        with db.open("rb") as file:
+            head = file.read(len(_SQLITE_HEADER))
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return True  # unreadable here: SQLite's own error says why, in one line
+    return head in (b"", _SQLITE_HEADER)
 
 
 def experiment_name(cfg: PipelineConfig) -> str:
