@@ -825,6 +825,22 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer no smaller than ``minimum`` (a negative count would silently
+    slice from the end, ``--last 0`` would read as the default)."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return count
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="posttrain",
@@ -873,7 +889,7 @@ def build_parser() -> argparse.ArgumentParser:
         "preview", help="show formatted prompts and counts for a config or a GSM8K JSONL file"
     )
     p.add_argument("target", help="a pipeline config (.yaml) or a GSM8K-format .jsonl file/folder")
-    p.add_argument("-n", type=int, default=2, help="examples to show")
+    p.add_argument("-n", type=_at_least(1), default=2, help="examples to show")
     p.add_argument("--tokenizer", help="model whose tokenizer measures prompt length (default: the config's)")
     with_set(p)
     p.set_defaults(command_parser=p, func=cmd_data_preview)
@@ -912,7 +928,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(command_parser=p, func=cmd_rewards_list)
     p = rewards.add_parser("check", help="score example completions with every configured reward")
     p.add_argument("config")
-    p.add_argument("--references", type=int, default=3, help="reference solutions to score too")
+    p.add_argument("--references", type=_at_least(0), default=3, help="reference solutions to score too")
     with_set(p)
     p.set_defaults(command_parser=p, func=cmd_rewards_check)
 
@@ -968,13 +984,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare two saved reports by example id (and the extra sets of two pipeline evaluations)",
     )
     p.add_argument("--mode", default="strict", choices=["strict", "flexible"], help="--diff: which accuracy")
-    p.add_argument("--examples", type=int, default=3, help="--diff: examples shown per group")
+    p.add_argument("--examples", type=_at_least(0), default=3, help="--diff: examples shown per group")
     p.set_defaults(command_parser=p, func=cmd_eval)
 
     p = sub.add_parser("compare", help="side-by-side table and plot of pipeline runs in MLflow")
     p.add_argument("run_ids", nargs="*", metavar="RUN_ID")
     p.add_argument("--experiment", help="MLflow experiment (default: all posttrain runs)")
-    p.add_argument("--last", type=int, default=None, help="the N most recent pipeline runs (default 5)")
+    p.add_argument(
+        "--last", type=_at_least(1), default=None, help="the N most recent pipeline runs (default 5)"
+    )
     p.add_argument("--plot", default="compare.png", help="where to write the comparison PNG")
     p.add_argument(
         "--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db"

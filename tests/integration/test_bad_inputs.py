@@ -1615,8 +1615,32 @@ def test_bad_eval_flags_are_one_line(flag, value, fragment, isolated, capfd):
             "error: posttrain data fetch: unknown flag --ouput: did you mean --output?",
         ),
         (["run"], "error: posttrain run: the following arguments are required: config"),
+        (["compare", "--last", "0"], "error: posttrain compare: argument --last: must be at least 1, got 0"),
+        (
+            ["rewards", "check", "c.yaml", "--references", "-1"],
+            "error: posttrain rewards check: argument --references: must be at least 0, got -1",
+        ),
+        (
+            ["data", "preview", "d.jsonl", "-n", "-2"],
+            "error: posttrain data preview: argument -n: must be at least 1, got -2",
+        ),
+        (
+            ["eval", "--diff", "a", "b", "--examples", "x"],
+            "error: posttrain eval: argument --examples: not a whole number: 'x'",
+        ),
     ],
-    ids=["renamed", "misspelt", "bad choice", "extra argument", "subcommand's flag", "missing argument"],
+    ids=[
+        "renamed",
+        "misspelt",
+        "bad choice",
+        "extra argument",
+        "subcommand's flag",
+        "missing argument",
+        "no runs to compare",
+        "negative references",
+        "negative examples to show",
+        "a count that is not a number",
+    ],  # fmt: skip
 )
 def test_a_bad_command_line_is_one_line_exit_2(argv, line, isolated, capfd):
     """argparse's own error prints the usage first (four lines); a renamed flag gets its new name and a

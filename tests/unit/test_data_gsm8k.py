@@ -342,34 +342,41 @@ def test_hold_out_makes_a_test_file_no_training_line_shares(tmp_path, capsys):
     assert main([*args, "--force"]) == 0
 
 
+LINE = '{"question": "q?", "answer": "#### 1"}\n'
+
+
 @pytest.mark.parametrize(
-    ("content", "last", "same", "fragment"),
+    ("content", "last", "train", "test", "fragment"),
     [
         (
-            '{"question": "q?", "answer": "#### 1"}\n{"question": "q?"}\n',
+            LINE + '{"question": "q?"}\n',
             1,
-            False,
+            "train.jsonl",
+            "test.jsonl",
             "all.jsonl:2: missing field 'answer'",
         ),
-        (
-            '{"question": "q?", "answer": "#### 1"}\n',
-            1,
-            False,
-            "1 records; --last 1 would leave none to train on",
-        ),
-        ('{"question": "q?", "answer": "#### 1"}\n' * 3, 1, True, "write the two parts to other files"),
-        ('{"question": "q?", "answer": "#### 1"}\n' * 3, 0, False, "--last must be >= 1"),
+        (LINE, 1, "train.jsonl", "test.jsonl", "1 records; --last 1 would leave none to train on"),
+        (LINE * 3, 1, "all.jsonl", "test.jsonl", "write the two parts to other files"),
+        (LINE * 3, 0, "train.jsonl", "test.jsonl", "--last must be >= 1"),
+        (LINE * 3, 1, "part.jsonl", "part.jsonl", "--train and --test name one file"),  # the test part won
+        (LINE * 3, 1, "train.jsonl", "out/", "out: a folder; give a .jsonl file name"),
     ],
-    ids=["bad line", "nothing left to train on", "in place", "zero"],
+    ids=["bad line", "nothing left to train on", "in place", "zero", "one file for both", "a folder"],
 )
-def test_hold_out_refuses_bad_input_and_writes_nothing(tmp_path, capsys, content, last, same, fragment):
+def test_hold_out_refuses_bad_input_and_writes_nothing(
+    tmp_path, capsys, content, last, train, test, fragment
+):
     from posttrain.cli import main
 
     source = tmp_path / "all.jsonl"
     source.write_text(content)
-    train = source if same else tmp_path / "train.jsonl"
-    argv = ["data", "hold-out", str(source), "--last", str(last), "--train", str(train)]
-    assert main([*argv, "--test", str(tmp_path / "test.jsonl"), "--force"]) == 2
+    made = {"all.jsonl"}
+    if test.endswith("/"):
+        (tmp_path / test).mkdir()
+        made.add(test.rstrip("/"))
+    argv = ["data", "hold-out", str(source), "--last", str(last), "--train", str(tmp_path / train)]
+    assert main([*argv, "--test", str(tmp_path / test), "--force"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err
-    assert [p.name for p in tmp_path.iterdir()] == ["all.jsonl"] and source.read_text() == content
+    assert {p.name for p in tmp_path.iterdir()} == made and source.read_text() == content
+    assert not any((tmp_path / name).is_dir() and any((tmp_path / name).iterdir()) for name in made)
