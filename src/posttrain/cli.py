@@ -608,6 +608,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from posttrain.evaluation.report import REPORT_FILE, EvalReport
 
     if args.diff:
+        if given := [f"--{f}" for f in ("model", "data", "output", "limit") if getattr(args, f) is not None]:
+            raise CLIError(f"eval --diff compares two reports; {given[0]} applies to an evaluation")
         for folder in args.diff:
             check_input_path(folder, "--diff", "folder")
         a, b = (EvalReport.load(d) for d in args.diff)

@@ -1722,6 +1722,12 @@ REPORT_DAMAGE = [
     ("report.json", "truncated", '{"model": "m", "summ', "report.json: malformed JSON"),
     ("report.json", "nested", "[" * DEEP + "]" * DEEP, "report.json: nested deeper than 64 levels"),
     ("report.json", "fields", '{"model": 1, "summary": []}', "report.json: not an evaluation report"),
+    (
+        "report.json",
+        "another format",
+        '{"format_version": 99, "model": "m", "summary": {}}',
+        "report.json: format_version 99; this posttrain reads 1",
+    ),
     ("examples.jsonl", "a bad line", '{"id": "q1"}\n{"id": ', "examples.jsonl:2: malformed JSON"),
     ("examples.jsonl", "not UTF-8", b"\xff\xfe", "examples.jsonl:1: not UTF-8 text"),
 ]
@@ -1740,6 +1746,14 @@ def test_eval_diff_on_a_damaged_report_is_one_line(file, content, fragment, isol
     err = capfd.readouterr().err
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"error: {b}/") and fragment in err
+
+
+@pytest.mark.parametrize("flag", ["--model", "--data", "--output", "--limit"])
+def test_eval_diff_refuses_an_evaluations_flag_it_would_ignore(flag, isolated, capfd):
+    a, b = _report(isolated / "a"), _report(isolated / "b")
+    assert main(["eval", "--diff", str(a), str(b), flag, "1"]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err == f"error: eval --diff compares two reports; {flag} applies to an evaluation"
 
 
 def test_eval_diff_on_a_file_is_one_line(isolated, capfd):

@@ -198,6 +198,10 @@ class EvalReport:
             raise FileNotFoundError(
                 f"{directory} is not an evaluation report: {exc.filename} is missing"
             ) from None
+        if (version := head.get("format_version", FORMAT_VERSION)) != FORMAT_VERSION:
+            raise UntrustedContentError(
+                f"{directory / REPORT_FILE}: format_version {version!r}; this posttrain reads {FORMAT_VERSION}"
+            )
         try:
             if not isinstance(head["model"], str) or not isinstance(head["summary"], dict):
                 raise TypeError("model must be a string and summary a mapping")
