@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from posttrain.cache.store import Store, StoreError
 from posttrain.core.checked import deferred_memos, flush_memos
 from posttrain.core.config import DataConfig, EvalConfig, TrackingConfig
-from posttrain.core.errors import HardwareError, PosttrainError
+from posttrain.core.errors import DataError, HardwareError, PosttrainError
 from posttrain.core.inputs import check_input_path, path_problem
 from posttrain.core.library_policy import CUSTOM_CODE_ENV, allow_custom_code
 from posttrain.core.metric_names import interval_names, slices_of
@@ -322,12 +322,20 @@ def _data_config_for(target: str, overrides: Sequence[str]):
 def cmd_data_preview(args: argparse.Namespace) -> int:
     from posttrain.data.prepare import prepare_data
 
+    if args.set and Path(args.target).suffix not in {".yaml", ".yml"}:
+        raise CLIError(f"--set applies to a config; {args.target} is data (preview a config to set its keys)")
     data_cfg, model_name = _data_config_for(args.target, args.set)
     tokenizer = None
     tokenizer_name = args.tokenizer or model_name
     if tokenizer_name:
         tokenizer = load_tokenizer(resolve_model_path(tokenizer_name))
-    prepared = prepare_data(data_cfg, tokenizer=tokenizer)
+    try:
+        prepared = prepare_data(data_cfg, tokenizer=tokenizer)
+    except DataError as exc:
+        if model_name is not None or str(exc).startswith(args.target):
+            raise
+        # A file is previewed as a run with the default data section would read it.
+        raise DataError(f"{args.target}: {exc} (preview it through a config to set data keys)") from None
     for example in prepared.train.select(range(min(args.n, len(prepared.train)))):
         print(f"=== {example['id']}  (gold answer: {example['answer']}, ops: {example['ops']})")
         for message in example["prompt"]:
@@ -349,9 +357,13 @@ def cmd_data_fetch(args: argparse.Namespace) -> int:
     else:  # every split that is missing, to <dir>/<split>.jsonl
         folder = Path(args.dir or os.environ.get(GSM8K_DIR_ENV) or DEFAULT_GSM8K_DIR)
         wanted = [(split, folder / f"{split}.jsonl") for split in ([args.split] if args.split else SPLITS)]
-    for split, output in wanted:
+    for _, output in wanted:  # every name checked before the hub is asked for anything
+        flag = "--output" if args.output else "--dir"
+        if blocking := [p for p in output.parents if p.exists() and not p.is_dir()]:
+            raise CLIError(f"{flag} {output.parent}: {blocking[0]} is a file, not a folder")
         if output.exists() and (problem := path_problem(output, "file")):
             raise CLIError(f"{output} {problem}")
+    for split, output in wanted:
         if output.exists() and not args.force:
             if args.output:
                 raise CLIError(f"{output}: already exists; pass --force to replace it")
@@ -647,7 +659,9 @@ def _check_eval_paths(args: argparse.Namespace) -> None:
     """What ``eval`` reads and writes is usable, found before the model loads and the evaluation
     runs: a local ``--model`` or ``--data`` is a regular file or folder, and ``--output`` is a
     folder (or can become one) that can be written."""
-    if Path(args.model).expanduser().exists():
+    model = Path(args.model).expanduser()
+    local = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or model.suffix == ".gguf"
+    if local or model.exists():  # a hub id (org/name) is the hub's to find
         check_input_path(args.model, "--model")
     if args.data not in ("hub", "synthetic") and not args.data.startswith("hub:"):
         check_input_path(args.data, "--data")
@@ -904,7 +918,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="save a dataset split from the Hugging Face Hub as a local .jsonl (for data.source: local)",
     )
     p.add_argument("dataset", choices=sorted(FETCHABLE), help="dataset to save")
-    p.add_argument("--split", default=None, help="train or test (default: both, or train with --output)")
+    p.add_argument(
+        "--split", default=None, choices=SPLITS, help="train or test (default: both, or train with --output)"
+    )
     p.add_argument(
         "--dir",
         metavar="DIR",

@@ -1862,3 +1862,59 @@ def test_an_error_no_user_can_cause_keeps_its_traceback(isolated, monkeypatch):
     monkeypatch.setattr(posttrain.cli, "cmd_rewards_list", command)
     with pytest.raises(KeyError):
         main(["rewards", "list"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["data", "fetch", "gsm8k", "--dir", "notes.txt"],
+            "error: --dir notes.txt: notes.txt is a file, not a folder",
+        ),
+        (
+            ["data", "fetch", "gsm8k", "--output", "notes.txt/x/train.jsonl"],
+            "error: --output notes.txt/x: notes.txt is a file, not a folder",
+        ),
+        (
+            ["data", "fetch", "gsm8k", "--split", "validation"],
+            "error: posttrain data fetch: argument --split: invalid choice: 'validation' (choose from 'train', 'test')",
+        ),
+        (
+            ["data", "preview", "three.jsonl", "--set", "data.eval_size=1"],
+            "error: --set applies to a config; three.jsonl is data (preview a config to set its keys)",
+        ),
+        (
+            ["data", "preview", "three.jsonl"],
+            "error: three.jsonl: data.eval_size=100 but only 3 records are left",
+        ),
+        (
+            ["eval", "--model", "./no-model", "--data", "synthetic"],
+            "error: --model: no such file or folder: ./no-model",
+        ),
+        (
+            ["eval", "--model", "tiny-random", "--data", "empty.jsonl"],
+            "error: empty.jsonl: no evaluation records",
+        ),
+    ],
+    ids=[
+        "fetch into a file",
+        "fetch under a file",
+        "fetch a split GSM8K lacks",
+        "preview a file with --set",
+        "preview a small file",
+        "a local model that is not there",
+        "an empty evaluation file",
+    ],  # fmt: skip
+)
+def test_data_and_eval_commands_name_the_flag_or_file_before_the_hub_or_a_model(argv, line, isolated, capfd):
+    """Each of these used to ask the hub first (retrying for half a minute offline), ignore the flag,
+    or fail with a line that named neither the file nor the flag."""
+    (isolated / "notes.txt").write_text("notes\n")
+    (isolated / "three.jsonl").write_text('{"question": "q?", "answer": "#### 1"}\n' * 3)
+    (isolated / "empty.jsonl").write_text("")
+    before = _tree(isolated)
+    code = main(argv)
+    out, err = capfd.readouterr()
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(line), err
+    assert _tree(isolated) == before

@@ -77,7 +77,8 @@ def load_eval_records(
     else:
         raise DataError(f"unknown eval data source {source!r} (expected hub, local, heldout or synthetic)")
     if not records:
-        raise DataError(f"eval data source {source!r} yielded no records")
+        where = {"local": f"{path}: ", "hub": f"{hub_id} ({hub_split}): "}.get(source, "")
+        raise DataError(f"{where}no evaluation records (eval data source {source!r})")
     logger.info("evaluating on %d %s records", len(records), source)
     return records
 
