@@ -511,6 +511,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         from posttrain.pipeline.plan import preview
 
+        try:
+            Store.at(cfg.orchestration.store, create=False).check_usable()  # as a run would, writing nothing
+        except StoreError as exc:
+            raise CLIError(f"{args.config}: orchestration.store: {exc}") from None
         rows = preview(cfg, args.force)  # reads records only: creates no store, starts no server
         print(format_table(rows, ("step", "plan", "why")))
         return 0

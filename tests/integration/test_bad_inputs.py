@@ -1918,3 +1918,27 @@ def test_data_and_eval_commands_name_the_flag_or_file_before_the_hub_or_a_model(
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and err.startswith(line), err
     assert _tree(isolated) == before
+
+
+@pytest.mark.parametrize(
+    ("case", "fragment"),
+    [
+        ("store under a file", "{cfg}: orchestration.store: {tmp}/afile is not a folder"),
+        ("a folder holding only data/ and results/ is not a store", None),
+        ("a store whose stages/ links outside it", None),
+    ],
+)
+def test_a_dry_run_refuses_the_store_a_run_would_refuse_and_writes_nothing(case, fragment, isolated, capfd):
+    """--dry-run used to print its plan (exit 0) for a store the run then refused."""
+    _, sets, _, _, _, setup, run_fragment = next(c for c in ALL_CASES if c[0] == case)
+    cfg = isolated / "bad.yaml"
+    cfg.write_text(BASE)
+    if setup is not None:
+        setup(isolated)
+    before = _tree(isolated)
+    overrides = [s.replace("{tmp}", str(isolated)) for s in sets]
+    assert main(["run", str(cfg), *[a for s in overrides for a in ("--set", s)], "--dry-run"]) == 2
+    out, err = capfd.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert (fragment or run_fragment).format(cfg=cfg, tmp=isolated) in err
+    assert _tree(isolated) == before

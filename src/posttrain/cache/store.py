@@ -86,12 +86,32 @@ class Store:
         marker = self.root / MARKER
         return marker.is_file() and not marker.is_symlink()
 
+    def check_usable(self) -> None:
+        """What :meth:`at` would refuse, found without writing anything (a dry run creates no store):
+        a file where the store or a folder above it would be, a folder that is not a store, a link."""
+        if blocking := [p for p in (self.root, *self.root.parents) if p.exists() and not p.is_dir()]:
+            raise StoreError(f"{blocking[0]} is not a folder")
+        if self.root.is_dir():
+            self._refuse_unmarked()
+            self.check_contained()
+
     def _mark(self) -> None:
         """Mark a new or empty folder as a store; refuse any other folder without the marker."""
         if self.is_marked:
             return
         if not self.root.is_dir():
             raise StoreError(f"{self.root} is not a folder")
+        self._refuse_unmarked()
+        try:
+            (self.root / MARKER).write_text(
+                json.dumps({"posttrain_store": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n"
+            )
+        except OSError as exc:
+            raise StoreError(f"cannot write to the store {self.root}: {exc.strerror or exc}") from None
+
+    def _refuse_unmarked(self) -> None:
+        if self.is_marked:
+            return
         entries = sorted(p.name for p in self.root.iterdir())
         if entries:
             shown = ", ".join(entries[:3]) + (f" (+{len(entries) - 3} more)" if len(entries) > 3 else "")
@@ -99,12 +119,6 @@ class Store:
                 f"{self.root} is not a posttrain store (no {MARKER} marker) and holds {shown}: "
                 "point orchestration.store at a new or empty folder"
             )
-        try:
-            (self.root / MARKER).write_text(
-                json.dumps({"posttrain_store": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n"
-            )
-        except OSError as exc:
-            raise StoreError(f"cannot write to the store {self.root}: {exc.strerror or exc}") from None
 
     def check_contained(self) -> None:
         """Refuse a store whose folders or lock file are symbolic links: posttrain writes, renames
