@@ -34,7 +34,7 @@ from posttrain.core.inputs import check_input_path, path_problem
 from posttrain.core.library_policy import CUSTOM_CODE_ENV, allow_custom_code
 from posttrain.core.metric_names import interval_names, slices_of
 from posttrain.core.prompts import format_sft_target
-from posttrain.core.quiet import quiet_library_warnings
+from posttrain.core.quiet import one_line_per_library_record, quiet_library_warnings
 from posttrain.core.redact import RedactingFormatter, redact_text, redacting_log_records
 from posttrain.core.stats import format_percent
 from posttrain.core.sweep import parse_seeds, sweep_points
@@ -1093,6 +1093,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "allow_custom_code", False):
         allow_custom_code()  # in the environment: the flow's worker processes see it too
     quiet_library_warnings()
+    one_line_per_library_record()
     try:
         with redacting_log_records(), deferred_memos():
             status = args.func(args)

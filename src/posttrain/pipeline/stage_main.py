@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from posttrain.core.config import PipelineConfig
-from posttrain.core.quiet import quiet_library_warnings
+from posttrain.core.quiet import one_line_per_library_record, quiet_library_warnings
 from posttrain.core.results import DataResult, ScoreResult
 from posttrain.pipeline.plan import TrainStep, build_plan
 from posttrain.pipeline.steps import ModelRef
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
     )
     quiet_library_warnings()
+    one_line_per_library_record()
     if rank != 0:  # the same bars as rank 0's, a second time
         import datasets  # heavy: the stage imports both anyway
         import transformers
