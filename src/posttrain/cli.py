@@ -399,8 +399,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     from posttrain.core.config_reference import config_sections, render_markdown, render_text, select
 
     sections = config_sections()
-    if args.section:
-        chosen = select(sections, args.section)
+    if args.section is not None:
+        chosen = [] if "" in args.section.split(".") else select(sections, args.section)
         if not chosen:
             names = ", ".join(s.path for s in sections if s.path and "." not in s.path)
             raise CLIError(f"config: no section or key {args.section!r}; sections: {names}")
@@ -775,13 +775,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_cache_dir(cache_dir: str | None) -> None:
+    if cache_dir and Path(cache_dir).exists() and (problem := path_problem(cache_dir, "folder")):
+        raise CLIError(f"--cache-dir {cache_dir} {problem}")
+
+
 def cmd_models_pull(args: argparse.Namespace) -> int:
+    _check_cache_dir(args.cache_dir)
     path = pull_builtin(args.name, args.cache_dir, force=args.force)
     print(f"{args.name}: {path}")
     return 0
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
+    if (
+        args.cache_dir
+        and Path(args.cache_dir).exists()
+        and (problem := path_problem(args.cache_dir, "folder"))
+    ):
+        raise CLIError(f"--cache-dir {args.cache_dir} {problem}")
     rows = [(m["name"], m["pulled"], m["size_mb"], m["description"]) for m in list_models(args.cache_dir)]
     print(format_table(rows, ("name", "pulled", "MB", "description")))
     return 0

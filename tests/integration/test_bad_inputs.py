@@ -1895,6 +1895,16 @@ def test_an_error_no_user_can_cause_keeps_its_traceback(isolated, monkeypatch):
             ["eval", "--model", "tiny-random", "--data", "empty.jsonl"],
             "error: empty.jsonl: no evaluation records",
         ),
+        (
+            ["models", "list", "--cache-dir", "notes.txt"],
+            "error: --cache-dir notes.txt is a file, not a folder",
+        ),
+        (
+            ["models", "pull", "tiny-random", "--cache-dir", "notes.txt"],
+            "error: --cache-dir notes.txt is a file",
+        ),
+        (["config", "grpo..stages"], "error: config: no section or key 'grpo..stages'"),
+        (["config", ""], "error: config: no section or key ''"),
     ],
     ids=[
         "fetch into a file",
@@ -1904,6 +1914,10 @@ def test_an_error_no_user_can_cause_keeps_its_traceback(isolated, monkeypatch):
         "preview a small file",
         "a local model that is not there",
         "an empty evaluation file",
+        "models list in a file",
+        "models pull into a file",
+        "a key with an empty part",
+        "an empty key",
     ],  # fmt: skip
 )
 def test_data_and_eval_commands_name_the_flag_or_file_before_the_hub_or_a_model(argv, line, isolated, capfd):
