@@ -30,7 +30,7 @@ from posttrain.cache.store import Store, StoreError
 from posttrain.core.checked import deferred_memos, flush_memos
 from posttrain.core.config import DataConfig, EvalConfig, TrackingConfig
 from posttrain.core.errors import DataError, HardwareError, PosttrainError
-from posttrain.core.inputs import check_input_path, path_problem
+from posttrain.core.inputs import check_input_path, file_in_the_way, path_problem
 from posttrain.core.library_policy import CUSTOM_CODE_ENV, allow_custom_code
 from posttrain.core.metric_names import interval_names, slices_of
 from posttrain.core.prompts import format_sft_target
@@ -41,7 +41,7 @@ from posttrain.core.sweep import parse_seeds, sweep_points
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
 from posttrain.generation.vllm_server import check_vllm_server
 from posttrain.models.loading import load_tokenizer
-from posttrain.models.resolve import list_models, pull_builtin, resolve_model_path
+from posttrain.models.resolve import list_models, names_a_local_path, pull_builtin, resolve_model_path
 from posttrain.pipeline import load_config
 from posttrain.pipeline.input_checks import tracking_uri_problem
 from posttrain.pipeline.validation import managed_vllm_stages
@@ -358,9 +358,16 @@ def cmd_data_fetch(args: argparse.Namespace) -> int:
         folder = Path(args.dir or os.environ.get(GSM8K_DIR_ENV) or DEFAULT_GSM8K_DIR)
         wanted = [(split, folder / f"{split}.jsonl") for split in ([args.split] if args.split else SPLITS)]
     for _, output in wanted:  # every name checked before the hub is asked for anything
-        flag = "--output" if args.output else "--dir"
-        if blocking := [p for p in output.parents if p.exists() and not p.is_dir()]:
-            raise CLIError(f"{flag} {output.parent}: {blocking[0]} is a file, not a folder")
+        if args.output:
+            where = f"--output {args.output}"
+        elif args.dir:
+            where = f"--dir {args.dir}"
+        else:
+            where = (
+                f"{GSM8K_DIR_ENV}={output.parent}" if os.environ.get(GSM8K_DIR_ENV) else str(output.parent)
+            )
+        if blocking := file_in_the_way(output.parent):
+            raise CLIError(f"{where}: {blocking} is a file, not a folder")
         if output.exists() and (problem := path_problem(output, "file")):
             raise CLIError(f"{output} {problem}")
     for split, output in wanted:
@@ -377,7 +384,9 @@ def cmd_data_fetch(args: argparse.Namespace) -> int:
 def cmd_data_hold_out(args: argparse.Namespace) -> int:
     from posttrain.data.sources import hold_out_last
 
-    for output in (args.train, args.test):
+    for flag, output in (("--train", args.train), ("--test", args.test)):
+        if Path(output).exists() and (problem := path_problem(output, "file")):
+            raise CLIError(f"{flag} {output} {problem}")
         if Path(output).exists() and not args.force:
             raise CLIError(f"{output}: already exists; pass --force to replace it")
     kept, held = hold_out_last(args.source, args.last, args.train, args.test)
@@ -663,9 +672,7 @@ def _check_eval_paths(args: argparse.Namespace) -> None:
     """What ``eval`` reads and writes is usable, found before the model loads and the evaluation
     runs: a local ``--model`` or ``--data`` is a regular file or folder, and ``--output`` is a
     folder (or can become one) that can be written."""
-    model = Path(args.model).expanduser()
-    local = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or model.suffix == ".gguf"
-    if local or model.exists():  # a hub id (org/name) is the hub's to find
+    if names_a_local_path(args.model) or Path(args.model).expanduser().exists():  # a hub id is the hub's
         check_input_path(args.model, "--model")
     if args.data not in ("hub", "synthetic") and not args.data.startswith("hub:"):
         check_input_path(args.data, "--data")
@@ -689,8 +696,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         only := [f for f in ("metric", "registered_model", "force") if getattr(args, f)]
     ):
         raise CLIError(f"--{only[0].replace('_', '-')} applies to --promote only")
-    if blocking := [p for p in Path(args.plot).parents if p.exists() and not p.is_dir()]:
-        raise CLIError(f"--plot {args.plot}: {blocking[0]} is a file, not a folder")
+    if blocking := file_in_the_way(Path(args.plot).expanduser().parent):
+        raise CLIError(f"--plot {args.plot}: {blocking} is a file, not a folder")
     args.tracking_uri = _tracking_store_to_read(args.tracking_uri)
     comparison = compare_runs(
         args.experiment,
@@ -788,12 +795,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    if (
-        args.cache_dir
-        and Path(args.cache_dir).exists()
-        and (problem := path_problem(args.cache_dir, "folder"))
-    ):
-        raise CLIError(f"--cache-dir {args.cache_dir} {problem}")
+    _check_cache_dir(args.cache_dir)
     rows = [(m["name"], m["pulled"], m["size_mb"], m["description"]) for m in list_models(args.cache_dir)]
     print(format_table(rows, ("name", "pulled", "MB", "description")))
     return 0

@@ -1873,7 +1873,7 @@ def test_an_error_no_user_can_cause_keeps_its_traceback(isolated, monkeypatch):
         ),
         (
             ["data", "fetch", "gsm8k", "--output", "notes.txt/x/train.jsonl"],
-            "error: --output notes.txt/x: notes.txt is a file, not a folder",
+            "error: --output notes.txt/x/train.jsonl: notes.txt is a file, not a folder",
         ),
         (
             ["data", "fetch", "gsm8k", "--split", "validation"],
@@ -1896,6 +1896,18 @@ def test_an_error_no_user_can_cause_keeps_its_traceback(isolated, monkeypatch):
             "error: empty.jsonl: no evaluation records",
         ),
         (
+            ["eval", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--data", "empty.jsonl"],
+            "error: empty.jsonl: no evaluation records",  # a hub id is not taken for a missing path
+        ),
+        (
+            ["data", "hold-out", "three.jsonl", "--last", "1", "--train", "a.jsonl", "--test", "out"],
+            "error: --test out is a folder",
+        ),
+        (
+            ["data", "fetch", "gsm8k"],
+            "error: GSM8K_DIR=notes.txt/gsm8k: notes.txt is a file, not a folder",
+        ),
+        (
             ["models", "list", "--cache-dir", "notes.txt"],
             "error: --cache-dir notes.txt is a file, not a folder",
         ),
@@ -1914,18 +1926,26 @@ def test_an_error_no_user_can_cause_keeps_its_traceback(isolated, monkeypatch):
         "preview a small file",
         "a local model that is not there",
         "an empty evaluation file",
+        "a hub id",
+        "hold out into a folder",
+        "fetch into GSM8K_DIR under a file",
         "models list in a file",
         "models pull into a file",
         "a key with an empty part",
         "an empty key",
     ],  # fmt: skip
 )
-def test_data_and_eval_commands_name_the_flag_or_file_before_the_hub_or_a_model(argv, line, isolated, capfd):
-    """Each of these used to ask the hub first (retrying for half a minute offline), ignore the flag,
-    or fail with a line that named neither the file nor the flag."""
+def test_data_and_eval_commands_name_the_flag_or_file_before_the_hub_or_a_model(
+    argv, line, isolated, capfd, monkeypatch
+):
+    """Each is known from the command line alone: asking the hub first costs half a minute of
+    retries offline, and a line that names neither the file nor the flag leaves the user guessing."""
     (isolated / "notes.txt").write_text("notes\n")
     (isolated / "three.jsonl").write_text('{"question": "q?", "answer": "#### 1"}\n' * 3)
     (isolated / "empty.jsonl").write_text("")
+    (isolated / "out").mkdir()
+    if argv == ["data", "fetch", "gsm8k"]:
+        monkeypatch.setenv("GSM8K_DIR", "notes.txt/gsm8k")
     before = _tree(isolated)
     code = main(argv)
     out, err = capfd.readouterr()
@@ -1943,7 +1963,7 @@ def test_data_and_eval_commands_name_the_flag_or_file_before_the_hub_or_a_model(
     ],
 )
 def test_a_dry_run_refuses_the_store_a_run_would_refuse_and_writes_nothing(case, fragment, isolated, capfd):
-    """--dry-run used to print its plan (exit 0) for a store the run then refused."""
+    """A dry run answers "would this run?": a plan printed for a store the run refuses says yes wrongly."""
     _, sets, _, _, _, setup, run_fragment = next(c for c in ALL_CASES if c[0] == case)
     cfg = isolated / "bad.yaml"
     cfg.write_text(BASE)

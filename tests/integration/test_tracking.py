@@ -820,8 +820,8 @@ def test_a_failure_while_the_server_answers_is_not_a_server_gone(uri):
 def test_compare_refuses_what_it_cannot_read_in_one_line_and_writes_nothing(
     case, argv, expected, uri, tmp_path, monkeypatch, capsys
 ):
-    """`compare` used to print MLflow's traceback for an unknown run or experiment, retry for
-    minutes on a folder or a file that is not SQLite, and create an empty database where none was."""
+    """MLflow answers these with a traceback (an unknown run or experiment), minutes of retries (a
+    folder, a file that is not SQLite) or a new empty database where none was: compare checks first."""
     from posttrain.cli import main
 
     with (
@@ -842,3 +842,47 @@ def test_compare_refuses_what_it_cannot_read_in_one_line_and_writes_nothing(
     assert err.startswith("error: ") and len(err.splitlines()) == 1, err
     assert expected.format(**fill) in err
     assert sorted(p.name for p in work.iterdir()) == before  # no mlflow.db, no compare.png
+
+
+def test_a_sqlite_store_mlflow_can_open_passes_the_check(tmp_path, template_db, monkeypatch):
+    """The check refuses a folder or a file that is not a database, and nothing SQLite opens: an
+    empty file (SQLite makes it a database), a database with options in the URI's query."""
+    from posttrain.tracking.mlflow_io import resolve_tracking_uri, uri_problem
+
+    (tmp_path / "empty.db").write_bytes(b"")
+    shutil.copy(template_db, tmp_path / "real.db")
+    for name in ("empty.db", "real.db", "real.db?timeout=30", "new.db"):
+        assert uri_problem(f"sqlite:///{tmp_path}/{name}") is None, name
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///real.db?timeout=30")
+    assert resolve_tracking_uri(parse_config({"name": "x", "model": {"name": "tiny-random"}}).tracking) == (
+        f"sqlite:///{tmp_path}/real.db?timeout=30"
+    )
+
+
+def test_the_server_check_trusts_tls_as_mlflow_is_told_to(monkeypatch):
+    """A self-signed server MLflow reaches with MLFLOW_TRACKING_INSECURE_TLS must not be refused by
+    a check that verifies certificates MLflow does not."""
+    import ssl
+
+    from posttrain.tracking.mlflow_io import _mlflow_tls_context
+
+    for name in (
+        "MLFLOW_TRACKING_INSECURE_TLS",
+        "MLFLOW_TRACKING_SERVER_CERT_PATH",
+        "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    assert _mlflow_tls_context() is None  # urllib's default: verified
+    monkeypatch.setenv("MLFLOW_TRACKING_INSECURE_TLS", "true")
+    context = _mlflow_tls_context()
+    assert context.verify_mode == ssl.CERT_NONE and not context.check_hostname
+
+
+def test_compare_reads_a_run_id_given_in_upper_case(uri, capsys):
+    from posttrain.cli import main
+
+    with start_pipeline_run(make_cfg(uri), steps=["sft"]) as tracker:
+        pass
+    assert main(["compare", "--tracking-uri", uri, tracker.run_id.upper()]) == 0
+    assert "plot: compare.png" in capsys.readouterr().out

@@ -359,7 +359,7 @@ LINE = '{"question": "q?", "answer": "#### 1"}\n'
         (LINE * 3, 1, "all.jsonl", "test.jsonl", "write the two parts to other files"),
         (LINE * 3, 0, "train.jsonl", "test.jsonl", "--last must be >= 1"),
         (LINE * 3, 1, "part.jsonl", "part.jsonl", "--train and --test name one file"),  # the test part won
-        (LINE * 3, 1, "train.jsonl", "out/", "out: a folder; give a .jsonl file name"),
+        (LINE * 3, 1, "train.jsonl", "out/", "out is a folder, not a file"),
     ],
     ids=["bad line", "nothing left to train on", "in place", "zero", "one file for both", "a folder"],
 )

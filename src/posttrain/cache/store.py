@@ -40,6 +40,7 @@ from pathlib import Path
 
 from posttrain.core.atomic import CHECKPOINTS_SUFFIX, tidy_interrupted
 from posttrain.core.errors import PosttrainError
+from posttrain.core.inputs import file_in_the_way
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,8 @@ class Store:
     def check_usable(self) -> None:
         """What :meth:`at` would refuse, found without writing anything (a dry run creates no store):
         a file where the store or a folder above it would be, a folder that is not a store, a link."""
-        if blocking := [p for p in (self.root, *self.root.parents) if p.exists() and not p.is_dir()]:
-            raise StoreError(f"{blocking[0]} is not a folder")
+        if blocking := file_in_the_way(self.root):
+            raise StoreError(f"{blocking} is not a folder")
         if self.root.is_dir():
             self._refuse_unmarked()
             self.check_contained()

@@ -33,6 +33,7 @@ __all__ = [
     "YAMLLimitError",
     "check_config_values",
     "check_input_path",
+    "file_in_the_way",
     "load_yaml_bounded",
     "path_problem",
 ]
@@ -82,6 +83,17 @@ def path_problem(path: str | Path, want: Kind = "any") -> str | None:
         else "not a regular file"
     )
     return f"is {kind}, not a regular file or folder"
+
+
+def file_in_the_way(path: str | Path) -> Path | None:
+    """The file standing where ``path`` or a folder above it would have to be a folder (an output
+    folder ``notes.txt/out`` under a file ``notes.txt``), or None: found before anything is written.
+
+    >>> file_in_the_way("/dev/null/out"), file_in_the_way("/tmp/any/new/folder")
+    (PosixPath('/dev/null'), None)
+    """
+    path = Path(path).expanduser()
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
 def check_input_path(path: str | Path, key: str, want: Kind = "any") -> Path:

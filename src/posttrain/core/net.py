@@ -9,6 +9,7 @@ lock and started work. :func:`unreachable` asks once, with a short timeout, befo
 from __future__ import annotations
 
 import socket
+import ssl
 import urllib.error
 import urllib.request
 
@@ -20,7 +21,9 @@ PREFLIGHT_TIMEOUT_S = 4.0
 """Per request; the CLI makes at most two (MLflow, Prefect), so it fails within ten seconds."""
 
 
-def unreachable(url: str, timeout: float = PREFLIGHT_TIMEOUT_S) -> str | None:
+def unreachable(
+    url: str, timeout: float = PREFLIGHT_TIMEOUT_S, context: ssl.SSLContext | None = None
+) -> str | None:
     """Why ``url`` cannot be reached (refused, timed out, unknown host), or None if it answered.
 
     Any HTTP answer counts as reachable (an auth error or a 404 is the server talking); only
@@ -30,7 +33,7 @@ def unreachable(url: str, timeout: float = PREFLIGHT_TIMEOUT_S) -> str | None:
     'http://127.0.0.1:9/health: connection refused'
     """
     try:
-        with urllib.request.urlopen(url, timeout=timeout):  # noqa: S310 - http(s) only (callers check)
+        with urllib.request.urlopen(url, timeout=timeout, context=context):  # noqa: S310 - http(s) only
             return None
     except urllib.error.HTTPError:
         return None

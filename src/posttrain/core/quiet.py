@@ -30,7 +30,7 @@ def one_line_per_library_record() -> None:
     """Print huggingface_hub's log records once, through the root logger's handler.
 
     huggingface_hub gives its logger a handler of its own and lets records propagate too, so under a
-    process that configures the root logger each hub retry was printed twice, once without a time.
+    process that configures the root logger each hub retry would be printed twice, once without a time.
     """
     import huggingface_hub.utils.logging  # noqa: F401  # installs its handler, once per process
 

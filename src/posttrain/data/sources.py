@@ -208,9 +208,6 @@ def hold_out_last(source: str | Path, last: int, train: str | Path, test: str | 
         raise DataError(
             f"{test}: --train and --test name one file (the held-out part would replace the rest)"
         )
-    for output in (Path(train), Path(test)):
-        if output.is_dir():
-            raise DataError(f"{output}: a folder; give a .jsonl file name")
     load_jsonl(source)  # every line parses: a bad one stops here, before anything is written
     lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
     if last >= len(lines):

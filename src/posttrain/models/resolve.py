@@ -197,6 +197,15 @@ def list_models(cache_dir: str | Path | None = None) -> list[dict[str, str]]:
     return rows
 
 
+def names_a_local_path(name: str) -> bool:
+    """Whether a model name can only mean a local file or folder (never a hub id ``org/name``).
+
+    >>> [names_a_local_path(n) for n in ("./m", "~/m", "a/b/c", "m.gguf", "Qwen/Qwen2.5-0.5B", "gpt2")]
+    [True, True, True, True, False, False]
+    """
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).suffix == ".gguf"
+
+
 def resolve_model_path(name: str, cache_dir: str | Path | None = None) -> str:
     """A local directory for built-ins, local dirs and .gguf files; hub ids are returned unchanged."""
     if name in BUILTIN_MODELS:
@@ -214,6 +223,6 @@ def resolve_model_path(name: str, cache_dir: str | Path | None = None) -> str:
         if not (path / "config.json").exists():
             raise ModelError(f"{path} is not a Hugging Face model directory (no config.json)")
         return str(path)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+    if names_a_local_path(name):
         raise ModelError(f"model path {name} does not exist")
     return name  # a hub id such as Qwen/Qwen2.5-0.5B-Instruct

@@ -158,6 +158,7 @@ def compare_runs(
     :func:`posttrain.tracking.resolve_tracking_uri`.
     """
     uri = tracking_uri or resolve_tracking_uri(TrackingConfig())
+    run_ids = [r.lower() for r in run_ids]  # MLflow writes them in lower case
     if malformed := [r for r in run_ids if not _RUN_ID.fullmatch(r)]:
         raise TrackingError(f"{malformed[0]!r} is not an MLflow run id (32 hexadecimal characters)")
     client = mlflow_client(uri)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -59,7 +60,10 @@ def resolve_tracking_uri(tracking: TrackingConfig) -> str:
     """
     uri = tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
     db = sqlite_path(uri)
-    return f"sqlite:///{db.resolve()}" if db is not None and not db.is_absolute() else uri
+    if db is None or db.is_absolute():
+        return uri
+    query = uri.partition("?")[2]
+    return f"sqlite:///{db.resolve()}" + (f"?{query}" if query else "")
 
 
 _DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
@@ -78,11 +82,29 @@ def tracking_problem(tracking: TrackingConfig) -> str | None:
 _SQLITE_HEADER = b"SQLite format 3\x00"
 
 
+def _mlflow_tls_context() -> ssl.SSLContext | None:
+    """The TLS settings MLflow's client takes from the environment, so the check trusts a server
+    exactly when MLflow would (a self-signed one with ``MLFLOW_TRACKING_INSECURE_TLS``, a private
+    CA with ``MLFLOW_TRACKING_SERVER_CERT_PATH``, a client certificate)."""
+    insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("true", "1")
+    server_ca = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH")
+    client_cert = os.environ.get("MLFLOW_TRACKING_CLIENT_CERT_PATH")
+    if not (insecure or server_ca or client_cert):
+        return None
+    context = ssl.create_default_context(cafile=server_ca or None)
+    if insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if client_cert:
+        context.load_cert_chain(client_cert)
+    return context
+
+
 def uri_problem(uri: str) -> str | None:
     """:func:`tracking_problem` for a resolved tracking URI: also how a run that fails to log tells
     a server that went away from a bug in what it logged."""
     if uri.startswith(("http://", "https://")):
-        problem = unreachable(uri.rstrip("/") + "/health")
+        problem = unreachable(uri.rstrip("/") + "/health", context=_mlflow_tls_context())
         return f"MLflow tracking server unreachable: {problem}" if problem else None
     scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
     if scheme in _DATABASE_PORTS:
@@ -150,7 +172,13 @@ def truncate(text: str, limit: int) -> str:
 
 
 def sqlite_path(uri: str) -> Path | None:
-    return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
+    """The database file of a ``sqlite:///`` URI, without the query SQLAlchemy reads as options
+    (``sqlite:///mlflow.db?timeout=30``).
+
+    >>> sqlite_path("sqlite:///runs/mlflow.db?timeout=30"), sqlite_path("http://h")
+    (PosixPath('runs/mlflow.db'), None)
+    """
+    return Path(uri[len("sqlite:///") :].split("?", 1)[0]) if uri.startswith("sqlite:///") else None
 
 
 def _numeric(value: Any) -> float | None:
