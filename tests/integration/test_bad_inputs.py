@@ -361,6 +361,22 @@ CASES = [
         "{cfg}: eval: `hub_split` applies to data: hub only (data is local)",
     ),
     (
+        "a negative seed (numpy's range, where transformers' set_seed fails after the model loads)",
+        ["seed=-1"],
+        None,
+        [],
+        {},
+        "{cfg}: seed: Input should be greater than or equal to 0",
+    ),
+    (
+        "an evaluation seed past numpy's range",
+        ["eval.seed=4294967296"],
+        None,
+        [],
+        {},
+        "{cfg}: eval.seed: Input should be less than 4294967296",
+    ),
+    (
         "eval operations range reversed",
         ["eval.data=synthetic", "eval.min_ops=3", "eval.max_ops=2"],
         None,

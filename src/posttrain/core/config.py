@@ -89,6 +89,10 @@ __all__ = [
 _CACHE_FORM = "posttrain.cache_form"
 
 
+SEED_LIMIT = 2**32
+"""Seeds lie in [0, 2**32): numpy's, which transformers' ``set_seed`` calls at a stage's start."""
+
+
 class _KeyProblem(ValueError):
     """A problem with one key of a section, raised by the section: the error is located at the key."""
 
@@ -478,7 +482,7 @@ class DataConfig(StrictModel):
     """Training records set aside, after the held-out slice, to choose checkpoints on (``keep: best``)
     and for in-training evaluations: never trained on, never evaluated on at the end, decontaminated
     against every evaluation set. 0: none."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT)
     """The data step's seed (the held-out and selection slices, the synthetic problems): fixed, not
     the run's; see the top-level ``seed``."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
@@ -947,7 +951,7 @@ class EvalConfig(_EvalSource, _ToolFields):
     """Samples per question; above 1, reports pass@k (and needs ``temperature`` > 0)."""
     temperature: float = Field(0.0, ge=0)
     """0 = greedy; pass@k > 1 needs temperature > 0."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT)
     """The evaluation's sampling seed (``temperature`` > 0 only; each sample's seed derives from it
     and the question): fixed, not the run's; see the top-level ``seed``."""
     baseline: bool = True
@@ -1062,7 +1066,7 @@ class PipelineConfig(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     """Run name: names the MLflow experiment unless
     ``tracking.experiment`` is set, and the registered model ``compare --promote`` writes."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT)
     """The run's seed, and the one a seed sweep varies (``posttrain sweep --seeds 0,1,2``). Every
     training stage draws from it: TRL's ``seed`` (LoRA initialisation, data order, dropout, GRPO's
     sampled completions), DPO's prompts and samples, and the fresh prompts of ``zero_signal:
