@@ -404,6 +404,7 @@ def run_plan(
         visit.summary.changes = stage_deltas(visit.summary)
         visit._tracked("the run's summary", lambda: tracker.log_metrics(visit.summary.changes))
         visit._tracked("the run's summary", tracker.plot_accuracy_by_stage)
+        visit._tracked("the run's summary", tracker.log_stage_gains)
         tracker.finish()
         if tracker.lost is not None:
             raise tracker.lost_error(str(store.root))

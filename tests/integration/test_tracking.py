@@ -133,6 +133,7 @@ def test_disabled_tracker_is_a_no_op(tmp_path, monkeypatch):
         assert tracker.find_producer("k") is None
         assert tracker.log_final_model(tmp_path) is None
         assert tracker.plot_accuracy_by_stage() is False
+        assert tracker.log_stage_gains() is False
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, no mlruns
 
 
@@ -886,3 +887,29 @@ def test_compare_reads_a_run_id_given_in_upper_case(uri, capsys):
         pass
     assert main(["compare", "--tracking-uri", uri, tracker.run_id.upper()]) == 0
     assert "plot: compare.png" in capsys.readouterr().out
+
+
+def test_the_parent_run_holds_what_each_stage_bought_as_a_table(uri, tmp_path):
+    """The UI lists a run's few hundred metrics unsorted; stage_gains.json puts each evaluation's
+    accuracy, its change from the one before it with the paired interval, and the minutes in order."""
+    with start_pipeline_run(make_cfg(uri), steps=["eval-baseline", "sft", "eval-sft"]) as tracker:
+        tracker.log_metrics(
+            {
+                "eval-sft/accuracy_strict": 0.16,  # logged first: the table follows the plan, not MLflow
+                "eval-sft/delta_accuracy_strict": 0.16,
+                "eval-sft/delta_accuracy_strict_ci_low": 0.112,
+                "eval-sft/delta_accuracy_strict_ci_high": 0.217,
+                "eval-sft/stage_minutes": 1.5,
+                "eval-baseline/accuracy_strict": 0.0,
+            }
+        )
+        assert tracker.log_stage_gains() is True
+    table = json.loads(download(uri, tracker.run_id, "stage_gains.json", tmp_path / "g").read_text())
+    rows = [tuple(row) for row in table["data"]]
+    assert table["columns"] == ["what", "value"]
+    assert rows == [
+        ("eval-baseline strict", "0.0%"),
+        ("eval-sft strict", "16.0%"),
+        ("change from baseline", "+16.0 [+11.2, +21.7] *"),
+        ("bought with", "1.5 min, +10.67 points/min"),
+    ]

@@ -105,7 +105,7 @@ def test_mlflow_holds_parent_and_nested_stage_runs(first_run, workdir):
     assert "eval/accuracy_strict" in by_name["eval-sft"].data.metrics
     artifacts = {a.path for a in client.list_artifacts(grpo.info.run_id)}
     assert "stage.json" in artifacts
-    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"config.yaml"}
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"config.yaml", "stage_gains.json"}
 
 
 TRAINING = ["sft", "dpo", "grpo-format", "grpo-correctness"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,6 +48,7 @@ __all__ = [
     "Comparison",
     "RunSummary",
     "accuracy_by_stage_figure",
+    "in_plan_order",
     "cell_text",
     "compare_runs",
     "eval_metrics_by_stage",
@@ -261,14 +262,24 @@ def _seed(value: Any) -> int | None:
 
 def _ordered_metrics(summaries: Sequence[RunSummary], rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Every ``<stage>/<metric>``, stages in the plan's order (the runs' ``posttrain.steps`` tags)."""
+    steps = [str(row.get(f"tags.{STEPS_TAG}") or "") for row in rows]
+    return in_plan_order({m for s in summaries for m in s.stage_metrics}, steps)
+
+
+def in_plan_order(names: Iterable[str], steps_tags: Iterable[str]) -> list[str]:
+    """``<stage>/<metric>`` names sorted by their stage's place in the runs' ``posttrain.steps`` tags
+    (comma-separated step names, the first run's order first), then by name.
+
+    >>> in_plan_order(["eval-sft/a", "eval-baseline/a", "eval-sft/a/ops_1"], ["eval-baseline,sft,eval-sft"])
+    ['eval-baseline/a', 'eval-sft/a', 'eval-sft/a/ops_1']
+    """
     order: dict[str, int] = {}
-    for row in rows:
-        for step in str(row.get(f"tags.{STEPS_TAG}") or "").split(","):
+    for tag in steps_tags:
+        for step in tag.split(","):
             if step:
                 order.setdefault(step, len(order))
-    names = {m for s in summaries for m in s.stage_metrics}
     # A metric's name has slashes of its own (accuracy_strict/gsm8k/ops_2); the stage is the first part.
-    return sorted(names, key=lambda m: (order.get(m.split("/", 1)[0], len(order)), m))
+    return sorted(set(names), key=lambda m: (order.get(m.split("/", 1)[0], len(order)), m))
 
 
 def _reward_curves(

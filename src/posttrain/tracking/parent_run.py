@@ -17,7 +17,8 @@ from posttrain.core.hashing import package_versions, stable_hash
 from posttrain.core.metric_names import is_interval_metric, parse_metric_name
 from posttrain.core.redact import redact_text
 from posttrain.core.sweep import seed_group
-from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage
+from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage, in_plan_order
+from posttrain.tracking.headline import format_headline
 from posttrain.tracking.logged_models import create_stage_model, find_stage_model
 from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
@@ -496,6 +497,26 @@ class Tracker:
         if not per_stage:
             return False
         client.log_figure(self.run_id, accuracy_by_stage_figure(per_stage), "accuracy_by_stage.png")
+        return True
+
+    def log_stage_gains(self) -> bool:
+        """``stage_gains.json`` on the parent: the rows ``posttrain compare`` heads its table with
+        (each evaluation's accuracy with its interval, its change from the evaluation before it with
+        the paired interval, the minutes that bought it), so the UI shows what each stage bought
+        without a search through the run's few hundred metric names."""
+        if not self.enabled:
+            return False
+        import pandas as pd  # heavy: deferred until needed
+
+        client = mlflow_client(self.tracking_uri)
+        run = client.get_run(self.run_id)
+        metrics = {k: v for k, v in run.data.metrics.items() if "/" in k}
+        names = in_plan_order(metrics, [run.data.tags.get(STEPS_TAG, "")])
+        rows = format_headline([metrics], names)
+        if not rows:
+            return False
+        table = pd.DataFrame({"what": [label.strip() for label, _ in rows], "value": [v[0] for _, v in rows]})
+        client.log_table(self.run_id, table, "stage_gains.json")
         return True
 
     def finish(self, status: str = "FINISHED") -> None:
