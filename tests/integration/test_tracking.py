@@ -308,6 +308,9 @@ def test_alerts_completions_and_plots(uri, tmp_path):
     assert (
         rows[0]["completion"] == "<answer>1</answer>" and rows[0]["prompt"] == "[system] fmt\n\n[user] 1+1?"
     )
+    assert (
+        table["columns"][:2] == ["step", "question"] and rows[0]["question"] == "1+1?"
+    )  # not behind the system prompt
     for run_id, name in ((stage.run_id, "reward_curves.png"), (tracker.run_id, "accuracy_by_stage.png")):
         png = download(uri, run_id, name, tmp_path / name).read_bytes()
         assert png.startswith(PNG_MAGIC) and len(png) > 10_000

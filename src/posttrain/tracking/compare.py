@@ -325,6 +325,23 @@ def cell_text(cell: Any) -> Any:
     return cell if isinstance(cell, str | int | float | bool) or cell is None else str(cell)
 
 
+def last_user_text(cell: Any) -> str | None:
+    """The last user message of a conversation cell (the question, which in the table's prompt column
+    comes after the same long system prompt on every row), or None for a plain-text prompt.
+
+    >>> last_user_text([{"role": "system", "content": "fmt"}, {"role": "user", "content": "1+1?"}])
+    '1+1?'
+    >>> last_user_text("1+1?") is None
+    True
+    """
+    if hasattr(cell, "tolist"):
+        cell = cell.tolist()
+    if not isinstance(cell, list):
+        return None
+    users = [m for m in cell if isinstance(m, Mapping) and m.get("role") == "user"]
+    return str(users[-1].get("content", "")) if users else None
+
+
 # --------------------------------------------------------------------------- figures
 
 

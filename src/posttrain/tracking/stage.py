@@ -17,6 +17,7 @@ from posttrain.data.pass_rates import PassRates, kept_ids
 from posttrain.tracking.compare import (
     cell_text,
     is_curve_metric,
+    last_user_text,
     pass_rate_figure,
     reward_curves_figure,
     reward_series,
@@ -274,6 +275,8 @@ class StageRun:
         import pandas as pd
 
         table = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+        if "prompt" in table.columns and (questions := table["prompt"].map(last_user_text)).notna().any():
+            table.insert(int("step" in table.columns), "question", questions)  # before the system prompt
         for column in table.columns:
             if table[column].dtype == object:
                 table[column] = table[column].map(lambda cell: _clip(cell_text(cell), max_chars))
