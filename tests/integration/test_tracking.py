@@ -321,13 +321,13 @@ def test_cached_stage_points_at_its_producer(uri):
     with start_pipeline_run(cfg) as first:
         with first.stage("sft", params={"lr": 1e-5}, cache_key="sft-abc") as producer:
             producer.log_history([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}])
-        with first.stage("eval-sft", cache_key="eval-abc") as ev:
+        with first.stage("eval-sft", kind="eval", params={"limit": 8}, cache_key="eval-abc") as ev:
             ev.log_eval({"accuracy_strict": 0.25})
     with start_pipeline_run(cfg) as second:
         assert second.find_producer("sft-abc") == producer.run_id
         assert second.find_producer("missing") is None
         cached = second.record_cached_stage("sft", cache_key="sft-abc")
-        cached_eval = second.record_cached_stage("eval-sft", producer_run_id=ev.run_id)
+        cached_eval = second.record_cached_stage("eval-sft", kind="eval", producer_run_id=ev.run_id)
     c = client(uri)
     run = c.get_run(cached.run_id)
     assert run.data.tags["cached"] == "true" and run.data.tags["cached_from_run_id"] == producer.run_id
@@ -337,6 +337,10 @@ def test_cached_stage_points_at_its_producer(uri):
     assert "posttrain.cache_key" not in run.data.tags  # a cached copy never becomes a producer
     assert second.find_producer("sft-abc") == producer.run_id
     assert c.get_run(cached_eval.run_id).data.metrics == {"eval/accuracy_strict": 0.25}
+    # An evaluation's config params are named after its section, and a cached copy keeps them.
+    assert (
+        c.get_run(ev.run_id).data.params == c.get_run(cached_eval.run_id).data.params == {"eval.limit": "8"}
+    )
     assert c.get_run(second.run_id).data.metrics == {"eval-sft/accuracy_strict": 0.25}
     assert set(children(uri, second)) == {"sft", "eval-sft"}
 

@@ -103,6 +103,8 @@ def test_mlflow_holds_parent_and_nested_stage_runs(first_run, workdir):
         steps = [m.step for m in client.get_metric_history(grpo.info.run_id, key)]
         assert steps and min(steps) >= 1 and steps[-1] == max(steps), (key, steps)
     assert "eval/accuracy_strict" in by_name["eval-sft"].data.metrics
+    eval_params = by_name["eval-sft"].data.params  # the eval section's, not a stage's: eval.limit
+    assert "eval.limit" in eval_params and not any(k.startswith("stage.") for k in eval_params)
     artifacts = {a.path for a in client.list_artifacts(grpo.info.run_id)}
     assert "stage.json" in artifacts
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"config.yaml", "stage_gains.json"}

@@ -86,6 +86,20 @@ def _no_retries() -> Iterator[None]:
             os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = previous
 
 
+_PARAM_PREFIXES = {"data": "data", "eval": "eval", "score": "pass_rate"}
+
+
+def param_prefix(kind: str | None) -> str:
+    """The prefix of a step run's config params: the section's own name where the step reads one
+    section of the config (``eval.baseline``, not ``stage.baseline``, which reads as a property of
+    the run), ``stage`` for a training stage's section.
+
+    >>> param_prefix("eval"), param_prefix("grpo"), param_prefix(None)
+    ('eval', 'stage', 'stage')
+    """
+    return _PARAM_PREFIXES.get(kind or "", "stage")
+
+
 class TrackingLost(PosttrainError, RuntimeError):
     """The tracking server (or database) went away while a pipeline ran. Every step's output and
     cache record are in the store, so the same command, once it is back, logs what is missing
@@ -246,7 +260,7 @@ class Tracker:
                 )
             stage = StageRun(name, run.info.run_id, self.run_id, self.tracking_uri)
             if params is not None:
-                stage.log_params(params)
+                stage.log_params(params, param_prefix(kind))
         except Exception as exc:
             active = mlflow.active_run()
             if created is not None and active is not None and active.info.run_id == created.info.run_id:
@@ -302,7 +316,8 @@ class Tracker:
         """A finished nested run for a stage served from cache: ``cached=true``, ``cached_from_run_id``.
 
         The producer is found from ``cache_key`` when not given. Its metrics (full histories) and
-        ``stage.*`` params are copied, so comparisons and plots treat the stage like one that ran.
+        config params (``stage.*``, ``eval.*``, ...: :func:`param_prefix`) are copied, so comparisons
+        and plots treat the stage like one that ran.
         """
         if not self.enabled:
             return StageRun(name)
@@ -319,7 +334,8 @@ class Tracker:
             latest = copy_metric_history(client, producer_run_id, stage.run_id)
             mirror_eval(client, self.run_id, name, latest)
             params = client.get_run(producer_run_id).data.params
-            send_params(client, stage.run_id, {k: v for k, v in params.items() if k.startswith("stage.")})
+            own = f"{param_prefix(kind)}."
+            send_params(client, stage.run_id, {k: v for k, v in params.items() if k.startswith(own)})
         else:
             logger.info("stage %s: served from cache, but no finished MLflow run produced it", name)
         client.set_terminated(stage.run_id, "FINISHED")
