@@ -51,8 +51,21 @@ def main(argv: list[str] | None = None) -> int:
 
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
-    run_request(json.loads(Path(args[0]).read_text(encoding="utf-8")))
+    try:
+        run_request(json.loads(Path(args[0]).read_text(encoding="utf-8")))
+    finally:
+        _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """Destroy the stage's process group before the interpreter exits, as PyTorch asks: left to
+    interpreter teardown, a rank's gloo threads can be destroyed while still joinable, and that rank
+    aborts (SIGABRT, "terminate called without an active exception") after the stage has finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
