@@ -460,10 +460,7 @@ def _check_servers(cfg, source: str) -> None:
 
     if cfg.tracking.enabled and (problem := tracking_problem(cfg.tracking)):
         uri = resolve_tracking_uri(cfg.tracking)
-        if cfg.tracking.tracking_uri:
-            key = "tracking.tracking_uri"
-        else:  # the key names the URI: the SQLite checks' own mention of it would repeat it
-            key, problem = f"MLFLOW_TRACKING_URI={uri}", problem.removeprefix(f"{redact_text(uri)}: ")
+        key = "tracking.tracking_uri" if cfg.tracking.tracking_uri else f"MLFLOW_TRACKING_URI={uri}"
         raise CLIError(f"{source}: {key}: {problem}")
     if problem := prefect_api_problem():
         raise CLIError(
@@ -730,8 +727,6 @@ def _tracking_store_to_read(flag: str | None) -> str:
     else:
         where = f"the default tracking store {uri}"
     problem = tracking_uri_problem(uri) or uri_problem(uri)
-    if problem:
-        problem = problem.removeprefix(f"{redact_text(uri)}: ")  # the sqlite checks name it too
     db = sqlite_path(uri)
     if problem is None and db is not None and not db.exists():
         problem = f"no MLflow database at {db}: no run has been logged there (set --tracking-uri or MLFLOW_TRACKING_URI)"

@@ -528,7 +528,15 @@ CASES = [
         None,
         [],
         {},
-        "{cfg}: tracking.tracking_uri: sqlite:///{tmp}/no/such/dir/mlflow.db: folder {tmp}/no/such/dir does not exist",
+        "{cfg}: tracking.tracking_uri: folder {tmp}/no/such/dir does not exist",
+    ),
+    (
+        "MLFLOW_TRACKING_URI folder missing",
+        ["tracking.tracking_uri=null"],
+        None,
+        [],
+        {"MLFLOW_TRACKING_URI": "sqlite:///no/such/dir/mlflow.db"},
+        "{cfg}: MLFLOW_TRACKING_URI=sqlite:///{tmp}/no/such/dir/mlflow.db: folder {tmp}/no/such/dir does not exist",
     ),
     (
         "store under a file",
@@ -1258,7 +1266,7 @@ TRUST_CASES = [
         [],
         {},
         _files(dirs=("db",)),
-        "{cfg}: tracking.tracking_uri: sqlite:///{tmp}/db: {tmp}/db is not a file",
+        "{cfg}: tracking.tracking_uri: {tmp}/db is not a file",
     ),
     (
         "a tracking database that is not SQLite",
@@ -1267,7 +1275,7 @@ TRUST_CASES = [
         [],
         {},
         _files({"notes.db": "hello\n"}),
-        "{cfg}: tracking.tracking_uri: sqlite:///{tmp}/notes.db: {tmp}/notes.db is not an SQLite database",
+        "{cfg}: tracking.tracking_uri: {tmp}/notes.db is not an SQLite database",
     ),
     (
         "an empty extra evaluation set file",

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from posttrain.core.config import PipelineConfig, TrackingConfig
 from posttrain.core.net import tcp_unreachable, unreachable
-from posttrain.core.redact import redact, redact_text
+from posttrain.core.redact import redact
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,8 @@ def _mlflow_tls_context() -> ssl.SSLContext | None:
 
 def uri_problem(uri: str) -> str | None:
     """:func:`tracking_problem` for a resolved tracking URI: also how a run that fails to log tells
-    a server that went away from a bug in what it logged."""
+    a server that went away from a bug in what it logged. The message names the file or address at
+    fault, not the URI: each caller names the URI as the user gave it (a key, a flag, a variable)."""
     if uri.startswith(("http://", "https://")):
         problem = unreachable(uri.rstrip("/") + "/health", context=_mlflow_tls_context())
         return f"MLflow tracking server unreachable: {problem}" if problem else None
@@ -115,11 +116,11 @@ def uri_problem(uri: str) -> str | None:
     if db is None:
         return None
     if not db.parent.is_dir():
-        return f"{redact_text(uri)}: folder {db.parent} does not exist"
+        return f"folder {db.parent} does not exist"
     if db.exists() and not db.is_file():  # a folder: MLflow retries "unable to open" for minutes
-        return f"{redact_text(uri)}: {db} is not a file"
+        return f"{db} is not a file"
     if not _sqlite_or_empty(db):
-        return f"{redact_text(uri)}: {db} is not an SQLite database"
+        return f"{db} is not an SQLite database"
     return None
 
 
