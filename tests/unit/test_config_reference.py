@@ -100,7 +100,7 @@ def test_a_section_is_introduced_by_its_own_docstring_not_its_last_keys():
 def test_a_default_the_loader_fills_in_is_shown_as_one_not_as_required(tmp_path):
     """`name` may be left out (the file's stem fills it in), so the reference must not call it required."""
     (section,) = select(SECTIONS, "name")
-    assert section.keys[0].default != "required"
+    assert section.keys[0].default != "required" and section.keys[0].derived_from == "the config file's stem"
     assert "(`str`, default: the config file's stem)" in render_markdown([section])
     assert "  name: str, default: the config file's stem\n" in render_text([section])
     config = tmp_path / "my-run.yaml"

@@ -29,7 +29,6 @@ from posttrain.core.trainer_options import TRAINER_DEFAULTS
 
 __all__ = ["ConfigKey", "ConfigSection", "config_sections", "render_markdown", "render_text", "select"]
 
-_DERIVED = "derived: "
 _TRL_CLASSES = {"sft": "trl.SFTConfig", "dpo": "trl.DPOConfig", "grpo": "trl.GRPOConfig"}
 
 
@@ -39,10 +38,12 @@ class ConfigKey:
     """Dotted key, ``[]`` after a list of mappings: ``grpo.stages[].rewards[].weight``."""
     type: str
     default: str
-    """``required``, ``derived: <words>`` for a default computed at load (the words say from what), or
-    the default as JSON (which YAML reads as it is)."""
+    """``required``, or the default as JSON (which YAML reads as it is); ``""`` where it is derived."""
     doc: str
     """What the key does: the field's docstring, with a pointer where it is a section of its own."""
+    derived_from: str = ""
+    """What the loader computes the default from, for a key the schema requires but a file may
+    leave out (``name``: the config file's stem)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def render_markdown(sections: list[ConfigSection]) -> str:
         if section.doc:
             lines += [_markdown(section.doc), ""]
         for key in section.keys:
-            default = _default_words(key.default, "`{}`")
+            default = _default_words(key, "`{}`")
             lines.append(f"- **`{key.path}`** (`{key.type}`, {default}): {_markdown(key.doc)}")
         lines.append("")
     return "\n".join(lines)
@@ -128,7 +129,7 @@ def render_text(sections: list[ConfigSection], width: int = 100) -> str:
         for paragraph in section.doc.split("\n\n") if section.doc else []:
             out += textwrap.wrap(_plain_text(paragraph), width, initial_indent="  ", subsequent_indent="  ")
         for key in section.keys:
-            default = _default_words(key.default, "{}")
+            default = _default_words(key, "{}")
             out.append(f"  {key.path}: {key.type}, {default}")
             if key.doc:
                 out += textwrap.wrap(
@@ -142,7 +143,8 @@ def render_text(sections: list[ConfigSection], width: int = 100) -> str:
 
 
 def _key(model: type[BaseModel], name: str, field: FieldInfo, path: str, doc: str) -> ConfigKey:
-    default = _default(model, name, field)
+    derived_from = getattr(model, "derived_defaults", {}).get(name, "")
+    default = "" if derived_from else _default(field)
     kind = getattr(model, "trl_kind", None)
     if name == "trainer" and kind in TRAINER_DEFAULTS:
         # posttrain lays its own defaults under the YAML's options: they are the real defaults.
@@ -151,21 +153,18 @@ def _key(model: type[BaseModel], name: str, field: FieldInfo, path: str, doc: st
             f"posttrain's defaults lie under them: `{_json(TRAINER_DEFAULTS[kind])}`. posttrain sets "
             f"{', '.join(f'`{k}`' for k in MANAGED_TRAINER_KEYS)} itself and refuses them here."
         )
-    return ConfigKey(path, _type_name(field.annotation), default, doc)
+    return ConfigKey(path, _type_name(field.annotation), default, doc, derived_from)
 
 
-def _default_words(default: str, quote: str) -> str:
-    if default == "required":
-        return default
-    if default.startswith(_DERIVED):
-        return f"default: {default.removeprefix(_DERIVED)}"
-    return f"default {quote.format(default)}"
+def _default_words(key: ConfigKey, quote: str) -> str:
+    if key.derived_from:
+        return f"default: {key.derived_from}"
+    if key.default == "required":
+        return key.default
+    return f"default {quote.format(key.default)}"
 
 
-def _default(model: type[BaseModel], name: str, field: FieldInfo) -> str:
-    derived = getattr(model, "derived_defaults", {})
-    if name in derived:
-        return _DERIVED + derived[name]
+def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
     value = field.get_default(call_default_factory=True)
