@@ -323,11 +323,14 @@ def test_cached_stage_points_at_its_producer(uri):
             producer.log_history([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}])
         with first.stage("eval-sft", kind="eval", params={"limit": 8}, cache_key="eval-abc") as ev:
             ev.log_eval({"accuracy_strict": 0.25})
+        with first.stage("eval-base", params={"limit": 8}) as older:  # logged as an older posttrain did
+            older.log_eval({"accuracy_strict": 0.0})
     with start_pipeline_run(cfg) as second:
         assert second.find_producer("sft-abc") == producer.run_id
         assert second.find_producer("missing") is None
         cached = second.record_cached_stage("sft", cache_key="sft-abc")
         cached_eval = second.record_cached_stage("eval-sft", kind="eval", producer_run_id=ev.run_id)
+        cached_older = second.record_cached_stage("eval-base", kind="eval", producer_run_id=older.run_id)
     c = client(uri)
     run = c.get_run(cached.run_id)
     assert run.data.tags["cached"] == "true" and run.data.tags["cached_from_run_id"] == producer.run_id
@@ -341,8 +344,14 @@ def test_cached_stage_points_at_its_producer(uri):
     assert (
         c.get_run(ev.run_id).data.params == c.get_run(cached_eval.run_id).data.params == {"eval.limit": "8"}
     )
-    assert c.get_run(second.run_id).data.metrics == {"eval-sft/accuracy_strict": 0.25}
-    assert set(children(uri, second)) == {"sft", "eval-sft"}
+    # A producer an older posttrain logged named them stage.*: the copy names them as this one does.
+    assert c.get_run(older.run_id).data.params == {"stage.limit": "8"}
+    assert c.get_run(cached_older.run_id).data.params == {"eval.limit": "8"}
+    assert c.get_run(second.run_id).data.metrics == {
+        "eval-sft/accuracy_strict": 0.25,
+        "eval-base/accuracy_strict": 0.0,
+    }
+    assert set(children(uri, second)) == {"sft", "eval-sft", "eval-base"}
 
 
 def test_compare_runs_shows_only_the_differing_param_and_stage_metrics(uri, tmp_path, monkeypatch):

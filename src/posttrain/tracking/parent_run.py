@@ -100,6 +100,22 @@ def param_prefix(kind: str | None) -> str:
     return _PARAM_PREFIXES.get(kind or "", "stage")
 
 
+def _config_params(params: Mapping[str, str], kind: str | None) -> dict[str, str]:
+    """The config params a cached copy takes from its producer, named as this posttrain names them:
+    a producer an older posttrain logged named every step's section ``stage.*``.
+
+    >>> _config_params({"eval.limit": "8", "split": "dev"}, "eval")
+    {'eval.limit': '8'}
+    >>> _config_params({"stage.limit": "8"}, "eval"), _config_params({"stage.lr": "1e-05"}, "sft")
+    ({'eval.limit': '8'}, {'stage.lr': '1e-05'})
+    """
+    own = param_prefix(kind)
+    found = {k: v for k, v in params.items() if k.startswith(f"{own}.")}
+    if not found and own != "stage":
+        found = {f"{own}.{k.removeprefix('stage.')}": v for k, v in params.items() if k.startswith("stage.")}
+    return found
+
+
 class TrackingLost(PosttrainError, RuntimeError):
     """The tracking server (or database) went away while a pipeline ran. Every step's output and
     cache record are in the store, so the same command, once it is back, logs what is missing
@@ -333,9 +349,9 @@ class Tracker:
         if producer_run_id:
             latest = copy_metric_history(client, producer_run_id, stage.run_id)
             mirror_eval(client, self.run_id, name, latest)
-            params = client.get_run(producer_run_id).data.params
-            own = f"{param_prefix(kind)}."
-            send_params(client, stage.run_id, {k: v for k, v in params.items() if k.startswith(own)})
+            send_params(
+                client, stage.run_id, _config_params(client.get_run(producer_run_id).data.params, kind)
+            )
         else:
             logger.info("stage %s: served from cache, but no finished MLflow run produced it", name)
         client.set_terminated(stage.run_id, "FINISHED")
