@@ -325,6 +325,7 @@ class PlanRunner:
         if model_id is not None:
             self.models[step.name] = model_id
             run.set_tags({MODEL_ID_TAG: model_id})
+            self.tracker.link_stage_model(run, model_id, final=step.name == self.final_stage)
 
 
 def _log_result(run: Any, result: Any, *, cfg: PipelineConfig, model_id: str | None = None) -> None:

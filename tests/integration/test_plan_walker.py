@@ -160,6 +160,9 @@ def test_each_step_has_its_mlflow_run_and_the_stage_its_logged_model(first):
     }
     parent = first.client.get_run(first.summary.run_id)
     assert "eval-sft/delta_accuracy_strict" in parent.data.metrics  # the paired change per stage
+    # The weights MLflow logged are listed once as the stage run's output, and as the pipeline run's.
+    outputs = first.client.get_run(sft.info.run_id).outputs.model_outputs
+    assert [o.model_id for o in outputs] == [o.model_id for o in parent.outputs.model_outputs] == [model_id]
 
 
 def test_an_unchanged_walk_is_served_from_cache_and_points_at_the_producers(walk):

@@ -128,7 +128,11 @@ def test_each_stage_is_a_logged_model_with_its_evaluation_linked(first_run, work
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     runs = {r.info.run_name: r for r in children}
+    # The run pages' "Logged models": each stage's run lists its model, the pipeline run the final one.
+    assert [o.model_id for o in parent.outputs.model_outputs] == [by_stage[TRAINING[-1]].model_id]
     for stage, model in by_stage.items():
+        outputs = client.get_run(runs[stage].info.run_id).outputs.model_outputs
+        assert [o.model_id for o in outputs] == [model.model_id], stage
         assert str(model.status) == "READY" and model.source_run_id == runs[stage].info.run_id
         assert model.tags["posttrain.model_content"] == "reference"  # smoke: tracking.log_model false
         assert model.tags["posttrain.output_dir"] == next(
@@ -370,6 +374,16 @@ def test_cached_stage_runs_point_at_the_run_that_produced_them(smoke_config, fir
         assert "cached" not in producer.data.tags  # the run that computed it, not another cached copy
     for name in ("data", "eval-baseline"):  # never recomputed since the first run
         assert cached[name].data.tags["cached_from_run_id"] == produced[name].info.run_id
+    # A cached stage's run lists the model its producer made, and so does the cached pipeline run.
+    for name in TRAINING:
+        model_id = client.get_run(cached[name].info.run_id).data.tags["posttrain.model_id"]
+        producer = client.get_run(cached[name].data.tags["cached_from_run_id"])
+        assert model_id == producer.data.tags["posttrain.model_id"], name
+        assert [o.model_id for o in client.get_run(cached[name].info.run_id).outputs.model_outputs] == [
+            model_id
+        ]
+    final = client.get_run(cached[TRAINING[-1]].info.run_id).data.tags["posttrain.model_id"]
+    assert [o.model_id for o in client.get_run(rerun["run_id"]).outputs.model_outputs] == [final]
 
 
 def test_health_alerts_become_prefect_events_naming_the_stage():

@@ -42,6 +42,7 @@ __all__ = [
     "StageModel",
     "create_stage_model",
     "find_stage_model",
+    "link_model_output",
     "models_of_runs",
     "promote_champion",
     "stage_models",
@@ -92,6 +93,18 @@ def create_stage_model(
         params=dict(params or {}),
         model_type=kind,
     )
+
+
+def link_model_output(client: Any, run_id: str, model_id: str) -> None:
+    """List ``model_id`` among ``run_id``'s outputs, once. The run page's "Logged models" shows a
+    run's model inputs and outputs, not the models whose source run it is; MLflow's own
+    ``log_model`` lists the weights it logs, so a second entry would repeat it."""
+    from mlflow.entities import LoggedModelOutput  # heavy: deferred until needed
+
+    outputs = client.get_run(run_id).outputs
+    if any(o.model_id == model_id for o in (outputs.model_outputs if outputs else ())):
+        return
+    client.log_outputs(run_id, [LoggedModelOutput(model_id, step=0)])
 
 
 def find_stage_model(client: Any, experiment_ids: Sequence[str], cache_key: str) -> str | None:

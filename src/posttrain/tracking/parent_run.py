@@ -19,7 +19,7 @@ from posttrain.core.redact import redact_text
 from posttrain.core.sweep import seed_group
 from posttrain.tracking.compare import accuracy_by_stage_figure, eval_metrics_by_stage, in_plan_order
 from posttrain.tracking.headline import format_headline
-from posttrain.tracking.logged_models import create_stage_model, find_stage_model
+from posttrain.tracking.logged_models import create_stage_model, find_stage_model, link_model_output
 from posttrain.tracking.mlflow_io import (
     CACHE_KEY_TAG,
     ROLE_TAG,
@@ -412,6 +412,18 @@ class Tracker:
             raise
         client.finalize_logged_model(model.model_id, "READY")
         return model.model_id
+
+    def link_stage_model(self, stage: StageRun, model_id: str, *, final: bool) -> None:
+        """Show ``model_id`` as the output of the stage's run (a cached copy's too) and, for the
+        plan's last training stage, of the pipeline run: the run pages' "Logged models" then name
+        what each run produced, the pipeline run's its final model."""
+        if not self.enabled:
+            return
+        client = mlflow_client(self.tracking_uri)
+        if stage.enabled:
+            link_model_output(client, stage.run_id, model_id)
+        if final:
+            link_model_output(client, self.run_id, model_id)
 
     def find_stage_model(self, cache_key: str) -> str | None:
         """The LoggedModel produced under ``cache_key`` (this experiment first, then any), or None."""
