@@ -75,19 +75,23 @@ class _PrefectRunner(PlanRunner):
 
 @flow(name="posttrain-pipeline", task_runner=worker_processes(), log_prints=False)
 def posttrain_pipeline(
-    config: PipelineConfig, force: list[str] | None = None, sweep_point: bool = False
+    config: PipelineConfig,
+    force: list[str] | None = None,
+    sweep_point: bool = False,
+    run_name: str | None = None,
 ) -> dict[str, Any]:
     """Run (or reuse) every step of one pipeline config's plan; returns the per-step summary.
 
     ``sweep_point``: one point of a ``posttrain-sweep`` flow, which holds the store's lock, tidied
-    the store and closed its abandoned MLflow runs once for all its points."""
+    the store and closed its abandoned MLflow runs once for all its points. ``run_name``: the MLflow
+    pipeline run's name (default: the config's name)."""
     cfg = config
     check_rewards(cfg, cfg.name)  # parameters may come from anyone who can trigger a deployment
     plan = build_plan(cfg)
     if cfg.orchestration.gpu_slots is not None:
         set_gpu_slots(cfg.orchestration.gpu_slots)
     with posttrain_logs_to_prefect(), workers_use_this_api():
-        summary = run_plan(plan, force or (), _PrefectRunner, sweep_point=sweep_point)
+        summary = run_plan(plan, force or (), _PrefectRunner, sweep_point=sweep_point, run_name=run_name)
         create_markdown_artifact(
             key=artifact_key(cfg.name),
             markdown=summary_markdown(summary),

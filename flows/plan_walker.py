@@ -371,10 +371,16 @@ def _log_result(run: Any, result: Any, *, cfg: PipelineConfig, model_id: str | N
 
 
 def run_plan(
-    plan: Plan, force: Sequence[str] = (), runner: type[PlanRunner] = PlanRunner, *, sweep_point: bool = False
+    plan: Plan,
+    force: Sequence[str] = (),
+    runner: type[PlanRunner] = PlanRunner,
+    *,
+    sweep_point: bool = False,
+    run_name: str | None = None,
 ) -> PipelineSummary:
     """Walk ``plan`` in its store under the store's lock and one MLflow pipeline run, visiting each
-    step with ``runner``; then the accuracy-by-stage plot. Returns the per-step summary.
+    step with ``runner``; then the accuracy-by-stage plot. Returns the per-step summary. The MLflow
+    pipeline run is named ``run_name`` (default: the config's name).
 
     A ``sweep_point`` leaves the store's lock, its tidying and the closing of its abandoned MLflow
     runs to the sweep, which does them once for all its points (:func:`sweep_started`): a point
@@ -387,7 +393,7 @@ def run_plan(
             # Reentrant: `posttrain run` takes the lock before Prefect's server starts, then runs the flow.
             stack.enter_context(store.lock(reentrant=True))
         run = start_pipeline_run(
-            cfg, steps=plan.names, store=str(store.root), close_abandoned=not sweep_point
+            cfg, run_name=run_name, steps=plan.names, store=str(store.root), close_abandoned=not sweep_point
         )
         tracker = stack.enter_context(run)
         if not sweep_point:

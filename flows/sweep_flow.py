@@ -26,8 +26,9 @@ __all__ = ["posttrain_sweep", "run_sweep"]
 
 @task(name="posttrain-sweep-point", task_run_name="{label}", cache_policy=NO_CACHE, persist_result=False)
 def sweep_point(config: PipelineConfig, label: str) -> str | None:
-    """One point's pipeline run; its MLflow parent run id (None with tracking off)."""
-    return posttrain_pipeline(config, sweep_point=True)["run_id"]
+    """One point's pipeline run, its MLflow run named after the point (``smoke seed=1``: every
+    point's config has the same name); its MLflow parent run id (None with tracking off)."""
+    return posttrain_pipeline(config, sweep_point=True, run_name=f"{config.name} {label}")["run_id"]
 
 
 @flow(name="posttrain-sweep", log_prints=False)

@@ -27,6 +27,11 @@ def test_sweep_runs_each_point_reusing_shared_steps_and_compares_them(
     runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
     parents = [r for r in runs if r.data.tags.get("posttrain.role") == "pipeline"]
     assert sorted(r.data.params["sft.trainer.learning_rate"] for r in parents) == ["0.0001", "0.001"]
+    # each point's run is named after what it sets, so the runs table tells them apart
+    assert sorted(r.info.run_name for r in parents) == [
+        "smoke sft.trainer.learning_rate=1e-3",
+        "smoke sft.trainer.learning_rate=1e-4",
+    ]
     for parent in parents:
         assert parent.info.run_id[:12] in out  # the comparison's "run id" row
     assert "sft.trainer.learning_rate" in out  # the comparison shows what differs between points

@@ -42,6 +42,7 @@ from posttrain.tracking.mlflow_io import (
     send_metric_values,
     send_params,
     sqlite_path,
+    truncate,
     uri_problem,
 )
 from posttrain.tracking.stage import StageRun
@@ -646,7 +647,8 @@ def start_pipeline_run(
     if outer is not None:
         tags["mlflow.parentRunId"] = outer.info.run_id
         logger.info("nesting the pipeline run under the outer MLflow run %s", outer.info.run_id)
-    run = client.create_run(experiment_id, run_name=run_name or cfg.name, tags=tags)
+    # SQL stores hold a run's name in 250 characters: a sweep point named after many keys is cut.
+    run = client.create_run(experiment_id, run_name=truncate(run_name or cfg.name, 250), tags=tags)
     tracker = Tracker(
         True,
         uri,
