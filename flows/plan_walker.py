@@ -158,7 +158,10 @@ class PlanRunner:
             result = decision.result
             if decision.adopted:
                 self._record(step, key, inputs, result)
-            self._tracked(step.name, lambda: self._log_cached(step, key, result, decision.adopted, evaluated))
+            self._tracked(
+                step.name,
+                lambda: self._log_cached(step, key, result, decision.adopted, evaluated, inputs.data),
+            )
         else:
             call = {"cfg": self.cfg, "step": step.name, "inputs": inputs, "key": key}
             call["output_dir"] = str(output_dir)
@@ -172,7 +175,9 @@ class PlanRunner:
         self._conclude(step, key, decision.reason, result, ran=not cached)
         return result
 
-    def _log_cached(self, step: Step, key: str, result: Any, adopted: bool, evaluated: str | None) -> None:
+    def _log_cached(
+        self, step: Step, key: str, result: Any, adopted: bool, evaluated: str | None, data: DataResult | None
+    ) -> None:
         """A cached step's nested run: the producer's metrics copied, or, when no finished run
         produced it (its run was killed, or its tracking server went away, before it logged its
         result), everything a run of the step logs, read from the store."""
@@ -183,7 +188,7 @@ class PlanRunner:
         if run.enabled and (adopted or producer is None):
             logger.info("%s: no finished MLflow run logged this output; logging it from the store", step.name)
             run.set_tags({"adopted": "true"} if adopted else {"logged_from_store": "true"})
-            _log_result(run, result, model_id=evaluated, cfg=self.cfg)
+            _log_result(run, result, model_id=evaluated, cfg=self.cfg, data=data)
             if isinstance(step, TrainStep):
                 run.log_history(read_log_history(result.output_dir))
         if isinstance(step, TrainStep):
@@ -252,12 +257,14 @@ class PlanRunner:
         """What follows a step that ran, inside its MLflow run: its cache record, its logged result,
         and for a training stage its history, LoggedModel and health alerts."""
         self._record(step, key, inputs, result)
-        self._tracked(step.name, lambda: self._log_ran(step, key, result, run, evaluated))
+        self._tracked(step.name, lambda: self._log_ran(step, key, result, run, evaluated, inputs.data))
         if isinstance(step, TrainStep):
             self.after_training(step, result, run)
 
-    def _log_ran(self, step: Step, key: str, result: Any, run: StageRun, evaluated: str | None) -> None:
-        _log_result(run, result, model_id=evaluated, cfg=self.cfg)
+    def _log_ran(
+        self, step: Step, key: str, result: Any, run: StageRun, evaluated: str | None, data: DataResult | None
+    ) -> None:
+        _log_result(run, result, model_id=evaluated, cfg=self.cfg, data=data)
         if isinstance(step, TrainStep):
             if self.cfg.launch_of(step.section(self.cfg)).launcher == "accelerate":
                 # Its processes report to no tracker: the history rank 0 kept, logged here.
@@ -328,8 +335,11 @@ class PlanRunner:
             self.tracker.link_stage_model(run, model_id, final=step.name == self.final_stage)
 
 
-def _log_result(run: Any, result: Any, *, cfg: PipelineConfig, model_id: str | None = None) -> None:
-    """What each kind of step leaves in its nested MLflow run (evaluations: against ``model_id``)."""
+def _log_result(
+    run: Any, result: Any, *, cfg: PipelineConfig, model_id: str | None = None, data: DataResult | None = None
+) -> None:
+    """What each kind of step leaves in its nested MLflow run (evaluations: against ``model_id``; a
+    training stage: with ``data``'s train set, the one it draws from, as its training dataset)."""
     dataset_name = cfg.eval.data
     if isinstance(result, DataResult):
         data = load_data(result)
@@ -365,6 +375,10 @@ def _log_result(run: Any, result: Any, *, cfg: PipelineConfig, model_id: str | N
     # last step it ends the curves the trainer drew; without a step it would start them at step 0.
     run.log_metrics(metrics, step=int(metrics.get("step", 0)))
     run.log_alerts(list(result.alerts))
+    if data is not None:
+        run.log_dataset(
+            load_data(data).train, name="train", context="training", digest=data.train_fingerprint
+        )
     if result.samples:
         run.log_completions(result.output_dir)
         run.plot_rewards()

@@ -130,9 +130,19 @@ def test_each_stage_is_a_logged_model_with_its_evaluation_linked(first_run, work
     runs = {r.info.run_name: r for r in children}
     # The run pages' "Logged models": each stage's run lists its model, the pipeline run the final one.
     assert [o.model_id for o in parent.outputs.model_outputs] == [by_stage[TRAINING[-1]].model_id]
+    train = [
+        d.dataset
+        for d in client.get_run(runs["data"].info.run_id).inputs.dataset_inputs
+        if d.dataset.name == "train"
+    ]
     for stage, model in by_stage.items():
-        outputs = client.get_run(runs[stage].info.run_id).outputs.model_outputs
-        assert [o.model_id for o in outputs] == [model.model_id], stage
+        stage_run = client.get_run(runs[stage].info.run_id)
+        assert [o.model_id for o in stage_run.outputs.model_outputs] == [model.model_id], stage
+        # The stage's run names the train set it drew from, with the data step's digest.
+        assert [(d.dataset.name, d.dataset.digest) for d in stage_run.inputs.dataset_inputs] == [
+            (train[0].name, train[0].digest)
+        ], stage
+        assert [t.value for d in stage_run.inputs.dataset_inputs for t in d.tags] == ["training"], stage
         assert str(model.status) == "READY" and model.source_run_id == runs[stage].info.run_id
         assert model.tags["posttrain.model_content"] == "reference"  # smoke: tracking.log_model false
         assert model.tags["posttrain.output_dir"] == next(
@@ -374,6 +384,15 @@ def test_cached_stage_runs_point_at_the_run_that_produced_them(smoke_config, fir
         assert "cached" not in producer.data.tags  # the run that computed it, not another cached copy
     for name in ("data", "eval-baseline"):  # never recomputed since the first run
         assert cached[name].data.tags["cached_from_run_id"] == produced[name].info.run_id
+    # A cached copy's run has its producer's inputs: datasets, and for an evaluation the model.
+    for name, run in cached.items():
+        copy = client.get_run(run.info.run_id).inputs
+        producer = client.get_run(run.data.tags["cached_from_run_id"]).inputs
+        assert sorted((d.dataset.name, d.dataset.digest) for d in copy.dataset_inputs) == sorted(
+            (d.dataset.name, d.dataset.digest) for d in producer.dataset_inputs
+        ), name
+        assert copy.dataset_inputs, name  # every step's run names its data
+        assert [m.model_id for m in copy.model_inputs] == [m.model_id for m in producer.model_inputs], name
     # A cached stage's run lists the model its producer made, and so does the cached pipeline run.
     for name in TRAINING:
         model_id = client.get_run(cached[name].info.run_id).data.tags["posttrain.model_id"]

@@ -105,8 +105,8 @@ def _config_params(params: Mapping[str, str], kind: str | None) -> dict[str, str
     """The config params a cached copy takes from its producer, named as this posttrain names them:
     a producer an older posttrain logged named every step's section ``stage.*``.
 
-    >>> _config_params({"eval.limit": "8", "split": "dev"}, "eval")
-    {'eval.limit': '8'}
+    >>> _config_params({"eval.limit": "8", "dataset.heldout.split": "dev", "num_examples": "8"}, "eval")
+    {'eval.limit': '8', 'dataset.heldout.split': 'dev'}
     >>> _config_params({"stage.limit": "8"}, "eval"), _config_params({"stage.lr": "1e-05"}, "sft")
     ({'eval.limit': '8'}, {'stage.lr': '1e-05'})
     """
@@ -114,7 +114,20 @@ def _config_params(params: Mapping[str, str], kind: str | None) -> dict[str, str
     found = {k: v for k, v in params.items() if k.startswith(f"{own}.")}
     if not found and own != "stage":
         found = {f"{own}.{k.removeprefix('stage.')}": v for k, v in params.items() if k.startswith("stage.")}
+    if kind == "eval":  # what each evaluation set is (log_eval's data_info)
+        found.update({k: v for k, v in params.items() if k.startswith("dataset.")})
     return found
+
+
+def _copy_inputs(client: Any, producer: Any, run_id: str) -> None:
+    """The producer's datasets and input models, as inputs of its cached copy ``run_id``."""
+    from mlflow.entities import LoggedModelInput  # heavy: deferred until needed
+
+    inputs = producer.inputs
+    datasets = list(inputs.dataset_inputs or []) if inputs else []
+    models = [LoggedModelInput(m.model_id) for m in (inputs.model_inputs or [])] if inputs else []
+    if datasets or models:
+        client.log_inputs(run_id, datasets=datasets or None, models=models or None)
 
 
 class TrackingLost(PosttrainError, RuntimeError):
@@ -332,9 +345,10 @@ class Tracker:
     ) -> StageRun:
         """A finished nested run for a stage served from cache: ``cached=true``, ``cached_from_run_id``.
 
-        The producer is found from ``cache_key`` when not given. Its metrics (full histories) and
-        config params (``stage.*``, ``eval.*``, ...: :func:`param_prefix`) are copied, so comparisons
-        and plots treat the stage like one that ran.
+        The producer is found from ``cache_key`` when not given. Its metrics (full histories), config
+        params (``stage.*``, ``eval.*``, ...: :func:`param_prefix`; an evaluation's ``dataset.*``)
+        and inputs (datasets, the evaluated model) are copied, so comparisons, plots and the run page
+        treat the stage like one that ran.
         """
         if not self.enabled:
             return StageRun(name)
@@ -350,9 +364,9 @@ class Tracker:
         if producer_run_id:
             latest = copy_metric_history(client, producer_run_id, stage.run_id)
             mirror_eval(client, self.run_id, name, latest)
-            send_params(
-                client, stage.run_id, _config_params(client.get_run(producer_run_id).data.params, kind)
-            )
+            producer = client.get_run(producer_run_id)
+            send_params(client, stage.run_id, _config_params(producer.data.params, kind))
+            _copy_inputs(client, producer, stage.run_id)
         else:
             logger.info("stage %s: served from cache, but no finished MLflow run produced it", name)
         client.set_terminated(stage.run_id, "FINISHED")

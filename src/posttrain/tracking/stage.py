@@ -197,10 +197,11 @@ class StageRun:
                 ds = mlflow.data.from_huggingface(dataset, path=hub_path, name=name, digest=digest)
             else:
                 ds = mlflow.data.from_pandas(dataset, name=name, digest=digest)
+            entity = Dataset(**ds.to_dict())  # to_dict infers the schema, which warns too
         tags = [InputTag("mlflow.data.context", context)]
         if source:
             tags.append(InputTag("posttrain.source", truncate(source, 500)))
-        inputs = [DatasetInput(Dataset(**ds.to_dict()), tags)]
+        inputs = [DatasetInput(entity, tags)]
         _retry_dataset_race(lambda: self._client.log_inputs(self.run_id, inputs))
 
     def log_eval(
@@ -231,10 +232,16 @@ class StageRun:
         if data_info:
             fields = {k: v for k, v in data_info.items() if isinstance(v, str | int)}
             send_params(self._client, self.run_id, flatten_params(fields, f"dataset.{dataset_name}"))
-        if model_id is None:
+        dataset = _eval_dataset(records, dataset_name, data_info)
+        if model_id is None:  # the input model (a baseline): the set is the run's input all the same
             self.log_metrics(metrics)
+            if dataset is not None:
+                from mlflow.entities import DatasetInput  # heavy: deferred until needed
+
+                inputs = [DatasetInput(dataset._to_mlflow_entity(), tags=[])]  # as log_metrics links it
+                _retry_dataset_race(lambda: self._client.log_inputs(self.run_id, datasets=inputs))
         else:
-            self._log_model_metrics(metrics, model_id, _eval_dataset(records, dataset_name, data_info))
+            self._log_model_metrics(metrics, model_id, dataset)
         if records:
             import pandas as pd
 
