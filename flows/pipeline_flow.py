@@ -22,7 +22,7 @@ from posttrain.core.redact import redact, redact_override
 from posttrain.evaluation.report import rate_text
 from posttrain.flows.plan_walker import PipelineSummary, PlanRunner, StepOutcome, run_plan
 from posttrain.flows.prefect_compat import redact_stored_parameters, store_parameters_redacted
-from posttrain.flows.prefect_ui import emit_health_alerts, posttrain_logs_to_prefect
+from posttrain.flows.prefect_ui import config_run_name, emit_health_alerts, posttrain_logs_to_prefect
 from posttrain.flows.workers import worker_processes, workers_use_this_api
 from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import EvalStep, Step, TrainStep, build_plan
@@ -73,7 +73,12 @@ class _PrefectRunner(PlanRunner):
         )
 
 
-@flow(name="posttrain-pipeline", task_runner=worker_processes(), log_prints=False)
+@flow(
+    name="posttrain-pipeline",
+    flow_run_name=config_run_name,
+    task_runner=worker_processes(),
+    log_prints=False,
+)
 def posttrain_pipeline(
     config: PipelineConfig,
     force: list[str] | None = None,
@@ -100,7 +105,7 @@ def posttrain_pipeline(
     return summary.as_dict()
 
 
-@flow(name="posttrain-run-config", log_prints=False)
+@flow(name="posttrain-run-config", flow_run_name=config_run_name, log_prints=False)
 def run_config(
     config: str, overrides: list[str] | None = None, force: list[str] | None = None
 ) -> dict[str, Any]:

@@ -1,4 +1,8 @@
-"""What posttrain shows in Prefect: its own log lines in each run's logs, health alerts as events.
+"""What posttrain shows in Prefect: flow runs named after their config, its own log lines in each
+run's logs, health alerts as events.
+
+**Names.** A flow run is named after its config and Prefect's random slug (``smoke-brave-spider``,
+:func:`config_run_name`), so the runs list tells configs apart, and runs of one config apart.
 
 **Logs.** Prefect sends to its API only the records of its own loggers (and of those named in
 ``PREFECT_LOGGING_EXTRA_LOGGERS``). :func:`posttrain_logs_to_prefect` attaches Prefect's
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from prefect.events import emit_event
@@ -28,6 +33,7 @@ from prefect.logging.handlers import APILogHandler
 __all__ = [
     "HEALTH_EVENT_PREFIX",
     "api_log_handler",
+    "config_run_name",
     "emit_health_alerts",
     "health_alert_events",
     "posttrain_logs_to_prefect",
@@ -44,6 +50,27 @@ class _InRunContext(logging.Filter):
         from prefect.context import FlowRunContext, TaskRunContext
 
         return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
+def config_run_name() -> str:
+    """The name of the flow run being started: its config's name (the ``config`` parameter, a config
+    or a config file's path; a sweep's first of ``configs``) and Prefect's random slug. Prefect calls
+    it as the run starts, with the parameters as given (validated or, from a deployment, raw)."""
+    from prefect.runtime import flow_run
+    from prefect.utilities.names import generate_slug
+
+    parameters = flow_run.parameters
+    config = parameters.get("config")
+    if config is None and parameters.get("configs"):
+        config = parameters["configs"][0]
+    if isinstance(config, str):
+        name = Path(config).stem
+    elif isinstance(config, Mapping):
+        name = config.get("name")
+    else:
+        name = getattr(config, "name", None)
+    slug = generate_slug(2)
+    return f"{name}-{slug}" if isinstance(name, str) and name else slug
 
 
 def api_log_handler(level: int = logging.INFO) -> APILogHandler:

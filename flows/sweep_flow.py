@@ -19,6 +19,7 @@ from posttrain.cache.store import Store
 from posttrain.core.config import PipelineConfig
 from posttrain.flows.pipeline_flow import posttrain_pipeline
 from posttrain.flows.plan_walker import sweep_started, warn_unfinished
+from posttrain.flows.prefect_ui import config_run_name
 from posttrain.flows.workers import worker_processes, workers_use_this_api
 
 __all__ = ["posttrain_sweep", "run_sweep"]
@@ -31,7 +32,7 @@ def sweep_point(config: PipelineConfig, label: str) -> str | None:
     return posttrain_pipeline(config, sweep_point=True, run_name=f"{config.name} {label}")["run_id"]
 
 
-@flow(name="posttrain-sweep", log_prints=False)
+@flow(name="posttrain-sweep", flow_run_name=config_run_name, log_prints=False)
 def posttrain_sweep(configs: list[PipelineConfig], labels: list[str], parallel: int = 1) -> list[str | None]:
     """Run every point (``configs[i]``, named ``labels[i]``) in one store, ``parallel`` at a time in
     worker processes (1: one after the other, in this process); their MLflow run ids, in order."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,6 +164,42 @@ def test_each_stage_is_a_logged_model_with_its_evaluation_linked(first_run, work
     assert len({x.dataset_digest for m in models for x in m.metrics}) == 1
     system = [k for k in runs["grpo-format"].data.metrics if k.startswith("system/")]
     assert "system/cpu_utilization_percentage" in system and "system/system_memory_usage_megabytes" in system
+
+
+def test_prefect_flow_runs_are_named_after_their_config(first_run):
+    """The UI's runs list shows `smoke-brave-spider`, not `brave-spider` for every config."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["posttrain-pipeline"])))
+    assert runs
+    for run in runs:
+        name = run.parameters["config"]["name"]
+        assert re.fullmatch(rf"{re.escape(name)}-[a-z]+-[a-z]+", run.name), (name, run.name)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "name"),
+    [
+        ({"config": "configs/smoke.yaml"}, "smoke"),  # run_config: a deployment's path
+        ({"config": {"name": "raw", "seed": 1}}, "raw"),  # a deployment's raw parameters
+        ({"configs": [{"name": "swept"}, {"name": "swept"}]}, "swept"),  # a sweep's points
+        ({"config": {"seed": 1}}, None),  # no name: Prefect's slug alone
+    ],
+)
+def test_a_flow_run_name_comes_from_whatever_form_its_config_arrives_in(parameters, name):
+    from prefect import flow
+    from prefect.context import FlowRunContext
+
+    from posttrain.flows.prefect_ui import config_run_name
+
+    @flow(flow_run_name=config_run_name)
+    def started(config: Any = None, configs: Any = None) -> str:
+        return FlowRunContext.get().flow_run.name
+
+    got = started(**parameters)
+    assert re.fullmatch((rf"{name}-" if name else "") + "[a-z]+-[a-z]+", got), got
 
 
 def test_compare_promote_moves_the_champion_alias(first_run, workdir, capsys):
