@@ -315,6 +315,7 @@ class PlanRunner:
         """The stage output's LoggedModel: the producer's for a cached stage, else a new one (with
         the weights for the final stage when ``tracking.log_model``, a reference otherwise)."""
         model_id = self.tracker.find_stage_model(key) if cached else None
+        linked = False  # to the stage's run, as log_model links the weights it logs
         if model_id is None:
             section = step.section(self.cfg)
             params = {  # the model settings this stage trained with (its own `lora:` included)
@@ -327,12 +328,13 @@ class PlanRunner:
                 base = adapter_root(model) if is_adapter_dir(model) else None
                 uri = self.tracker.log_final_model(model, base_model_path=base, stage=run, **where)
                 model_id = uri.removeprefix("models:/") if uri else None
+                linked = model_id is not None
             else:
                 model_id = self.tracker.log_stage_model(run, output_dir=result.output_dir, **where)
         if model_id is not None:
             self.models[step.name] = model_id
             run.set_tags({MODEL_ID_TAG: model_id})
-            self.tracker.link_stage_model(run, model_id, final=step.name == self.final_stage)
+            self.tracker.link_stage_model(run, model_id, final=step.name == self.final_stage, linked=linked)
 
 
 def _log_result(
@@ -342,10 +344,10 @@ def _log_result(
     training stage: with ``data``'s train set, the one it draws from, as its training dataset)."""
     dataset_name = cfg.eval.data
     if isinstance(result, DataResult):
-        data = load_data(result)
+        prepared = load_data(result)
         run.log_metrics({k: v for k, v in result.stats.items() if isinstance(v, int | float)})
-        run.log_dataset(data.train, name="train", context="training", digest=result.train_fingerprint)
-        run.log_dataset(data.eval, name="heldout", context="evaluation", digest=result.eval_fingerprint)
+        run.log_dataset(prepared.train, name="train", context="training", digest=result.train_fingerprint)
+        run.log_dataset(prepared.eval, name="heldout", context="evaluation", digest=result.eval_fingerprint)
         return
     if isinstance(result, EvalResult):
         for name, folder, metrics in result.reports():

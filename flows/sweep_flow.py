@@ -27,9 +27,10 @@ __all__ = ["posttrain_sweep", "run_sweep"]
 
 @task(name="posttrain-sweep-point", task_run_name="{label}", cache_policy=NO_CACHE, persist_result=False)
 def sweep_point(config: PipelineConfig, label: str) -> str | None:
-    """One point's pipeline run, its MLflow run named after the point (``smoke seed=1``: every
-    point's config has the same name); its MLflow parent run id (None with tracking off)."""
-    return posttrain_pipeline(config, sweep_point=True, run_name=f"{config.name} {label}")["run_id"]
+    """One point's pipeline run, its MLflow run named after the point (``seed=1 (smoke)``: every
+    point's config has the same name, and tables cut names short); its MLflow parent run id (None
+    with tracking off)."""
+    return posttrain_pipeline(config, sweep_point=True, run_name=f"{label} ({config.name})")["run_id"]
 
 
 @flow(name="posttrain-sweep", flow_run_name=config_run_name, log_prints=False)

@@ -37,7 +37,7 @@ from posttrain.core.prompts import format_sft_target
 from posttrain.core.quiet import one_line_per_library_record, quiet_library_warnings
 from posttrain.core.redact import RedactingFormatter, redact_text, redacting_log_records
 from posttrain.core.stats import format_percent
-from posttrain.core.sweep import parse_seeds, sweep_points
+from posttrain.core.sweep import parse_seeds, point_labels, sweep_points
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
 from posttrain.generation.vllm_server import check_vllm_server
 from posttrain.models.loading import load_tokenizer
@@ -613,7 +613,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         open_tracking_store(configs[0])
         if server is not None:
             server.wait()
-        labels = [" ".join(p for p in point if p not in overrides) for point in points]
+        labels = point_labels(points, overrides)
         run_ids = run_sweep(configs, labels, parallel=args.parallel)
     if None in run_ids:
         print(f"{len(points)} points ran (tracking disabled: nothing to compare)")

@@ -639,7 +639,7 @@ def test_an_evaluation_names_its_dataset_split_and_size(uri, tmp_path):
 def test_a_lost_race_to_create_a_dataset_row_is_retried_once_and_nothing_else_is():
     from mlflow.exceptions import MlflowException
 
-    from posttrain.tracking.stage import _retry_dataset_race
+    from posttrain.tracking.mlflow_io import retry_dataset_race
 
     calls = []
 
@@ -649,14 +649,14 @@ def test_a_lost_race_to_create_a_dataset_row_is_retried_once_and_nothing_else_is
             raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id")
         return "linked"
 
-    assert _retry_dataset_race(lost_once) == "linked" and len(calls) == 2
+    assert retry_dataset_race(lost_once) == "linked" and len(calls) == 2
 
     def other_error():
         calls.append(2)
         raise MlflowException("RESOURCE_DOES_NOT_EXIST: run 'x' not found")
 
     with pytest.raises(MlflowException, match="not found"):
-        _retry_dataset_race(other_error)
+        retry_dataset_race(other_error)
     assert calls.count(2) == 1
 
 

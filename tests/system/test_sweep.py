@@ -29,8 +29,8 @@ def test_sweep_runs_each_point_reusing_shared_steps_and_compares_them(
     assert sorted(r.data.params["sft.trainer.learning_rate"] for r in parents) == ["0.0001", "0.001"]
     # each point's run is named after what it sets, so the runs table tells them apart
     assert sorted(r.info.run_name for r in parents) == [
-        "smoke sft.trainer.learning_rate=1e-3",
-        "smoke sft.trainer.learning_rate=1e-4",
+        "sft.trainer.learning_rate=1e-3 (smoke)",
+        "sft.trainer.learning_rate=1e-4 (smoke)",
     ]
     for parent in parents:
         assert parent.info.run_id[:12] in out  # the comparison's "run id" row

@@ -17,8 +17,9 @@ from pydantic import BaseModel
 from posttrain.core.config import cache_form
 from posttrain.core.errors import ConfigError
 from posttrain.core.hashing import stable_hash
+from posttrain.core.redact import redact_override
 
-__all__ = ["parse_seeds", "seed_group", "split_values", "sweep_points"]
+__all__ = ["parse_seeds", "point_labels", "seed_group", "split_values", "sweep_points"]
 
 
 def split_values(value: str) -> list[str]:
@@ -59,6 +60,17 @@ def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
             raise ConfigError(f"--set {override}: an empty sweep value")
         choices.append([f"{key}={v}" for v in values] if sep else [override])
     return [list(point) for point in itertools.product(*choices)]
+
+
+def point_labels(points: Sequence[Sequence[str]], overrides: Sequence[str]) -> list[str]:
+    """Each point's name: what it sets that not every point sets, secrets redacted, since it names
+    the point's Prefect task run and MLflow run.
+
+    >>> points = sweep_points(["seed=0,1", "x.api_key=k1,k2", "eval.limit=8"])
+    >>> point_labels(points, ["seed=0,1", "x.api_key=k1,k2", "eval.limit=8"])[:2]
+    ['seed=0 x.api_key=***', 'seed=0 x.api_key=***']
+    """
+    return [" ".join(redact_override(p) for p in point if p not in overrides) for point in points]
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -96,14 +96,11 @@ def create_stage_model(
 
 
 def link_model_output(client: Any, run_id: str, model_id: str) -> None:
-    """List ``model_id`` among ``run_id``'s outputs, once. The run page's "Logged models" shows a
-    run's model inputs and outputs, not the models whose source run it is; MLflow's own
-    ``log_model`` lists the weights it logs, so a second entry would repeat it."""
+    """List ``model_id`` among ``run_id``'s outputs: the run page's "Logged models" shows a run's
+    model inputs and outputs, not the models whose source run it is. Once only: SQL stores refuse
+    the same link twice (MLflow's own ``log_model`` makes one for the weights it logs)."""
     from mlflow.entities import LoggedModelOutput  # heavy: deferred until needed
 
-    outputs = client.get_run(run_id).outputs
-    if any(o.model_id == model_id for o in (outputs.model_outputs if outputs else ())):
-        return
     client.log_outputs(run_id, [LoggedModelOutput(model_id, step=0)])
 
 

@@ -13,7 +13,7 @@ import re
 import ssl
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -165,6 +165,25 @@ def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
 
 def safe_key(key: str) -> str:
     return _BAD_KEY_CHARS.sub("_", key)[:250]
+
+
+def retry_dataset_race(call: Callable[[], Any]) -> Any:
+    """``call()``, once more if it lost the race to create a dataset row.
+
+    MLflow's SQL store gets or creates the dataset row (experiment, name, digest) in two statements,
+    so two runs logging the same dataset at the same moment (a sweep's side-by-side points) make one
+    fail on the unique constraint. The row exists then, and a second try links to it.
+    """
+    from mlflow.exceptions import MlflowException  # heavy: deferred until needed
+
+    try:
+        return call()
+    except MlflowException as exc:
+        text = str(exc).lower()
+        if "datasets" not in text or not ("unique" in text or "duplicate" in text):
+            raise
+        logger.debug("dataset row created concurrently by another run; linking to it")
+        return call()
 
 
 def truncate(text: str, limit: int) -> str:

@@ -39,6 +39,7 @@ from posttrain.tracking.mlflow_io import (
     mlflow_client,
     prompt_async_flush,
     resolve_tracking_uri,
+    retry_dataset_race,
     send_metric_values,
     send_params,
     sqlite_path,
@@ -127,7 +128,9 @@ def _copy_inputs(client: Any, producer: Any, run_id: str) -> None:
     datasets = list(inputs.dataset_inputs or []) if inputs else []
     models = [LoggedModelInput(m.model_id) for m in (inputs.model_inputs or [])] if inputs else []
     if datasets or models:
-        client.log_inputs(run_id, datasets=datasets or None, models=models or None)
+        retry_dataset_race(
+            lambda: client.log_inputs(run_id, datasets=datasets or None, models=models or None)
+        )
 
 
 class TrackingLost(PosttrainError, RuntimeError):
@@ -428,16 +431,17 @@ class Tracker:
         client.finalize_logged_model(model.model_id, "READY")
         return model.model_id
 
-    def link_stage_model(self, stage: StageRun, model_id: str, *, final: bool) -> None:
+    def link_stage_model(self, stage: StageRun, model_id: str, *, final: bool, linked: bool = False) -> None:
         """Show ``model_id`` as the output of the stage's run (a cached copy's too) and, for the
         plan's last training stage, of the pipeline run: the run pages' "Logged models" then name
-        what each run produced, the pipeline run's its final model."""
+        what each run produced, the pipeline run's its final model. ``linked``: the model came from
+        :meth:`log_final_model`, whose ``log_model`` linked it to the run it was logged from."""
         if not self.enabled:
             return
         client = mlflow_client(self.tracking_uri)
-        if stage.enabled:
+        if stage.enabled and not linked:
             link_model_output(client, stage.run_id, model_id)
-        if final:
+        if final and not (linked and not stage.enabled):  # without a stage run it hangs off this one
             link_model_output(client, self.run_id, model_id)
 
     def find_stage_model(self, cache_key: str) -> str | None:

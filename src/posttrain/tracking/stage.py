@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from posttrain.tracking.mlflow_io import (
     metric_batch,
     mirror_eval,
     mlflow_client,
+    retry_dataset_race,
     safe_key,
     send_metric_batch,
     send_metric_values,
@@ -74,25 +75,6 @@ def _dataset_source(info: Mapping[str, Any]) -> Any:
             warnings.simplefilter("ignore", UserWarning)
             return resolve_dataset_source(str(info.get("dataset")))
     return None
-
-
-def _retry_dataset_race(call: Callable[[], Any]) -> Any:
-    """``call()``, once more if it lost the race to create a dataset row.
-
-    MLflow's SQL store gets or creates the dataset row (experiment, name, digest) in two statements,
-    so two runs logging the same dataset at the same moment (a sweep's side-by-side points) make one
-    fail on the unique constraint. The row exists then, and a second try links to it.
-    """
-    from mlflow.exceptions import MlflowException  # heavy: deferred until needed
-
-    try:
-        return call()
-    except MlflowException as exc:
-        text = str(exc).lower()
-        if "datasets" not in text or not ("unique" in text or "duplicate" in text):
-            raise
-        logger.debug("dataset row created concurrently by another run; linking to it")
-        return call()
 
 
 def _clip(value: Any, limit: int) -> Any:
@@ -202,7 +184,7 @@ class StageRun:
         if source:
             tags.append(InputTag("posttrain.source", truncate(source, 500)))
         inputs = [DatasetInput(entity, tags)]
-        _retry_dataset_race(lambda: self._client.log_inputs(self.run_id, inputs))
+        retry_dataset_race(lambda: self._client.log_inputs(self.run_id, inputs))
 
     def log_eval(
         self,
@@ -239,7 +221,7 @@ class StageRun:
                 from mlflow.entities import DatasetInput  # heavy: deferred until needed
 
                 inputs = [DatasetInput(dataset._to_mlflow_entity(), tags=[])]  # as log_metrics links it
-                _retry_dataset_race(lambda: self._client.log_inputs(self.run_id, datasets=inputs))
+                retry_dataset_race(lambda: self._client.log_inputs(self.run_id, datasets=inputs))
         else:
             self._log_model_metrics(metrics, model_id, dataset)
         if records:
@@ -260,7 +242,7 @@ class StageRun:
             mlflow.set_tracking_uri(self.tracking_uri)
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
         # MLflow links the dataset (log_inputs) before it logs any metric: a retry logs each once.
-        _retry_dataset_race(
+        retry_dataset_race(
             lambda: mlflow.log_metrics(
                 numeric, run_id=self.run_id, model_id=model_id, dataset=dataset, synchronous=True
             )
