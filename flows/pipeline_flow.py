@@ -28,7 +28,7 @@ from posttrain.pipeline import load_config
 from posttrain.pipeline.plan import EvalStep, Step, TrainStep, build_plan
 from posttrain.pipeline.validation import check_rewards
 from posttrain.tasks.step_task import GPU_TAG, task_for
-from posttrain.tracking import StageRun
+from posttrain.tracking import PREFECT_FLOW_RUN_TAG, StageRun
 
 logger = logging.getLogger(__name__)
 
@@ -89,14 +89,24 @@ def posttrain_pipeline(
 
     ``sweep_point``: one point of a ``posttrain-sweep`` flow, which holds the store's lock, tidied
     the store and closed its abandoned MLflow runs once for all its points. ``run_name``: the MLflow
-    pipeline run's name (default: the config's name)."""
+    pipeline run's name (default: this flow run's, ``smoke-brave-spider``, so either UI finds the
+    other's run; the MLflow run is also tagged with the flow run's id)."""
+    from prefect.runtime import flow_run
+
     cfg = config
     check_rewards(cfg, cfg.name)  # parameters may come from anyone who can trigger a deployment
     plan = build_plan(cfg)
     if cfg.orchestration.gpu_slots is not None:
         set_gpu_slots(cfg.orchestration.gpu_slots)
     with posttrain_logs_to_prefect(), workers_use_this_api():
-        summary = run_plan(plan, force or (), _PrefectRunner, sweep_point=sweep_point, run_name=run_name)
+        summary = run_plan(
+            plan,
+            force or (),
+            _PrefectRunner,
+            sweep_point=sweep_point,
+            run_name=run_name or flow_run.name,
+            run_tags={PREFECT_FLOW_RUN_TAG: str(flow_run.id)},
+        )
         create_markdown_artifact(
             key=artifact_key(cfg.name),
             markdown=summary_markdown(summary),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -393,10 +393,11 @@ def run_plan(
     *,
     sweep_point: bool = False,
     run_name: str | None = None,
+    run_tags: Mapping[str, str] | None = None,
 ) -> PipelineSummary:
     """Walk ``plan`` in its store under the store's lock and one MLflow pipeline run, visiting each
     step with ``runner``; then the accuracy-by-stage plot. Returns the per-step summary. The MLflow
-    pipeline run is named ``run_name`` (default: the config's name).
+    pipeline run is named ``run_name`` (default: the config's name) and also gets ``run_tags``.
 
     A ``sweep_point`` leaves the store's lock, its tidying and the closing of its abandoned MLflow
     runs to the sweep, which does them once for all its points (:func:`sweep_started`): a point
@@ -409,7 +410,12 @@ def run_plan(
             # Reentrant: `posttrain run` takes the lock before Prefect's server starts, then runs the flow.
             stack.enter_context(store.lock(reentrant=True))
         run = start_pipeline_run(
-            cfg, run_name=run_name, steps=plan.names, store=str(store.root), close_abandoned=not sweep_point
+            cfg,
+            run_name=run_name,
+            run_tags=run_tags,
+            steps=plan.names,
+            store=str(store.root),
+            close_abandoned=not sweep_point,
         )
         tracker = stack.enter_context(run)
         if not sweep_point:

@@ -166,8 +166,10 @@ def test_each_stage_is_a_logged_model_with_its_evaluation_linked(first_run, work
     assert "system/cpu_utilization_percentage" in system and "system/system_memory_usage_megabytes" in system
 
 
-def test_prefect_flow_runs_are_named_after_their_config(first_run):
-    """The UI's runs list shows `smoke-brave-spider`, not `brave-spider` for every config."""
+def test_prefect_flow_runs_are_named_after_their_config_and_their_mlflow_runs_after_them(first_run, workdir):
+    """The UI's runs list shows `smoke-brave-spider`, not `brave-spider` for every config; the MLflow
+    pipeline run has the same name and the flow run's id, so either UI finds the other's run."""
+    import mlflow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
@@ -177,6 +179,9 @@ def test_prefect_flow_runs_are_named_after_their_config(first_run):
     for run in runs:
         name = run.parameters["config"]["name"]
         assert re.fullmatch(rf"{re.escape(name)}-[a-z]+-[a-z]+", run.name), (name, run.name)
+    parent = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}").get_run(first_run["run_id"])
+    [flow_run] = [r for r in runs if str(r.id) == parent.data.tags["posttrain.prefect_flow_run_id"]]
+    assert parent.info.run_name == flow_run.name
 
 
 @pytest.mark.parametrize(

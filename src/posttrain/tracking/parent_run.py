@@ -613,6 +613,7 @@ def start_pipeline_run(
     cfg: PipelineConfig,
     *,
     run_name: str | None = None,
+    run_tags: Mapping[str, str] | None = None,
     steps: Sequence[str] = (),
     store: str | None = None,
     close_abandoned: bool = True,
@@ -662,6 +663,7 @@ def start_pipeline_run(
         tags.update({"posttrain.git_commit": commit, "mlflow.source.git.commit": commit})
     if steps:
         tags[STEPS_TAG] = ",".join(steps)
+    tags.update(run_tags or {})
     if outer is not None:
         tags["mlflow.parentRunId"] = outer.info.run_id
         logger.info("nesting the pipeline run under the outer MLflow run %s", outer.info.run_id)
