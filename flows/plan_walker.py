@@ -341,7 +341,7 @@ def _log_result(
     run: Any, result: Any, *, cfg: PipelineConfig, model_id: str | None = None, data: DataResult | None = None
 ) -> None:
     """What each kind of step leaves in its nested MLflow run (evaluations: against ``model_id``; a
-    training stage: with ``data``'s train set, the one it draws from, as its training dataset)."""
+    training stage: with ``data``'s train set, before the stage's own selection, as its input)."""
     dataset_name = cfg.eval.data
     if isinstance(result, DataResult):
         prepared = load_data(result)
