@@ -91,7 +91,14 @@ def test_sft_throughput_runs_the_variants_side_by_side_and_prints_their_ratio(mo
         "512",
     ]
     monkeypatch.setattr(sys, "argv", argv)
-    bench.main()
+    try:
+        bench.main()
+    finally:  # the script turns the libraries' progress bars off, as a script may: not for later tests
+        import datasets
+        import transformers
+
+        datasets.enable_progress_bars()
+        transformers.utils.logging.enable_progress_bar()
     out = capsys.readouterr().out
     lines = {line.split()[0]: line for line in out.splitlines() if " tok/s, " in line}  # one per variant
     for name in ("trl", "posttrain"):

@@ -243,6 +243,8 @@ def test_only_rank_0_of_a_launched_stage_draws_progress_bars(tmp_path, monkeypat
     )
     monkeypatch.setattr(stage_main.logging, "basicConfig", lambda **kwargs: None)
     (tmp_path / "r.json").write_text("{}")
+    datasets.enable_progress_bars()  # as a fresh process starts, whatever an earlier test left
+    transformers.utils.logging.enable_progress_bar()
     try:
         assert stage_main.main([str(tmp_path / "r.json")]) == 0
     finally:
