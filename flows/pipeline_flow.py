@@ -11,6 +11,7 @@ and one nested run per step; a step served from cache still appears, tagged `cac
 # real annotation objects, and a string "PipelineConfig" cannot be resolved when a deployment runs.
 import logging
 import re
+from dataclasses import asdict
 from typing import Any
 
 from prefect import flow
@@ -19,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from posttrain.core.config import PipelineConfig
 from posttrain.core.metric_names import slices_of
 from posttrain.core.redact import redact, redact_override
+from posttrain.evaluation.diff import STAGE_VALUE_COLUMNS, STAGE_VALUE_TITLE, stage_value_rows
 from posttrain.evaluation.report import rate_text
 from posttrain.flows.plan_walker import PipelineSummary, PlanRunner, StepOutcome, run_plan
 from posttrain.flows.prefect_compat import redact_stored_parameters, store_parameters_redacted
@@ -176,7 +178,8 @@ def artifact_key(name: str) -> str:
 
 def summary_markdown(summary: PipelineSummary) -> str:
     """Eval metrics per stage, for the Prefect UI: the primary set, strict accuracy per number of
-    operations, and each extra set's strict accuracy."""
+    operations, and each extra set's strict accuracy; then what each stage bought, as the terminal
+    shows it (its minutes, its paired change with the interval, points per minute)."""
     evals = [o for o in summary.outcomes if o.kind == "eval"]
     extra = list(dict.fromkeys(s for o in evals for s in slices_of(o.metrics) if s is not None))
     lines = [
@@ -196,4 +199,7 @@ def summary_markdown(summary: PipelineSummary) -> str:
             f"{m.get('accuracy_flexible', 0):.1%} | {m.get('strict_format_rate', 0):.1%} | {by_ops or '-'} |"
             + "".join(f" {slices.get(name, {}).get(None, 0):.1%} |" for name in extra)
         )
+    if rows := stage_value_rows([asdict(o) for o in summary.outcomes], summary.changes):
+        lines += ["", f"**{STAGE_VALUE_TITLE}**", "", "| " + " | ".join(STAGE_VALUE_COLUMNS) + " |"]
+        lines += ["|---" * len(STAGE_VALUE_COLUMNS) + "|", *("| " + " | ".join(row) + " |" for row in rows)]
     return "\n".join(lines)

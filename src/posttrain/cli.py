@@ -38,6 +38,7 @@ from posttrain.core.quiet import one_line_per_library_record, quiet_library_warn
 from posttrain.core.redact import RedactingFormatter, redact_text, redacting_log_records
 from posttrain.core.stats import format_percent
 from posttrain.core.sweep import parse_seeds, point_labels, sweep_points
+from posttrain.evaluation.diff import STAGE_VALUE_COLUMNS, STAGE_VALUE_TITLE, stage_value_rows
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
 from posttrain.generation.vllm_server import check_vllm_server
 from posttrain.models.loading import load_tokenizer
@@ -197,9 +198,8 @@ def eval_table(outcomes: Sequence[dict], primary: str, width: int) -> str:
 
 
 def stage_value_table(outcomes: Sequence[dict], changes: dict[str, float]) -> str:
-    """What each training stage bought: its minutes (training and scoring, the producer's when cached),
-    the paired change in strict accuracy it made on the primary set with its 95 % interval, and
-    points per minute. "" when no evaluation follows a stage with a known cost.
+    """What each training stage bought (:func:`posttrain.evaluation.diff.stage_value_rows`) as a
+    table for the terminal; "" when no evaluation follows a stage with a known cost.
 
     >>> print(stage_value_table([{"step": "sft", "kind": "sft"}, {"step": "eval-sft", "kind": "eval"}],
     ...       {"eval-sft/stage_minutes": 4.0, "eval-sft/delta_accuracy_strict": 0.1,
@@ -208,41 +208,11 @@ def stage_value_table(outcomes: Sequence[dict], changes: dict[str, float]) -> st
     stage  minutes  change (points)      points per minute
     -----  -------  -------------------  -----------------
     sft    4.0      +10.0 [+5.0, +15.0]  +2.50
-
-    Stages with no evaluation between them (``eval.after_each_stage: false``) share one row:
-
-    >>> steps = [{"step": "eval-baseline", "kind": "eval"}, {"step": "sft", "kind": "sft"},
-    ...          {"step": "grpo-x", "kind": "grpo"}, {"step": "eval-grpo-x", "kind": "eval"}]
-    >>> print(stage_value_table(steps, {"eval-grpo-x/stage_minutes": 60.0, "eval-grpo-x/delta_accuracy_strict": 0.12}))
-    what each stage bought (strict accuracy, paired 95% interval on the same questions):
-    stage         minutes  change (points)  points per minute
-    ------------  -------  ---------------  -----------------
-    sft + grpo-x  60.0     +12.0            +0.20
     """
-    from posttrain.core.stats import Interval
-
-    low_name, high_name = interval_names("delta_accuracy_strict")
-    rows, trained = [], []
-    for outcome in outcomes:
-        step = outcome["step"]
-        if outcome["kind"] in ("sft", "dpo", "grpo"):
-            trained.append(step)
-        if outcome["kind"] != "eval":
-            continue
-        # The stages since the evaluation before, together: with eval.after_each_stage off the
-        # final evaluation's change is all of them, not the last one's.
-        stages, trained = " + ".join(trained) or step.removeprefix("eval-"), []
-        minutes, delta = changes.get(f"{step}/stage_minutes"), changes.get(f"{step}/delta_accuracy_strict")
-        if minutes is None or delta is None:
-            continue
-        low, high = changes.get(f"{step}/{low_name}"), changes.get(f"{step}/{high_name}")
-        change = Interval(delta, low, high, "paired").points() if low is not None and high is not None else ""
-        per_minute = f"{100 * delta / minutes:+.2f}" if minutes > 0 else ""
-        rows.append((stages, f"{minutes:.1f}", change or f"{100 * delta:+.1f}", per_minute))
+    rows = stage_value_rows(outcomes, changes)
     if not rows:
         return ""
-    title = "what each stage bought (strict accuracy, paired 95% interval on the same questions):"
-    return title + "\n" + format_table(rows, ("stage", "minutes", "change (points)", "points per minute"))
+    return f"{STAGE_VALUE_TITLE}:\n" + format_table(rows, STAGE_VALUE_COLUMNS)
 
 
 def eval_sets_legend(outcomes: Sequence[dict], primary: str) -> str:

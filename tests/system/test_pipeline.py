@@ -184,6 +184,37 @@ def test_prefect_flow_runs_are_named_after_their_config_and_their_mlflow_runs_af
     assert parent.info.run_name == flow_run.name
 
 
+def test_the_prefect_summary_shows_each_evaluation_and_what_each_stage_bought():
+    from posttrain.flows.pipeline_flow import summary_markdown
+    from posttrain.flows.plan_walker import PipelineSummary, StepOutcome
+
+    def outcome(step, kind, metrics=None):
+        return StepOutcome(step, "ran", "", "k", "/out", metrics or {}, kind)
+
+    summary = PipelineSummary(
+        "smoke",
+        "abc",
+        [
+            outcome("eval-baseline", "eval", {"accuracy_strict": 0.25}),
+            outcome("sft", "sft"),
+            outcome("eval-sft", "eval", {"accuracy_strict": 0.5}),
+        ],
+        {
+            "eval-sft/stage_minutes": 2.0,
+            "eval-sft/delta_accuracy_strict": 0.25,
+            "eval-sft/delta_accuracy_strict_ci_low": 0.1,
+            "eval-sft/delta_accuracy_strict_ci_high": 0.4,
+        },
+    )
+    lines = summary_markdown(summary).splitlines()
+    assert "| sft | ran | 50.0% | 0.0% | 0.0% | - |" in lines
+    assert lines[-3:] == [
+        "| stage | minutes | change (points) | points per minute |",
+        "|---|---|---|---|",
+        "| sft | 2.0 | +25.0 [+10.0, +40.0] | +12.50 |",
+    ]
+
+
 @pytest.mark.parametrize(
     ("parameters", "name"),
     [

@@ -16,19 +16,21 @@ metrics for the pipeline's stage-to-stage comparison.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from posttrain.core.metric_names import interval_names, qualify_metrics
-from posttrain.core.stats import PairedDifference, paired_difference, paired_mean_difference
+from posttrain.core.stats import Interval, PairedDifference, paired_difference, paired_mean_difference
 from posttrain.evaluation.report import REPORT_FILE, EvalRecord, EvalReport
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "DELTA_METRICS",
+    "STAGE_VALUE_COLUMNS",
+    "STAGE_VALUE_TITLE",
     "ReportDiff",
     "diff_reports",
     "format_diff",
@@ -36,6 +38,7 @@ __all__ = [
     "paired_scores",
     "setting_differences",
     "stage_delta_metrics",
+    "stage_value_rows",
 ]
 
 Pair = tuple[EvalRecord, EvalRecord]
@@ -248,6 +251,52 @@ def delta_metrics(a: EvalReport, b: EvalReport) -> dict[str, float]:
         if change.p_value is not None:
             out[f"mcnemar_p_{metric}"] = change.p_value
     return out
+
+
+STAGE_VALUE_TITLE = "what each stage bought (strict accuracy, paired 95% interval on the same questions)"
+STAGE_VALUE_COLUMNS = ("stage", "minutes", "change (points)", "points per minute")
+
+
+def stage_value_rows(
+    outcomes: Sequence[Mapping[str, Any]], changes: Mapping[str, float]
+) -> list[tuple[str, ...]]:
+    """What each training stage bought, one row per evaluation that follows training (the run
+    summary's ``outcomes`` and ``changes``): the stages it evaluates, their minutes (training and
+    scoring, the producer's when cached), the paired change in strict accuracy on the primary set
+    with its 95 % interval, and points per minute (:data:`STAGE_VALUE_COLUMNS`). An evaluation
+    whose change or cost is unknown has no row.
+
+    >>> stage_value_rows([{"step": "sft", "kind": "sft"}, {"step": "eval-sft", "kind": "eval"}],
+    ...     {"eval-sft/stage_minutes": 4.0, "eval-sft/delta_accuracy_strict": 0.1,
+    ...      "eval-sft/delta_accuracy_strict_ci_low": 0.05, "eval-sft/delta_accuracy_strict_ci_high": 0.15})
+    [('sft', '4.0', '+10.0 [+5.0, +15.0]', '+2.50')]
+
+    Stages with no evaluation between them (``eval.after_each_stage: false``) share one row:
+
+    >>> steps = [{"step": "eval-baseline", "kind": "eval"}, {"step": "sft", "kind": "sft"},
+    ...          {"step": "grpo-x", "kind": "grpo"}, {"step": "eval-grpo-x", "kind": "eval"}]
+    >>> stage_value_rows(steps, {"eval-grpo-x/stage_minutes": 60.0, "eval-grpo-x/delta_accuracy_strict": 0.12})
+    [('sft + grpo-x', '60.0', '+12.0', '+0.20')]
+    """
+    low_name, high_name = interval_names("delta_accuracy_strict")
+    rows, trained = [], []
+    for outcome in outcomes:
+        step = outcome["step"]
+        if outcome["kind"] in ("sft", "dpo", "grpo"):
+            trained.append(step)
+        if outcome["kind"] != "eval":
+            continue
+        # The stages since the evaluation before, together: with eval.after_each_stage off the
+        # final evaluation's change is all of them, not the last one's.
+        stages, trained = " + ".join(trained) or step.removeprefix("eval-"), []
+        minutes, delta = changes.get(f"{step}/stage_minutes"), changes.get(f"{step}/delta_accuracy_strict")
+        if minutes is None or delta is None:
+            continue
+        low, high = changes.get(f"{step}/{low_name}"), changes.get(f"{step}/{high_name}")
+        change = Interval(delta, low, high, "paired").points() if low is not None and high is not None else ""
+        per_minute = f"{100 * delta / minutes:+.2f}" if minutes > 0 else ""
+        rows.append((stages, f"{minutes:.1f}", change or f"{100 * delta:+.1f}", per_minute))
+    return rows
 
 
 def stage_delta_metrics(before: str | Path, after: str | Path) -> dict[str, float]:
