@@ -48,15 +48,16 @@ __all__ = [
     "Comparison",
     "RunSummary",
     "accuracy_by_stage_figure",
-    "in_plan_order",
     "cell_text",
     "compare_runs",
     "eval_metrics_by_stage",
     "format_comparison",
+    "in_plan_order",
+    "is_curve_metric",
+    "last_user_text",
     "pass_rate_figure",
     "plot_comparison",
     "reward_curves_figure",
-    "is_curve_metric",
     "reward_series",
 ]
 

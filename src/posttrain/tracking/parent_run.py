@@ -435,13 +435,13 @@ class Tracker:
         """Show ``model_id`` as the output of the stage's run (a cached copy's too) and, for the
         plan's last training stage, of the pipeline run: the run pages' "Logged models" then name
         what each run produced, the pipeline run's its final model. ``linked``: the model came from
-        :meth:`log_final_model`, whose ``log_model`` linked it to the run it was logged from."""
-        if not self.enabled:
+        :meth:`log_final_model`, whose ``log_model`` linked it to the stage's run already."""
+        if not (self.enabled and stage.enabled):  # a disabled stage run: tracking was lost
             return
         client = mlflow_client(self.tracking_uri)
-        if stage.enabled and not linked:
+        if not linked:
             link_model_output(client, stage.run_id, model_id)
-        if final and not (linked and not stage.enabled):  # without a stage run it hangs off this one
+        if final:
             link_model_output(client, self.run_id, model_id)
 
     def find_stage_model(self, cache_key: str) -> str | None:
