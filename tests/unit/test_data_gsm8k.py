@@ -204,6 +204,8 @@ def test_load_records_dispatch(tmp_path, monkeypatch):
     assert len(load_records(DataConfig(source="local", path=str(path), limit=3))) == 3
     synthetic = load_records(DataConfig(source="synthetic", limit=7))
     assert len(synthetic) == 7 and synthetic.records[0]["id"] == "synthetic-s0-0"
+    farm = load_records(DataConfig(source="synthetic", limit=5, synthetic={"themes": ["farm"]}))
+    assert all(r["id"].startswith("synthetic-farm-") and "apple" in r["question"] for r in farm.records)
     monkeypatch.setattr(datasets, "load_dataset", _fake_hub([GOOD] * 4))
     assert len(load_records(DataConfig(source="hub", limit=2))) == 2
 

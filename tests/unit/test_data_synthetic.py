@@ -11,13 +11,15 @@ import subprocess
 import sys
 from collections import Counter
 from fractions import Fraction
+from typing import get_args
 
 import pytest
 
+from posttrain.core.config import SyntheticTheme
 from posttrain.core.errors import DataError
 from posttrain.core.gsm8k import RECORD_FIELDS, count_ops, extract_final_answer
 from posttrain.core.prompts import format_sft_target
-from posttrain.data.synthetic import THEMES, generate_problems
+from posttrain.data.synthetic import THEME_NAMES, THEMES, generate_problems
 
 ANNOTATION = re.compile(r"<<([^=<>]+)=([^<>]+)>>")
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
@@ -121,6 +123,9 @@ def test_deterministic_across_processes():
         ((5, 0, 2), "min_ops"),  # zero steps
         ((5, 3, 2), "min_ops"),  # inverted range
         ((5, 1, 2, 0, "tiny"), "numbers must be one of default, small"),
+        ((5, 1, 2, 0, "small", ["farm", "pirates"]), "themes must be some of shopping, savings"),
+        ((5, 1, 2, 0, "small", []), "themes must be some of"),
+        ((5, 30, 30, 0, "default", ["ages", "scores"]), "cannot tell a 30-operation problem"),
     ],
 )
 def test_invalid_arguments(args, message):
@@ -148,3 +153,34 @@ def test_small_numbers_stay_small_and_are_other_problems():
     shared = {p["question"] for p in small} & {p["question"] for p in default}
     assert len(shared) < 0.05 * len(small)  # a few short ones (ages, scores) can be drawn by both
     assert Counter(p["ops"] for p in small) == Counter(p["ops"] for p in default)  # same difficulty draw
+
+
+# A word only that story's templates use, so a question says which story it came from.
+_STORY_WORDS = {"farm": "apple", "travel": "mile", "fundraiser": "club"}
+
+
+@pytest.mark.parametrize("numbers", ["default", "small"])
+def test_themes_keep_their_stories_and_leave_out_the_others(numbers):
+    """Training on some stories and evaluating on the rest needs sets that share no story: a kept
+    story's word is in every question, a left-out story's in none."""
+    kept = generate_problems(600, 1, 3, seed=4, numbers=numbers, themes=["travel", "farm", "fundraiser"])
+    others = [name for name in THEME_NAMES if name not in _STORY_WORDS]
+    rest = generate_problems(600, 1, 3, seed=4, numbers=numbers, themes=others)
+    assert all(any(word in p["question"] for word in _STORY_WORDS.values()) for p in kept)
+    assert {word for p in kept for word in _STORY_WORDS.values() if word in p["question"]} == set(
+        _STORY_WORDS.values()
+    )
+    assert not any(word in p["question"] for p in rest for word in _STORY_WORDS.values())
+    assert {p["question"] for p in kept}.isdisjoint(p["question"] for p in rest)
+    assert all(p["id"].split("-s4-")[0].endswith("travel+farm+fundraiser") for p in kept)
+
+
+def test_naming_every_story_or_one_in_another_order_changes_nothing():
+    assert generate_problems(50, seed=3, themes=list(reversed(THEME_NAMES))) == generate_problems(50, seed=3)
+    assert generate_problems(50, seed=3, themes=["farm", "ages"]) == generate_problems(
+        50, seed=3, themes=["ages", "farm"]
+    )
+
+
+def test_the_configs_story_names_are_the_generators():
+    assert get_args(SyntheticTheme) == THEME_NAMES

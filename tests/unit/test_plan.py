@@ -356,10 +356,11 @@ def test_each_extra_set_gets_its_own_questions_and_generation_limit(smoke_config
         smoke_config_path,
         [
             "eval.extra_sets=[{name: hard, data: synthetic, limit: 6, min_ops: 3, max_ops: 3, max_completion_length: 5},"
-            " {name: mixed, data: synthetic, limit: 6}, {name: small, data: synthetic, limit: 4, numbers: small}]"
+            " {name: mixed, data: synthetic, limit: 6}, {name: small, data: synthetic, limit: 4, numbers: small},"
+            " {name: unseen, data: synthetic, limit: 5, themes: [farm]}]"
         ],
     )
-    (primary_name, primary), (hard_name, hard), (_, mixed), (_, small) = cfg.eval.all_sets()
+    (primary_name, primary), (hard_name, hard), (_, mixed), (_, small), (_, unseen) = cfg.eval.all_sets()
     assert (primary_name, hard_name) == (None, "hard")
     assert primary.data == "heldout" and primary.extra_sets == [] and primary.max_completion_length == 16
     assert hard.max_completion_length == 5 and mixed.max_completion_length == 16  # the primary's unless given
@@ -367,6 +368,7 @@ def test_each_extra_set_gets_its_own_questions_and_generation_limit(smoke_config
     assert len(_set_records(cfg, mixed)) == 6 and {r["ops"] for r in _set_records(cfg, mixed)} <= {1, 2, 3, 4}
     small_ids = [r["id"] for r in _set_records(cfg, small)]
     assert small_ids == [f"synthetic-small-s{SYNTHETIC_EVAL_SEED}-{i}" for i in range(4)]
+    assert all("apple" in r["question"] for r in _set_records(cfg, unseen))  # only the farm's story
 
 
 # --------------------------------------------------------------------------- steps, planner, dry run

@@ -435,6 +435,22 @@ _OPS_RENAMES = {
 }
 
 
+SyntheticTheme = Literal[
+    "shopping",
+    "savings",
+    "baking",
+    "ages",
+    "scores",
+    "travel",
+    "classroom",
+    "discounts",
+    "farm",
+    "reading",
+    "fundraiser",
+]
+"""The generator's stories (posttrain.data.synthetic.THEME_NAMES, which a test holds equal to this)."""
+
+
 class SyntheticConfig(StrictModel):
     """``data.synthetic``: posttrain's problem generator, seeded by ``data.seed``."""
 
@@ -446,6 +462,9 @@ class SyntheticConfig(StrictModel):
     """Most arithmetic operations in a problem."""
     numbers: Literal["default", "small"] = "default"
     """Size of the quantities: the default ranges (up to a few thousand) or ``small`` (below 120)."""
+    themes: list[SyntheticTheme] | None = Field(None, min_length=1)
+    """The stories problems come from (null: all eleven). Train on some and evaluate on the others
+    (an evaluation set's ``themes``) to measure phrasings the model never saw."""
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {
         **_OPS_RENAMES,
         "seed": ("data.seed", "one seed for the generated problems and the split; see the top-level seed"),
@@ -873,6 +892,8 @@ class _EvalSource(StrictModel):
     """synthetic only: most arithmetic operations per generated problem (default 4)."""
     numbers: Literal["default", "small"] | None = None
     """synthetic only: size of the quantities (default ``default``; ``small``: below 120)."""
+    themes: list[SyntheticTheme] | None = Field(None, min_length=1)
+    """synthetic only: the stories questions come from (default all; see ``data.synthetic.themes``)."""
 
     @model_validator(mode="after")
     def _source_consistent(self) -> _EvalSource:
@@ -884,8 +905,13 @@ class _EvalSource(StrictModel):
             raise ValueError(f"`path` applies to data: local only (data is {self.data})")
         if self.hub_split != "test" and self.data != "hub":  # a written-out config holds the default
             raise ValueError(f"`hub_split` applies to data: hub only (data is {self.data})")
-        if self.data != "synthetic" and (self.min_ops, self.max_ops, self.numbers) != (None, None, None):
-            raise ValueError(f"min_ops/max_ops/numbers apply to data: synthetic only (data is {self.data})")
+        if (
+            self.data != "synthetic"
+            and (self.min_ops, self.max_ops, self.numbers, self.themes) != (None,) * 4
+        ):
+            raise ValueError(
+                f"min_ops/max_ops/numbers/themes apply to data: synthetic only (data is {self.data})"
+            )
         if self.min_ops is not None and self.max_ops is not None and self.min_ops > self.max_ops:
             raise ValueError(f"min_ops ({self.min_ops}) > max_ops ({self.max_ops})")
         return self

@@ -49,13 +49,14 @@ def load_eval_records(
     synthetic_ops: tuple[int, int] = (1, 4),
     synthetic_seed: int = SYNTHETIC_EVAL_SEED,
     synthetic_numbers: str = "default",
+    synthetic_themes: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """The first ``limit`` evaluation records (``id, question, answer, ...``) of one source.
 
     ``source`` is ``hub`` (GSM8K ``hub_split``, default the test split), ``local`` (``path``: a
     GSM8K-format ``.jsonl`` file or folder), ``heldout`` (the ``heldout`` records the caller split
     off the training data) or ``synthetic`` (generated, ``synthetic_ops`` operations each, numbers of
-    size ``synthetic_numbers``).
+    size ``synthetic_numbers``, from the stories ``synthetic_themes``).
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
@@ -72,7 +73,12 @@ def load_eval_records(
     elif source == "synthetic":
         low, high = synthetic_ops
         records = generate_problems(
-            limit or SYNTHETIC_EVAL_SIZE, low, high, seed=synthetic_seed, numbers=synthetic_numbers
+            limit or SYNTHETIC_EVAL_SIZE,
+            low,
+            high,
+            seed=synthetic_seed,
+            numbers=synthetic_numbers,
+            themes=synthetic_themes,
         )
     else:
         raise DataError(f"unknown eval data source {source!r} (expected hub, local, heldout or synthetic)")
@@ -91,6 +97,7 @@ def eval_set_info(
     hub_id: str = "openai/gsm8k",
     hub_split: str = "test",
     synthetic_ops: tuple[int, int] = (1, 4),
+    synthetic_themes: Sequence[str] | None = None,
     trained_on: str | None = None,
 ) -> dict[str, Any]:
     """What an evaluation set's ``count`` questions are, as a report and MLflow name them: the
@@ -98,12 +105,15 @@ def eval_set_info(
     holds. A number is only comparable with another taken on the same split, and GSM8K's is always
     reported on its test split: the label says which one a number is.
 
-    ``trained_on`` names the training data a ``heldout`` slice was cut from.
+    ``trained_on`` names the training data a ``heldout`` slice was cut from; ``synthetic_themes``
+    the stories generated questions were limited to.
 
     >>> eval_set_info("hub", 200)["label"]
     'openai/gsm8k test split, 200 questions'
     >>> eval_set_info("heldout", 100, trained_on="data/gsm8k/train.jsonl")["label"]
     'dev slice held out of data/gsm8k/train.jsonl (never trained on), 100 questions'
+    >>> eval_set_info("synthetic", 50, synthetic_ops=(1, 3), synthetic_themes=["farm", "travel"])["label"]
+    'synthetic problems of 1-3 operations (farm, travel), 50 questions'
     """
     total = None
     if source == "hub":
@@ -117,6 +127,8 @@ def eval_set_info(
     else:
         low, high = synthetic_ops
         dataset, split = "posttrain synthetic", f"{low}-{high} operations"
+        if synthetic_themes:
+            split += f" ({', '.join(synthetic_themes)})"
     if source == "heldout":
         label = f"dev slice held out of {dataset} (never trained on)"
     elif source == "synthetic":

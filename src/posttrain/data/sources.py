@@ -259,5 +259,7 @@ def load_records(cfg: DataConfig) -> LoadResult:
     if cfg.source == "synthetic":
         syn = cfg.synthetic
         count = syn.num_examples if cfg.limit is None else min(syn.num_examples, cfg.limit)
-        return LoadResult(generate_problems(count, syn.min_ops, syn.max_ops, cfg.seed, syn.numbers))
+        return LoadResult(
+            generate_problems(count, syn.min_ops, syn.max_ops, cfg.seed, syn.numbers, syn.themes)
+        )
     raise DataError(f"unknown data.source {cfg.source!r} (expected hub, local or synthetic)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,7 +24,7 @@ from posttrain.core.gsm8k import RECORD_FIELDS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NUMBER_SIZES", "THEMES", "generate_problems"]
+__all__ = ["NUMBER_SIZES", "THEMES", "THEME_NAMES", "generate_problems"]
 
 # A hand-laid-out table reads better than the formatter's one-item-per-line expansion.
 # fmt: off
@@ -269,6 +269,8 @@ def _small(theme: Theme) -> Theme:
 _THEMES_BY_SIZE = {"default": THEMES, "small": tuple(_small(theme) for theme in THEMES)}
 NUMBER_SIZES = tuple(_THEMES_BY_SIZE)
 """``numbers`` settings of :func:`generate_problems`: the default ranges, or ``small`` (below 120)."""
+THEME_NAMES = tuple(theme.name for theme in THEMES)
+"""The stories, in table order: ``themes`` of :func:`generate_problems` picks among them."""
 
 
 # --------------------------------------------------------------------------- operation samplers
@@ -388,12 +390,19 @@ def _try_problem(rng: random.Random, theme: Theme, n_ops: int) -> tuple[str, str
 
 
 def generate_problems(
-    num_examples: int, min_ops: int = 1, max_ops: int = 4, seed: int = 0, numbers: str = "default"
+    num_examples: int,
+    min_ops: int = 1,
+    max_ops: int = 4,
+    seed: int = 0,
+    numbers: str = "default",
+    themes: Sequence[str] | None = None,
 ) -> list[dict]:
     """``num_examples`` records (the :mod:`posttrain.core.gsm8k` schema), operations uniform in the range.
 
     ``numbers`` is a :data:`NUMBER_SIZES` entry; ``small`` problems get their own ids, so a small and a
-    default set never share one.
+    default set never share one. ``themes`` (names from :data:`THEME_NAMES`; None: all) keeps the
+    stories a problem may come from, so a model trained on some stories can be evaluated on phrasings
+    it never saw; a subset's ids name it, and naming every story is the same as None.
 
     >>> [p["id"] for p in generate_problems(2, seed=7)]
     ['synthetic-s7-0', 'synthetic-s7-1']
@@ -401,6 +410,8 @@ def generate_problems(
     2
     >>> generate_problems(1, numbers="small")[0]["id"]
     'synthetic-small-s0-0'
+    >>> generate_problems(1, themes=["ages", "farm"])[0]["id"]
+    'synthetic-ages+farm-s0-0'
     """
     if num_examples < 0:
         raise DataError(f"num_examples must be >= 0, got {num_examples}")
@@ -408,15 +419,25 @@ def generate_problems(
         raise DataError(f"need 1 <= min_ops <= max_ops, got min_ops={min_ops}, max_ops={max_ops}")
     if numbers not in _THEMES_BY_SIZE:
         raise DataError(f"numbers must be one of {', '.join(NUMBER_SIZES)}, got {numbers!r}")
-    all_themes = _THEMES_BY_SIZE[numbers]
+    unknown = sorted(set(themes or ()) - set(THEME_NAMES))
+    if unknown or (themes is not None and not themes):
+        raise DataError(f"themes must be some of {', '.join(THEME_NAMES)}, got {list(themes or ())}")
+    # Table order, whatever order they were named in: the same set draws the same problems.
+    all_themes = tuple(t for t in _THEMES_BY_SIZE[numbers] if themes is None or t.name in themes)
     prefix = "synthetic" if numbers == "default" else f"synthetic-{numbers}"
+    if len(all_themes) < len(THEMES):
+        prefix += "-" + "+".join(t.name for t in all_themes)
     records, seen, repeats = [], set(), 0
     for i in range(num_examples):
         rng = random.Random(f"posttrain-synthetic:{seed}:{i}")
         n_ops = rng.randint(min_ops, max_ops)
-        themes = [t for t in all_themes if not t.chain or n_ops < len(_PEOPLE)]
+        usable = [t for t in all_themes if not t.chain or n_ops < len(_PEOPLE)]
+        if not usable:
+            raise DataError(
+                f"themes {list(themes or ())} cannot tell a {n_ops}-operation problem (too few people)"
+            )
         for attempt in range(1000):  # redraw repeats of earlier questions (held-out copies), up to a point
-            made = _try_problem(rng, rng.choice(themes), n_ops)
+            made = _try_problem(rng, rng.choice(usable), n_ops)
             if made is not None and (made[0] not in seen or attempt >= 100):
                 break
         else:  # pragma: no cover - every theme can always add, so this needs a broken template table

@@ -94,6 +94,7 @@ def _set_records(
         hub_split=eval_cfg.hub_split,
         synthetic_ops=eval_cfg.synthetic_ops(),
         synthetic_numbers=eval_cfg.numbers or "default",
+        synthetic_themes=eval_cfg.themes,
     )
 
 
@@ -107,6 +108,7 @@ def _set_info(cfg: PipelineConfig, eval_cfg: EvalConfig, count: int) -> dict[str
         hub_id=cfg.data.hub_id,
         hub_split=eval_cfg.hub_split,
         synthetic_ops=eval_cfg.synthetic_ops(),
+        synthetic_themes=eval_cfg.themes,
         trained_on=training.get(cfg.data.source, "posttrain synthetic problems"),
     )
 
