@@ -71,6 +71,7 @@ def test_data_identity_names_its_step_config_and_inputs(smoke):
     assert data_key(smoke("data.eval_size=4"), "tok") != identity.key
     assert data_key(smoke("data.seed=1"), "tok") != identity.key  # the split and the generator
     assert data_key(smoke("seed=1"), "tok") == identity.key  # a seed sweep shares the data step
+    assert data_key(smoke("data.synthetic.themes=[farm]"), "tok") != identity.key  # other problems
     assert identity.code.files and identity.key != identity.lineage
 
 
@@ -165,6 +166,10 @@ def test_eval_identity_depends_on_eval_section_precision_and_inputs(smoke):
     assert eval_key(cfg, "eval-sft", "other", "eval-fp") != key
     assert eval_key(cfg, "eval-sft", "model-fp", "other") != key
     assert eval_key(smoke("eval.max_completion_length=12"), "eval-sft", "model-fp", "eval-fp") != key
+    stories = smoke("eval.extra_sets=[{name: unseen, data: synthetic, themes: [farm]}]")
+    assert eval_key(stories, "eval-sft", "model-fp", "eval-fp") != eval_key(
+        smoke("eval.extra_sets=[{name: unseen, data: synthetic}]"), "eval-sft", "model-fp", "eval-fp"
+    )
     assert eval_key(smoke("model.precision=bf16"), "eval-sft", "model-fp", "eval-fp") != key
     for unchanged in (smoke("sft.trainer.learning_rate=0.5"), smoke("model.lora.r=4")):  # weights say it
         assert eval_key(unchanged, "eval-sft", "model-fp", "eval-fp") == key

@@ -454,6 +454,8 @@ SyntheticTheme = Literal[
 class SyntheticConfig(StrictModel):
     """``data.synthetic``: posttrain's problem generator, seeded by ``data.seed``."""
 
+    omit_when_default: ClassVar[tuple[str, ...]] = ("themes",)
+
     num_examples: int = Field(1000, ge=1)
     """Problems generated."""
     min_ops: int = Field(1, ge=1)
@@ -878,6 +880,8 @@ class GRPOSection(StrictModel):
 class _EvalSource(StrictModel):
     """Where one evaluation set's questions come from (the primary set's and each extra set's)."""
 
+    omit_when_default: ClassVar[tuple[str, ...]] = ("themes",)
+
     data: Literal["heldout", "hub", "local", "synthetic"] = "heldout"
     """heldout: the validation slice of `data`; hub: GSM8K test; local: `path`; synthetic: generated."""
     path: str | None = None
@@ -930,7 +934,7 @@ _SET_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 class EvalSetConfig(_EvalSource):
     """One more evaluation set, evaluated by the same step as the primary set (``eval.extra_sets``)."""
 
-    omit_when_default: ClassVar[tuple[str, ...]] = ("tools", "final_only")
+    omit_when_default: ClassVar[tuple[str, ...]] = (*_EvalSource.omit_when_default, "tools", "final_only")
 
     name: str
     """Names the set's report folder (`<set>/report.json`) and its metrics (`accuracy_strict/<set>`)."""
@@ -959,7 +963,10 @@ class EvalSetConfig(_EvalSource):
 
 
 class EvalConfig(_EvalSource, _ToolFields):
-    omit_when_default: ClassVar[tuple[str, ...]] = _ToolFields.omit_when_default
+    omit_when_default: ClassVar[tuple[str, ...]] = (
+        *_EvalSource.omit_when_default,
+        *_ToolFields.omit_when_default,
+    )
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {"max_new_tokens": _COMPLETION_LENGTH}
     cache_names: ClassVar[dict[str, str]] = {"max_completion_length": "max_new_tokens"}
     max_completion_length: int = Field(256, ge=1)
