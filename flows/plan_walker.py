@@ -32,7 +32,7 @@ from posttrain.evaluation.diff import stage_delta_metrics
 from posttrain.evaluation.report import EvalReport
 from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_log_history, read_stage_json
 from posttrain.pipeline.plan import EvalStep, Plan, Step, StepInputs, TrainStep, build_plan, preview
-from posttrain.pipeline.steps import base_model, load_data
+from posttrain.pipeline.steps import base_model, load_data, stage_train_fingerprint
 from posttrain.pipeline.validation import check_rewards
 from posttrain.tracking import (
     MODEL_ID_TAG,
@@ -341,13 +341,17 @@ def _log_result(
     run: Any, result: Any, *, cfg: PipelineConfig, model_id: str | None = None, data: DataResult | None = None
 ) -> None:
     """What each kind of step leaves in its nested MLflow run (evaluations: against ``model_id``; a
-    training stage: with ``data``'s train set, before the stage's own selection, as its input)."""
+    training stage: with what it draws from as its input, ``data``'s train set or the stage's own
+    prompts, before the stage's own selection)."""
     dataset_name = cfg.eval.data
     if isinstance(result, DataResult):
         prepared = load_data(result)
         run.log_metrics({k: v for k, v in result.stats.items() if isinstance(v, int | float)})
         run.log_dataset(prepared.train, name="train", context="training", digest=result.train_fingerprint)
         run.log_dataset(prepared.eval, name="heldout", context="evaluation", digest=result.eval_fingerprint)
+        for stage, dataset in prepared.stage_train.items():
+            digest = stage_train_fingerprint(result, stage)
+            run.log_dataset(dataset, name=f"{stage} prompts", context="training", digest=digest)
         return
     if isinstance(result, EvalResult):
         for name, folder, metrics in result.reports():
@@ -378,8 +382,12 @@ def _log_result(
     run.log_metrics(metrics, step=int(metrics.get("step", 0)))
     run.log_alerts(list(result.alerts))
     if data is not None:
+        prepared = load_data(data)
         run.log_dataset(
-            load_data(data).train, name="train", context="training", digest=data.train_fingerprint
+            prepared.train_for(result.stage),
+            name=f"{result.stage} prompts" if result.stage in prepared.stage_train else "train",
+            context="training",
+            digest=stage_train_fingerprint(data, result.stage),
         )
     if result.samples:
         run.log_completions(result.output_dir)

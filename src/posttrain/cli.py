@@ -277,16 +277,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _data_config_for(target: str, overrides: Sequence[str]):
-    """A YAML config's data section, or a local-JSONL data section for a .jsonl file or folder."""
+    """A YAML config's data section, model name and GRPO stages' own sources, or a local-JSONL data
+    section for a .jsonl file or folder."""
     path = Path(target)
     if path.suffix in {".yaml", ".yml"}:
         cfg = load_config(path, overrides)
-        return cfg.data, cfg.model.name
+        return cfg.data, cfg.model.name, cfg.stage_data_sources()
     if not path.exists():
         raise CLIError(f"{target}: no such config, JSONL file or folder")
     if problem := path_problem(path):
         raise CLIError(f"{target} {problem}")
-    return DataConfig(source="local", path=str(path), on_bad_record="error"), None
+    return DataConfig(source="local", path=str(path), on_bad_record="error"), None, {}
 
 
 def cmd_data_preview(args: argparse.Namespace) -> int:
@@ -294,13 +295,13 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
 
     if args.set and Path(args.target).suffix not in {".yaml", ".yml"}:
         raise CLIError(f"--set applies to a config; {args.target} is data (preview a config to set its keys)")
-    data_cfg, model_name = _data_config_for(args.target, args.set)
+    data_cfg, model_name, stage_sources = _data_config_for(args.target, args.set)
     tokenizer = None
     tokenizer_name = args.tokenizer or model_name
     if tokenizer_name:
         tokenizer = load_tokenizer(resolve_model_path(tokenizer_name))
     try:
-        prepared = prepare_data(data_cfg, tokenizer=tokenizer)
+        prepared = prepare_data(data_cfg, tokenizer=tokenizer, stage_sources=stage_sources)
     except DataError as exc:
         if model_name is not None or str(exc).startswith(args.target):
             raise

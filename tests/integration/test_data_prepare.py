@@ -269,6 +269,48 @@ def test_bad_records_are_counted_in_skip_mode(tmp_path):
     assert prepared.stats["skipped_bad"] == 1 and prepared.stats["loaded"] == 6
 
 
+# --------------------------------------------------------------------------- a GRPO stage's own source
+
+
+def test_a_stage_source_is_prepared_whole_without_any_reported_question(tmp_path, tiny_tokenizer):
+    run = synthetic_cfg(60, eval_size=6, selection_size=4)
+    plain = prepare_data(run)
+    reported = [*plain.eval["question"], *plain.selection["question"]]
+    own = [f"Question {i}: how many answers does a stage of its own count, {i} or more?" for i in range(8)]
+    path = write_questions(tmp_path / "answers.jsonl", [*own, reported[0], reported[-1], NATALIA])
+    stage_cfg = run.model_copy(update={"source": "local", "path": str(path)})
+    paraphrase = "Maria sold clips to 48 of her friends in April. How many did she sell?"
+    prepared = prepare_data(
+        run, tokenizer=tiny_tokenizer, eval_questions=[paraphrase], stage_sources={"grpo-own": stage_cfg}
+    )
+    # the run's own splits are what they were without the stage
+    assert prepared.train.to_list() == prepare_data(run, eval_questions=[paraphrase]).train.to_list()
+    stage = prepared.train_for("grpo-own")
+    # nothing held out of it; a held-out, a selection and an evaluation question removed
+    assert stage["question"] == own
+    assert prepared.stats["grpo-own.loaded"] == 11 and prepared.stats["grpo-own.decontaminated"] == 3
+    assert prepared.stats["grpo-own.train"] == 8
+    assert stage[0]["prompt"] == build_prompt(own[0], run.system_prompt, [])
+    assert prepared.stats["grpo-own.train_fingerprint"] == stage._fingerprint
+    assert prepared.train_for("grpo-other") is prepared.train  # a stage without one draws from train
+
+    prepared.save(tmp_path / "prepared")
+    loaded = PreparedData.load(tmp_path / "prepared")
+    assert loaded.train_for("grpo-own").to_list() == stage.to_list()
+    assert loaded.train_for("grpo-own")._fingerprint == stage._fingerprint
+
+
+def test_a_stage_source_with_nothing_left_names_the_stage(tmp_path):
+    run = synthetic_cfg(30, eval_size=5)
+    held = prepare_data(run).eval["question"]
+    path = write_questions(tmp_path / "answers.jsonl", held[:2])
+    stage_cfg = run.model_copy(update={"source": "local", "path": str(path)})
+    with pytest.raises(
+        DataError, match=r"no prompts left from local data .*answers.jsonl of grpo-own: loaded 2.*2 removed"
+    ):
+        prepare_data(run, stage_sources={"grpo-own": stage_cfg})
+
+
 # --------------------------------------------------------------------------- save / load / curricula
 
 

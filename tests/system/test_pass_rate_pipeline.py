@@ -118,3 +118,54 @@ def _inputs(plan, summary):
 
     data_out = next(o["output"] for o in summary["outcomes"] if o["step"] == "data")
     return StepInputs(base_model(plan.config), read_output_result("data", data_out))
+
+
+def test_a_stage_with_its_own_source_scores_and_trains_on_that_source_alone(
+    smoke_config, scripted_model_dir, questions, tmp_path
+):
+    """The run's records feed SFT and the held-out slice; the stage's own file (answers only, golds 7
+    and 8 the scripted model sometimes gives) is what its scoring step and its trainer see, less
+    the one question it shares with the held-out slice."""
+    from posttrain.core.config import DataConfig
+    from posttrain.data.pass_rates import PassRates
+    from posttrain.data.prepare import PreparedData, prepare_data
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
+
+    own = tmp_path / "answers.jsonl"
+    rows = [{"question": f"own question {i}?", "answer": f"#### {7 + i % 2}"} for i in range(12)]
+    run_data = DataConfig(source="local", path=str(questions), eval_size=6)  # as scored_config has it
+    held = prepare_data(run_data).eval[0]
+    rows.append({"question": held["question"], "answer": "#### 7"})
+    own.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = scored_config(
+        smoke_config,
+        tmp_path,
+        scripted_model_dir,
+        questions,
+        f"grpo.stages.0.data={{source: local, path: {own}}}",
+    )
+    summary = posttrain_pipeline(cfg)
+    outcomes = {o["step"]: o for o in summary["outcomes"]}
+    prepared = PreparedData.load(outcomes["data"]["output"])
+    stage_rows = prepared.train_for("grpo-correctness")
+    assert stage_rows["question"] == [r["question"] for r in rows[:12]]  # the held-out one removed
+    assert outcomes["data"]["metrics"]["grpo-correctness.decontaminated"] == 1
+    rates = PassRates.load(outcomes["score-grpo-correctness"]["output"])
+    assert set(rates.correct) == set(stage_rows["id"])  # scored: the stage's own prompts
+    kept = [pid for pid, n in rates.correct.items() if 0 < n < 8]
+    assert kept and outcomes["grpo-correctness"]["metrics"]["train_examples"] == len(kept)
+
+    import mlflow
+
+    client = mlflow.MlflowClient(cfg.tracking.tracking_uri)
+    children = client.search_runs(
+        [client.get_run(summary["run_id"]).info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{summary['run_id']}'",
+    )
+    inputs = {
+        r.info.run_name: [(d.dataset.name, d.dataset.digest) for d in r.inputs.dataset_inputs]
+        for r in children
+    }
+    fingerprint = prepared.stats["grpo-correctness.train_fingerprint"][:36]
+    assert inputs["grpo-correctness"] == [("grpo-correctness prompts", fingerprint)]
+    assert ("grpo-correctness prompts", fingerprint) in inputs["data"]

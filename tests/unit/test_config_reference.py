@@ -24,6 +24,8 @@ SECTIONS = config_sections()
                 "grpo.stages[].launch",
                 "grpo.stages[].lora",
                 "grpo.stages[].rewards[]",
+                "grpo.stages[].data",
+                "grpo.stages[].data.synthetic",
                 "grpo.stages[].data_filter",
                 "grpo.stages[].monitor",
                 "grpo.stages[].pass_rate",

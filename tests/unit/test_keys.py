@@ -75,6 +75,20 @@ def test_data_identity_names_its_step_config_and_inputs(smoke):
     assert identity.code.files and identity.key != identity.lineage
 
 
+def test_a_stages_own_source_is_keyed_in_the_data_step_and_in_that_stage(smoke, tmp_path):
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text('{"question": "q", "answer": "#### 1"}\n')
+    own_source = f"grpo.stages.1.data={{source: local, path: {answers}}}"
+    plain, own = data_identity(smoke(), "tok"), data_identity(smoke(own_source), "tok")
+    assert own.config_hash == plain.config_hash  # the run's data section is as it was
+    assert set(own.inputs) - set(plain.inputs) == {"stage_sources"} and own.key != plain.key
+    answers.write_text('{"question": "q", "answer": "#### 2"}\n')
+    assert data_identity(smoke(own_source), "tok").key != own.key  # the file's content, not its path
+    args = ("grpo-correctness", "model-fp", "data-fp")
+    assert train_key(smoke(own_source), *args) != train_key(smoke(), *args)
+    assert train_key(smoke("grpo.stages.1.data=null"), *args) == train_key(smoke(), *args)
+
+
 def _local(smoke, path: Path) -> str:
     return data_identity(smoke("data.source=local", f"data.path={path}"), "tok").inputs["source"]
 

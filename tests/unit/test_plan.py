@@ -688,6 +688,43 @@ def test_preview_reads_the_store_without_creating_it(smoke_config_path, tiny_mod
 SCORED = "grpo.stages.1.pass_rate={samples: 4}"
 
 
+def test_a_stage_with_its_own_source_is_keyed_by_and_trains_on_its_own_split(plan_for, monkeypatch):
+    import dataclasses
+
+    import posttrain.pipeline.plan as plan_module
+    import posttrain.training.grpo as grpo
+    from posttrain.core.results import ScoreResult
+
+    own_source = "grpo.stages.1.data={source: synthetic}"
+    plan = plan_for(own_source, SCORED)
+    own = dataclasses.replace(_data(), stats={"grpo-correctness.train_fingerprint": "own-1"})
+    other_own = dataclasses.replace(own, stats={"grpo-correctness.train_fingerprint": "own-2"})
+    other_run = dataclasses.replace(own, train_fingerprint="train-other")
+    scores = ScoreResult("grpo-correctness", "/scores", {}, "fp-base", "scores-fp")
+    stage, scoring, fmt = (
+        plan.step(n) for n in ("grpo-correctness", "score-grpo-correctness", "grpo-format")
+    )
+
+    def key(step, data):
+        return step.identity(plan.config, StepInputs(_inputs().model, data, scores)).key
+
+    assert key(scoring, own) != key(scoring, other_own)  # its scoring reads the stage's split
+    assert key(scoring, own) == key(scoring, other_run)
+    assert key(stage, own) != key(stage, other_own)
+    assert key(stage, own) != key(stage, other_run)  # it evaluates itself on the run's slices
+    assert key(fmt, own) == key(fmt, other_own) != key(fmt, other_run)  # a stage without one: train
+
+    drawn = []
+    monkeypatch.setattr(grpo, "run_grpo_stage", lambda *a, **kw: drawn.append(a[3]) or "ran")
+    prepared = type(
+        "P", (), {"train": "train", "eval": [], "train_for": lambda self, stage: f"{stage}'s own"}
+    )
+    monkeypatch.setattr(plan_module, "load_data", lambda data: prepared())
+    unscored = plan_for(own_source)
+    unscored.step("grpo-correctness").run(unscored.config, _inputs(), "/out")
+    assert drawn == ["grpo-correctness's own"]  # PreparedData.train_for's own test says what it holds
+
+
 def score_output(root: Path, stage: str = "grpo-correctness", correct=None):
     from posttrain.cache.digests import fingerprint_tree
     from posttrain.core.results import ScoreResult
@@ -808,7 +845,8 @@ def test_the_stage_trains_on_the_pass_rates_its_scoring_step_wrote(plan_for, mon
 
     calls = []
     monkeypatch.setattr(grpo, "run_grpo_stage", lambda *a, **kw: calls.append(kw["pass_rates"]) or "ran")
-    monkeypatch.setattr(plan_module, "load_data", lambda data: type("P", (), {"train": [], "eval": []})())
+    prepared = type("P", (), {"train": [], "eval": [], "train_for": lambda self, stage: []})
+    monkeypatch.setattr(plan_module, "load_data", lambda data: prepared())
     plan = plan_for(SCORED)
     scores = score_output(tmp_path, correct={"a": 3, "b": 0})
     inputs = StepInputs(_inputs().model, _data(), scores)

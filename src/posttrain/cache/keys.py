@@ -119,12 +119,28 @@ def _external_eval_sets(cfg: PipelineConfig) -> dict[str, str]:
     return {"eval_sets": stable_hash(sets)} if sets else {}
 
 
+def _stage_sources(cfg: PipelineConfig) -> dict[str, str]:
+    """``{"stage_sources": hash}`` of the GRPO stages' own ``data:`` sources (settings and local
+    file content), which the data step prepares too; {} when no stage has one."""
+    sources = {
+        stage.step_name: {"data": cache_form(stage.data), "content": _files_fingerprint(stage.data.path)}
+        for stage in cfg.grpo.stages
+        if stage.data is not None
+    }
+    return {"stage_sources": stable_hash(sources)} if sources else {}
+
+
 def data_identity(cfg: PipelineConfig, model_fingerprint: str) -> StepIdentity:
     # The tokenizer decides which prompts are too long, so the model's identity is an input.
     return StepIdentity(
         "data",
         stable_hash(cache_form(cfg.data)),
-        {"source": _source_fingerprint(cfg), "tokenizer": model_fingerprint, **_external_eval_sets(cfg)},
+        {
+            "source": _source_fingerprint(cfg),
+            "tokenizer": model_fingerprint,
+            **_external_eval_sets(cfg),
+            **_stage_sources(cfg),
+        },
         code_fingerprint("data"),
     )
 

@@ -66,6 +66,7 @@ from posttrain.core.trainer_options import TRAINER_DEFAULTS, generation_blockers
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "DataSource",
     "DPOStageConfig",
     "EvalConfig",
     "EvalSetConfig",
@@ -479,8 +480,9 @@ class SyntheticConfig(StrictModel):
         return self
 
 
-class DataConfig(StrictModel):
-    omit_when_default: ClassVar[tuple[str, ...]] = ("selection_size",)
+class DataSource(StrictModel):
+    """Where questions come from: the keys ``data`` and a GRPO stage's own ``data`` share."""
+
     source: Literal["hub", "local", "synthetic"] = "synthetic"
     """``hub`` (a GSM8K-format dataset on the Hugging Face Hub), ``local`` (``path``) or
     ``synthetic`` (posttrain's generator of multi-step word problems)."""
@@ -491,12 +493,22 @@ class DataConfig(StrictModel):
     hub_config: str = "main"
     """Dataset configuration of the ``hub`` source (GSM8K's is ``main``)."""
     split: str = "train"
-    """Split of the ``hub`` source that training (and the held-out slice) reads."""
+    """Split of the ``hub`` source that is read (``data``'s held-out slice is cut from it too)."""
     synthetic: SyntheticConfig = SyntheticConfig()
     """Generator settings of the ``synthetic`` source."""
     limit: int | None = Field(None, ge=1)
     """Read the first N valid records of the source, in file order (synthetic: at most N generated);
     null: all."""
+
+    @model_validator(mode="after")
+    def _local_needs_path(self) -> DataSource:
+        if self.source == "local" and not self.path:
+            raise ValueError("source: local needs `path` (a .jsonl file or folder)")
+        return self
+
+
+class DataConfig(DataSource):
+    omit_when_default: ClassVar[tuple[str, ...]] = ("selection_size",)
     eval_size: int = Field(100, ge=1)
     """Held-out validation slice taken from the training records."""
     selection_size: int = Field(0, ge=0)
@@ -519,11 +531,13 @@ class DataConfig(StrictModel):
     on_bad_record: Literal["error", "skip"] = "error"
     """``error`` stops at the bad record (``file:line: problem``); ``skip`` skips and counts it."""
 
-    @model_validator(mode="after")
-    def _local_needs_path(self) -> DataConfig:
-        if self.source == "local" and not self.path:
-            raise ValueError("source: local needs `path` (a .jsonl file or folder)")
-        return self
+    def source_of(self, stage: Any) -> DataConfig:
+        """The data settings a GRPO stage's prompts are prepared with: these, with the stage's own
+        ``data:`` source keys in place of the run's when it sets one (seed, prompt and filters stay)."""
+        own = getattr(stage, "data", None)
+        if own is None:
+            return self
+        return self.model_copy(update={name: getattr(own, name) for name in DataSource.model_fields})
 
     def _cache_form(self, data: dict[str, Any]) -> dict[str, Any]:
         """The generator's seed was ``data.synthetic.seed`` until it became ``data.seed``."""
@@ -716,11 +730,20 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
         *_SELECTION_KEYS,
         "pass_rate",
         "zero_signal_retire_after",
+        "data",
     )
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
     """Lowercase and unique: the stage's step is ``grpo-<name>`` (``--force``, runs, store folders)."""
     rewards: list[RewardSpec] = Field(min_length=1)
     """The rewards the stage is paid with, by name, with weights (see ``posttrain rewards list``)."""
+    data: DataSource | None = None
+    """Where the stage's prompts come from instead of the run's training records: a source of its
+    own (``source``, ``path``, ``hub_id``, ``hub_config``, ``split``, ``synthetic``, ``limit`` as in
+    ``data``), e.g. questions that have answers but no worked solutions, which GRPO's correctness
+    reward needs and SFT cannot use. The data step prepares it as it does ``data`` (``data``'s seed,
+    system prompt, prompt-length limit and bad-record rule), holds nothing out of it, and removes
+    every question that overlaps an evaluation set, the held-out slice or the selection slice.
+    ``data_filter`` and ``pass_rate`` then choose among its records. Null: the run's training records."""
     data_filter: StageDataFilter = StageDataFilter()
     """Which prepared examples the stage trains on (a curriculum by operations per problem)."""
     monitor: MonitorConfig = MonitorConfig()
@@ -1194,6 +1217,10 @@ class PipelineConfig(StrictModel):
             stages.append(("dpo", self.dpo.step_name))
         stages += [("grpo", s.step_name) for s in self.grpo.stages]
         return stages
+
+    def stage_data_sources(self) -> dict[str, DataConfig]:
+        """Step name -> data settings of each GRPO stage with a ``data:`` source of its own."""
+        return {s.step_name: self.data.source_of(s) for s in self.grpo.stages if s.data is not None}
 
     def stage_names(self) -> list[str]:
         """Training stages' step names in execution order (`sft`, `dpo`, `grpo-<name>`)."""

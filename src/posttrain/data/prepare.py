@@ -12,6 +12,10 @@ every evaluation question like the training records, and checked disjoint from t
 training records by id (:func:`check_disjoint`): choosing a checkpoint on the questions the final
 evaluation asks would overstate the gain.
 
+A GRPO stage with a ``data:`` source of its own gets a split of its own (``stage_train``), prepared
+from that source with the run's prompt and filters: nothing is held out of it, and every question
+that overlaps an evaluation question, the held-out slice or the selection slice is removed.
+
 The datasets' ``_fingerprint`` values are content hashes (in-memory datasets are fingerprinted from
 their Arrow data), so equal preparation gives equal fingerprints on any machine; they are recorded
 in ``stats`` as the lineage of everything trained on them.
@@ -19,13 +23,14 @@ in ``stats`` as the lineage of everything trained on them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +85,12 @@ class PreparedData:
     stats: dict[str, Any]
     selection: datasets.Dataset | None = None
     """Records set aside to choose checkpoints on (``data.selection_size``); None without."""
+    stage_train: Mapping[str, datasets.Dataset] = dataclasses.field(default_factory=dict)
+    """The prompts of each GRPO stage that has a ``data:`` source of its own, by step name."""
+
+    def train_for(self, stage: str) -> datasets.Dataset:
+        """What training stage ``stage`` (a step name) draws from: its own split, else ``train``."""
+        return self.stage_train.get(stage, self.train)
 
     def save(self, directory: str | Path) -> Path:
         """Write ``train/``, ``eval/``, ``selection/`` (``save_to_disk``) and ``stats.json`` under ``directory``."""
@@ -89,6 +100,8 @@ class PreparedData:
         self.eval.save_to_disk(str(directory / "eval"))
         if self.selection is not None:
             self.selection.save_to_disk(str(directory / "selection"))
+        for stage, dataset in self.stage_train.items():
+            dataset.save_to_disk(str(directory / STAGE_FOLDER / stage))
         (directory / "stats.json").write_text(json.dumps(self.stats, indent=2, sort_keys=True) + "\n")
         return directory
 
@@ -108,12 +121,43 @@ class PreparedData:
         for name in ("train", "eval", "selection"):
             if name == "selection" and not (directory / name).is_dir():
                 continue
-            ds = datasets.load_from_disk(str(directory / name))
-            recorded = stats.get(f"{name}_fingerprint")
-            if recorded:
-                ds._fingerprint = recorded
-            parts[name] = ds
-        return cls(train=parts["train"], eval=parts["eval"], stats=stats, selection=parts.get("selection"))
+            parts[name] = _load_split(directory / name, stats.get(f"{name}_fingerprint"))
+        # The stage names come from stats.json, which is store content: only a stage step's name
+        # (no separator, no dots) may become a path under the folder.
+        stage_train = {
+            stage: _load_split(directory / STAGE_FOLDER / stage, stats[f"{stage}.train_fingerprint"])
+            for stage in stage_sources_in(stats)
+        }
+        return cls(
+            train=parts["train"],
+            eval=parts["eval"],
+            stats=stats,
+            selection=parts.get("selection"),
+            stage_train=stage_train,
+        )
+
+
+STAGE_FOLDER = "stages"
+"""Where :meth:`PreparedData.save` puts each stage's own split: ``stages/<step name>/``."""
+_STAGE_NAME_RE = re.compile(r"^grpo-[a-z0-9][a-z0-9_-]*$")
+
+
+def stage_sources_in(stats: Mapping[str, Any]) -> list[str]:
+    """The step names of the stages with a split of their own, as a data step's ``stats`` records
+    them (``<step>.train_fingerprint``); a name that is not a GRPO stage's is not one of them.
+
+    >>> stage_sources_in({"train_fingerprint": "a", "grpo-new.train_fingerprint": "b", "../x.train_fingerprint": "c"})
+    ['grpo-new']
+    """
+    names = (key.removesuffix(".train_fingerprint") for key in stats if key.endswith(".train_fingerprint"))
+    return sorted(name for name in names if _STAGE_NAME_RE.match(name))
+
+
+def _load_split(folder: Path, fingerprint: Any) -> datasets.Dataset:
+    ds = datasets.load_from_disk(str(folder))
+    if fingerprint:
+        ds._fingerprint = fingerprint
+    return ds
 
 
 def split_records(
@@ -290,13 +334,20 @@ def _describe_source(cfg: DataConfig) -> str:
     return f"synthetic data (num_examples={cfg.synthetic.num_examples})"
 
 
-def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequence[str] = ()) -> PreparedData:
+def prepare_data(
+    cfg: DataConfig,
+    tokenizer: Any = None,
+    eval_questions: Sequence[str] = (),
+    stage_sources: Mapping[str, DataConfig] | None = None,
+) -> PreparedData:
     """Load, split, decontaminate, add the ``prompt`` column and drop prompts over ``max_prompt_tokens``.
 
     ``eval_questions`` are extra questions that training must not overlap (e.g. the GSM8K test
     split the final evaluation uses), on top of the held-out slice. Without a ``tokenizer`` the
-    prompt-length filter is skipped. Raises :class:`DataError` when nothing is left to train on,
-    naming the step that removed the last records.
+    prompt-length filter is skipped. ``stage_sources`` (step name -> the data settings of a GRPO
+    stage's own source, :meth:`DataConfig.source_of`) become the ``stage_train`` splits. Raises
+    :class:`DataError` when nothing is left to train on, naming the step that removed the last
+    records.
     """
     loaded = load_records(cfg)
     source = _describe_source(cfg)
@@ -335,6 +386,13 @@ def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequenc
     few_shot = select_few_shot(cfg.few_shot)
     for record in (*train, *held, *selection):
         record["prompt"] = build_prompt(record["question"], cfg.system_prompt, few_shot)
+    # What a stage's own prompts must not overlap: every question the run reports or selects on.
+    reported = [r["question"] for r in (*held, *selection)] + list(eval_questions)
+    stage_train: dict[str, datasets.Dataset] = {}
+    stage_stats: dict[str, Any] = {}
+    for stage, stage_cfg in (stage_sources or {}).items():
+        stage_train[stage], counts = _prepare_stage_source(stage, stage_cfg, tokenizer, reported, few_shot)
+        stage_stats.update({f"{stage}.{k}": v for k, v in counts.items()})
 
     too_long, eval_too_long, longest = 0, 0, None
     if tokenizer is not None and train:
@@ -392,9 +450,58 @@ def prepare_data(cfg: DataConfig, tokenizer: Any = None, eval_questions: Sequenc
         "train_fingerprint": train_ds._fingerprint,
         "eval_fingerprint": eval_ds._fingerprint,
         **selection_stats,
+        **stage_stats,
     }
-    logger.info("prepared %s: %s", source, {k: v for k, v in stats.items() if k != "train_ops"})
-    return PreparedData(train=train_ds, eval=eval_ds, stats=stats, selection=selection_ds)
+    logger.info(
+        "prepared %s: %s", source, {k: v for k, v in stats.items() if k != "train_ops" and "." not in k}
+    )
+    return PreparedData(
+        train=train_ds, eval=eval_ds, stats=stats, selection=selection_ds, stage_train=stage_train
+    )
+
+
+def _prepare_stage_source(
+    stage: str, cfg: DataConfig, tokenizer: Any, reported: Sequence[str], few_shot: Sequence[Any]
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """A GRPO stage's own prompts: every record of its source (nothing held out), without those that
+    overlap ``reported`` questions, with prompts built and over-long ones dropped as for ``train``."""
+    loaded = load_records(cfg)
+    source = f"{_describe_source(cfg)} of {stage}"
+    records, removed, mode = list(loaded.records), [], "off"
+    if cfg.decontamination_ngram is not None:
+        n = None if cfg.source == "synthetic" else cfg.decontamination_ngram
+        mode = "exact" if n is None else f"{n}-gram"
+        records, removed = decontaminate(records, reported, n)
+    for record in records:
+        record["prompt"] = build_prompt(record["question"], cfg.system_prompt, few_shot)
+    too_long = 0
+    if tokenizer is not None and records:
+        lengths = prompt_token_lengths(tokenizer, [r["prompt"] for r in records])
+        kept = [r for r, n in zip(records, lengths, strict=True) if n <= cfg.max_prompt_tokens]
+        too_long, records = len(records) - len(kept), kept
+        if too_long:
+            logger.warning(
+                "%s: %d prompt(s) longer than data.max_prompt_tokens=%d dropped",
+                source,
+                too_long,
+                cfg.max_prompt_tokens,
+            )
+    if not records:
+        raise DataError(
+            f"no prompts left from {source}: loaded {len(loaded.records)} ({len(loaded.skipped)} skipped as bad), "
+            f"{len(removed)} removed by decontamination ({mode}), {too_long} over data.max_prompt_tokens"
+        )
+    dataset = _to_dataset(records)
+    counts = {
+        "loaded": len(loaded.records),
+        "skipped_bad": len(loaded.skipped),
+        "decontaminated": len(removed),
+        "dropped_long_prompts": too_long,
+        "train": len(dataset),
+        "train_fingerprint": dataset._fingerprint,
+    }
+    logger.info("prepared %s: %d prompts (%d removed by decontamination)", source, len(dataset), len(removed))
+    return dataset, counts
 
 
 def _ops_in_range(ops: list[int], lo: int | None, hi: int | None) -> list[bool]:

@@ -161,6 +161,15 @@ def check_bounds(cfg: PipelineConfig, source: str) -> None:
                 1024,
             ),
         ]
+        if stage.data is not None:
+            values += [
+                (cfg.written_key(f"grpo.stages.{i}", "data.limit"), stage.data.limit, _COUNT),
+                (
+                    cfg.written_key(f"grpo.stages.{i}", "data.synthetic.num_examples"),
+                    stage.data.synthetic.num_examples,
+                    _COUNT,
+                ),
+            ]
         if stage.pass_rate is not None:
             values += [
                 (
@@ -246,10 +255,15 @@ def check_tracking_uri(cfg: PipelineConfig, source: str) -> None:
 
 
 def local_data_files(cfg: PipelineConfig) -> list[tuple[str, str, Any]]:
-    """(key, path, section) of every local file a run reads: training data and each evaluation set."""
+    """(key, path, section) of every local file a run reads: training data, each GRPO stage's own
+    ``data:`` source (read with the run's ``data`` settings) and each evaluation set."""
     found: list[tuple[str, str, Any]] = []
     if cfg.data.source == "local" and cfg.data.path:
         found.append(("data.path", cfg.data.path, cfg.data))
+    for i, stage in enumerate(cfg.grpo.stages):
+        if stage.data is not None and stage.data.source == "local" and stage.data.path:
+            key = cfg.written_key(f"grpo.stages.{i}", "data.path")
+            found.append((key, stage.data.path, cfg.data.source_of(stage)))
     if cfg.eval.data == "local" and cfg.eval.path:
         found.append(("eval.path", cfg.eval.path, cfg.eval))
     for i, extra in enumerate(cfg.eval.extra_sets):

@@ -34,7 +34,13 @@ from posttrain.evaluation.report import EvalReport
 from posttrain.models.artifacts import fingerprint_dir, is_complete_stage, read_stage_json
 from posttrain.pipeline import steps
 from posttrain.pipeline.launcher import launch_stage, world_size
-from posttrain.pipeline.steps import ModelRef, evaluation_inputs, in_training_records, load_data
+from posttrain.pipeline.steps import (
+    ModelRef,
+    evaluation_inputs,
+    in_training_records,
+    load_data,
+    stage_train_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +164,12 @@ class TrainStep(Step):
         selection = str(data.stats.get("selection_fingerprint", ""))
         processes = world_size(cfg, self.section(cfg))
         return keys.train_identity(
-            cfg, self.name, inputs.model.fingerprint, data.train_fingerprint, selection, processes
+            cfg,
+            self.name,
+            inputs.model.fingerprint,
+            stage_train_fingerprint(data, self.name),
+            selection,
+            processes,
         )
 
     def output_dir(self, store: Store, key: str) -> Path:
@@ -258,8 +269,9 @@ class GRPOStep(TrainStep):
         """One GRPO stage, from ``model`` (the previous stage's output) into ``output_dir``.
 
         With ``eval_every`` the stage also reads the selection slice, else the held-out split (cut
-        from the same records as the train split, whose fingerprint is in the stage's key; ``keep:
-        best`` adds the selection slice's own, see posttrain.cache.keys).
+        from the same records as the run's train split, whose fingerprint is in the stage's key; ``keep:
+        best`` adds the selection slice's own, see posttrain.cache.keys). It draws its prompts from
+        its own split when it has a ``data:`` source (PreparedData.train_for).
         """
         from posttrain.data.pass_rates import PassRates
         from posttrain.training.grpo import run_grpo_stage  # heavy: torch, transformers, TRL
@@ -269,7 +281,7 @@ class GRPOStep(TrainStep):
             stage_cfg,
             cfg.model_for(stage_cfg),
             model.path,
-            prepared.train,
+            prepared.train_for(self.name),
             output_dir,
             seed=cfg.seed,
             report_to=report_to,
@@ -279,13 +291,22 @@ class GRPOStep(TrainStep):
         )
 
     def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
-        """A stage that chooses its prompts by pass rate also depends on the pass rates it chose by."""
+        """A stage that chooses its prompts by pass rate also depends on the pass rates it chose by;
+        one with a ``data:`` source of its own trains on its own split (the ``data`` input) and
+        evaluates itself on slices of the run's records, whose train split then stands for them."""
         identity = super().identity(cfg, inputs)
-        if self.section(cfg).pass_rate is None:
+        added = {}
+        if self.section(cfg).pass_rate is not None:
+            assert inputs.scores is not None, "a stage with pass_rate: runs after its scoring step"
+            added["pass_rates"] = inputs.scores.output_fingerprint
+        assert inputs.data is not None
+        if self.section(cfg).data is not None:
+            added["run_train"] = inputs.data.train_fingerprint
+        if not added:
             return identity
-        assert inputs.scores is not None, "a stage with pass_rate: runs after its scoring step"
-        inputs_with_scores = {**identity.inputs, "pass_rates": inputs.scores.output_fingerprint}
-        return keys.StepIdentity(identity.step, identity.config_hash, inputs_with_scores, identity.code)
+        return keys.StepIdentity(
+            identity.step, identity.config_hash, {**identity.inputs, **added}, identity.code
+        )
 
 
 @dataclass(frozen=True)
@@ -306,7 +327,9 @@ class ScoreStep(Step):
 
     def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
         assert inputs.data is not None, "scoring runs after the data step"
-        return keys.score_identity(cfg, self.stage, inputs.model.fingerprint, inputs.data.train_fingerprint)
+        return keys.score_identity(
+            cfg, self.stage, inputs.model.fingerprint, stage_train_fingerprint(inputs.data, self.stage)
+        )
 
     def output_dir(self, store: Store, key: str) -> Path:
         return store.score_dir(self.stage, key)

@@ -61,7 +61,9 @@ def prepare_step(cfg: PipelineConfig, model: ModelRef, output_dir: str | Path) -
 
     tokenizer = load_tokenizer(model.path, cfg.model.revision)
     eval_questions = [r["question"] for r in _external_eval_records(cfg)]
-    prepared = prepare_data(cfg.data, tokenizer=tokenizer, eval_questions=eval_questions)
+    prepared = prepare_data(
+        cfg.data, tokenizer=tokenizer, eval_questions=eval_questions, stage_sources=cfg.stage_data_sources()
+    )
     stats = {k: v for k, v in prepared.stats.items() if not isinstance(v, dict)}
     with staging_dir(output_dir) as tmp:
         prepared.save(tmp)
@@ -124,6 +126,12 @@ def load_data(data: DataResult) -> PreparedData:
     from posttrain.data.prepare import PreparedData  # heavy: datasets
 
     return PreparedData.load(data.data_dir)
+
+
+def stage_train_fingerprint(data: DataResult, stage: str) -> str:
+    """The fingerprint of what training stage ``stage`` draws from (PreparedData.train_for): its own
+    split's when the data step prepared one, else the train split's."""
+    return str(data.stats.get(f"{stage}.train_fingerprint") or data.train_fingerprint)
 
 
 def eval_step(
@@ -214,7 +222,7 @@ def score_step(
     start = time.perf_counter()
     section = stage_section(cfg, stage)
     assert section.pass_rate is not None, f"{stage} has no pass_rate: section"
-    rows = select_stage_data(load_data(data).train, section.data_filter)
+    rows = select_stage_data(load_data(data).train_for(stage), section.data_filter)
     if section.pass_rate.candidates is not None and section.pass_rate.candidates < len(rows):
         rows = rows.select(range(section.pass_rate.candidates))
     loaded = load_stage_model(
