@@ -252,6 +252,14 @@ PINNED_CONFIG_HASHES = {
         "eval": "78b6211f225479dd",
         "seed_group": "9ddc21db0e67",
     },
+    # Added with the GRPO stage's own `data:` source; its SFT is the calculator config's, hash and all.
+    "smollm2-arith-calc-new-stories-cpu.yaml": {
+        "data": "1a217d5c591ca023",
+        "sft": "2e1daac12fbf6fda",
+        "grpo-new-stories": "16108ee8740d9204",
+        "eval": "56eee56527611fe5",
+        "seed_group": "8e198f4d7b3d",
+    },
     "smollm2-arith-cpu.yaml": {
         "data": "70b390f9d4f7484b",
         "sft": "779c1c9120d5aa1b",
@@ -280,6 +288,10 @@ PINNED_CONFIG_HASHES = {
         "seed_group": "c37fe60c02ec",
     },
 }
+
+
+def test_every_shipped_config_has_its_hashes_pinned():
+    assert sorted(PINNED_CONFIG_HASHES) == sorted(p.name for p in CONFIGS.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("name", sorted(PINNED_CONFIG_HASHES))
