@@ -246,6 +246,21 @@ def question_ngrams(text: str, n: int | None) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
+def _overlap_rule(cfg: DataConfig) -> tuple[str, int | None]:
+    """(name, n) of the decontamination ``cfg``'s records get: ``off``, ``exact`` (n None) or ``N-gram``.
+
+    Generated problems share template sentences by design (an 8-gram check would drop most of
+    them), and cannot copy GSM8K; for them only an exact duplicate question is contamination.
+
+    >>> _overlap_rule(DataConfig(source="synthetic")), _overlap_rule(DataConfig(source="hub"))
+    (('exact', None), ('8-gram', 8))
+    """
+    if cfg.decontamination_ngram is None:
+        return "off", None
+    n = None if cfg.source == "synthetic" else cfg.decontamination_ngram
+    return ("exact" if n is None else f"{n}-gram"), n
+
+
 def decontaminate(
     records: Sequence[dict[str, Any]], eval_questions: Iterable[str], n: int | None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -359,12 +374,8 @@ def prepare_data(
 
     removed: list[dict[str, Any]] = []
     selection_removed: list[dict[str, Any]] = []
-    mode = "off"
-    if cfg.decontamination_ngram is not None:
-        # Generated problems share template sentences by design (an 8-gram check would drop most of
-        # them), and cannot copy GSM8K; for them only an exact duplicate question is contamination.
-        n = None if cfg.source == "synthetic" else cfg.decontamination_ngram
-        mode = "exact" if n is None else f"{n}-gram"
+    mode, n = _overlap_rule(cfg)
+    if mode != "off":
         eval_qs = [r["question"] for r in held] + list(eval_questions)
         # The selection slice must not overlap what is reported, nor what is trained on.
         selection, selection_removed = decontaminate(selection, eval_qs, n)
@@ -467,10 +478,9 @@ def _prepare_stage_source(
     overlap ``reported`` questions, with prompts built and over-long ones dropped as for ``train``."""
     loaded = load_records(cfg)
     source = f"{_describe_source(cfg)} of {stage}"
-    records, removed, mode = list(loaded.records), [], "off"
-    if cfg.decontamination_ngram is not None:
-        n = None if cfg.source == "synthetic" else cfg.decontamination_ngram
-        mode = "exact" if n is None else f"{n}-gram"
+    records, removed = list(loaded.records), []
+    mode, n = _overlap_rule(cfg)
+    if mode != "off":
         records, removed = decontaminate(records, reported, n)
     for record in records:
         record["prompt"] = build_prompt(record["question"], cfg.system_prompt, few_shot)
