@@ -68,7 +68,7 @@ class StepOutcome:
     output: str
     metrics: dict[str, Any] = field(default_factory=dict)
     kind: str = ""
-    """The plan step's kind: `data`, `sft`, `dpo`, `grpo`, `score` or `eval`."""
+    """The plan step's kind: `data`, `sft`, `dpo`, `grpo`, `rft`, `score` or `eval`."""
     seconds: float | None = None
     """Wall time of a training or scoring step when it ran (its producer's, when served from cache)."""
 

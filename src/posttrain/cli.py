@@ -942,7 +942,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="STEP",
-        help="rerun this step (data, sft, dpo, grpo-<name>) and everything after it",
+        help="rerun this step (data, sft, dpo, grpo-<name>, rft-<name>, score-<stage>) and everything after it",
     )
     p.add_argument("--dry-run", action="store_true", help="print which steps would run or be cached, and why")
     p.set_defaults(command_parser=p, func=cmd_run)

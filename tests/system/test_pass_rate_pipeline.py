@@ -169,3 +169,40 @@ def test_a_stage_with_its_own_source_scores_and_trains_on_that_source_alone(
     fingerprint = prepared.stats["grpo-correctness.train_fingerprint"][:36]
     assert inputs["grpo-correctness"] == [("grpo-correctness prompts", fingerprint)]
     assert ("grpo-correctness prompts", fingerprint) in inputs["data"]
+
+
+def test_an_rft_stage_fine_tunes_on_the_correct_completions_of_its_scoring_and_replays_worked_solutions(
+    smoke_config, scripted_model_dir, questions, tmp_path
+):
+    """The scripted model answers 7 or 8 whatever the question: the stage keeps each scored prompt's
+    distinct completions whose answer is its gold (none of a gold-9 prompt, none that answers
+    wrong), and mixes in as many of the run's worked solutions."""
+    from posttrain.evaluation.report import EvalReport
+    from posttrain.flows.pipeline_flow import posttrain_pipeline
+
+    cfg = scored_config(
+        smoke_config,
+        tmp_path,
+        scripted_model_dir,
+        questions,
+        "grpo.stages.0.rft={replay: 0.5, trainer: {max_steps: 1, per_device_train_batch_size: 2}}",
+    )
+    summary = posttrain_pipeline(cfg)
+    outcomes = {o["step"]: o for o in summary["outcomes"]}
+    assert [o["step"] for o in summary["outcomes"]][1:3] == ["score-rft-correctness", "rft-correctness"]
+    report = EvalReport.load(outcomes["score-rft-correctness"]["output"])
+    right = {
+        r.id: {s.completion for s in r.samples if s.correct_strict and s.strict == r.gold}
+        for r in report.records
+    }
+    assert all(not texts for r in report.records if r.gold == "9" for texts in [right[r.id]])
+    expected = sum(len(texts) for texts in right.values())
+    stage = outcomes["rft-correctness"]
+    assert stage["status"] == "ran" and stage["kind"] == "rft"
+    metrics = stage["metrics"]
+    assert expected > 0 and metrics["rft_completions"] == expected
+    assert metrics["rft_prompts"] == sum(1 for texts in right.values() if texts)
+    assert metrics["rft_replayed"] == round(0.5 * expected)
+    assert metrics["train_examples"] == expected + round(0.5 * expected)
+    stage_json = json.loads((Path(stage["output"]) / "stage.json").read_text())
+    assert stage_json["stage"] == "rft-correctness" and stage_json["kind"] == "rft"

@@ -29,6 +29,7 @@ SECTIONS = config_sections()
                 "grpo.stages[].data_filter",
                 "grpo.stages[].monitor",
                 "grpo.stages[].pass_rate",
+                "grpo.stages[].rft",
             ],
         ),
         ("grpo.stages[]", None),  # the list marker is optional

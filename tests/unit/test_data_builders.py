@@ -12,6 +12,7 @@ from posttrain.data.builders import (
     DPO_FEATURES,
     DpoPair,
     build_dpo_dataset,
+    build_rft_dataset,
     build_sft_dataset,
     select_dpo_pair,
 )
@@ -135,3 +136,63 @@ def test_build_dpo_dataset_all_ties_is_empty_not_an_error(caplog):
 def test_build_dpo_dataset_checks_lengths():
     with pytest.raises(DataError, match="2 prompts but 1 scores_per_prompt"):
         build_dpo_dataset([build_prompt("a"), build_prompt("b")], [["x"], ["y"]], [[1.0]])
+
+
+def _rows(*ids):
+    import datasets
+
+    return datasets.Dataset.from_list([{"id": i, "prompt": build_prompt(f"question {i}?")} for i in ids])
+
+
+def _replay(n):
+    import datasets
+
+    solution = "He paid $<<3*5=15>>15.\n#### 15"
+    return datasets.Dataset.from_list(
+        [{"prompt": build_prompt(f"old {i}?"), "solution": solution} for i in range(n)]
+    )
+
+
+def test_build_rft_dataset_pairs_each_correct_completion_with_its_prompt_and_replays_per_completion():
+    right_a = GOOD
+    right_b = GOOD.replace("48/2 = 24", "half is 24")
+    correct = {"a": [right_a, right_b], "b": [], "c": [right_a]}
+    data = build_rft_dataset(_rows("a", "b", "c"), correct, _replay(10), replay_ratio=0.5, seed=0)
+    assert (data.completions, data.prompts, data.replayed) == (3, 2, 2)  # round(0.5 * 3)
+    pairs = sorted((r["prompt"][-1]["content"], r["completion"][0]["content"]) for r in data.dataset)
+    own = [(q, c) for q, c in pairs if not q.startswith("old")]
+    assert own == [("question a?", right_a), ("question a?", right_b), ("question c?", right_a)]
+    replayed = [c for q, c in pairs if q.startswith("old")]
+    assert replayed == [format_sft_target("He paid $<<3*5=15>>15.\n#### 15")] * 2
+    assert [r["completion"][0]["role"] for r in data.dataset] == ["assistant"] * 5
+    assert is_conversational(data.dataset[0])
+
+
+def test_build_rft_dataset_replay_is_capped_written_for_the_calculator_and_shuffled_by_seed():
+    correct = {"a": [GOOD] * 1, "b": [GOOD]}
+    data = build_rft_dataset(_rows("a", "b"), correct, _replay(3), replay_ratio=4.0, seed=0, calculator=True)
+    assert data.replayed == 3 and len(data.dataset) == 5  # all three, not eight
+    texts = [r["completion"][0]["content"] for r in data.dataset]
+    assert texts.count(format_sft_target("He paid $<<3*5=15>>15.\n#### 15", calculator=True)) == 3
+    assert "3*5 = 15" in texts[[i for i, t in enumerate(texts) if t != GOOD][0]]
+    none = build_rft_dataset(_rows("a", "b"), correct, _replay(3), replay_ratio=0.0, seed=0)
+    assert none.replayed == 0 and len(none.dataset) == 2
+    orders = {
+        seed: [
+            r["prompt"][-1]["content"]
+            for r in build_rft_dataset(
+                _rows("a", "b"), correct, _replay(3), replay_ratio=1.0, seed=seed
+            ).dataset
+        ]
+        for seed in range(6)
+    }
+    assert len({tuple(o) for o in orders.values()}) > 1  # the mix is shuffled, by the seed
+    assert orders[0] == [
+        r["prompt"][-1]["content"]
+        for r in build_rft_dataset(_rows("a", "b"), correct, _replay(3), replay_ratio=1.0, seed=0).dataset
+    ]
+
+
+def test_build_rft_dataset_without_a_correct_completion_says_so():
+    with pytest.raises(DataError, match="no correct completion"):
+        build_rft_dataset(_rows("a"), {"a": []}, _replay(3), replay_ratio=1.0, seed=0)

@@ -799,3 +799,24 @@ def test_by_ops_table_with_two_pass_rates():
         " ops      n       strict [95% CI]  flexible   format             pass@2 strict             pass@4 strict",
         "   1      1                100.0%    100.0%   100.0%                    100.0%                    100.0%",
     ]
+
+
+def test_correct_completions_keeps_each_prompts_distinct_fully_paid_completions_in_order():
+    from posttrain.core.sample_score import SampleScore
+    from posttrain.evaluation.pass_rate import correct_completions
+
+    def sample(text, flag):  # the flag is what an evaluator said; the correctness reward decides
+        return SampleScore(text, None, None, flag, flag, True, 1, False)
+
+    other = GOOD.replace("6 * 7 = 42", "7 * 6 = 42")
+    flexible_only = "6 * 7 = 42"
+    records = (
+        EvalRecord.from_samples(
+            "a", "q a", "42", [sample(other, True), sample(GOOD, True), sample(other, True)]
+        ),
+        EvalRecord.from_samples("b", "q b", "41", [sample(GOOD, True), sample(flexible_only, False)]),
+        EvalRecord.from_samples("c", "q c", "42", [sample(flexible_only, True)]),
+    )
+    report = EvalReport(model="m", summary={}, records=records)
+    found = correct_completions(report, {"a": "#### 42", "b": "#### 41", "c": "42"})
+    assert found == {"a": [other, GOOD], "b": [], "c": []}

@@ -260,6 +260,14 @@ PINNED_CONFIG_HASHES = {
         "eval": "56eee56527611fe5",
         "seed_group": "8e198f4d7b3d",
     },
+    # Added with the rft: stage; its data, SFT and evaluation are the config above's.
+    "smollm2-arith-calc-new-stories-rft-cpu.yaml": {
+        "data": "1a217d5c591ca023",
+        "sft": "2e1daac12fbf6fda",
+        "rft-new-stories": "5e561e0e8db58e38",
+        "eval": "56eee56527611fe5",
+        "seed_group": "9e5478a0de7c",
+    },
     "smollm2-arith-cpu.yaml": {
         "data": "70b390f9d4f7484b",
         "sft": "779c1c9120d5aa1b",

@@ -771,6 +771,55 @@ def test_the_score_key_follows_k_the_model_and_sampling_not_the_learning_rate_or
     assert key_with("grpo.stages.1.trainer.beta=0.1") == key
 
 
+RFT = "grpo.stages.1.rft={replay: 1.0, trainer: {max_steps: 2}}"
+
+
+def test_an_rft_stage_is_scored_right_before_it_and_fine_tunes_as_its_own_kind(plan_for):
+    from posttrain.pipeline.plan import RFTStep, ScoreStep
+
+    plan = plan_for(SCORED, RFT)
+    names = plan.names
+    assert names[names.index("rft-correctness") - 1 :][:2] == ["score-rft-correctness", "rft-correctness"]
+    assert "grpo-correctness" not in names and "eval-rft-correctness" in names
+    step = plan.step("rft-correctness")
+    assert isinstance(step, RFTStep) and step.kind == "rft"
+    assert isinstance(plan.step("score-rft-correctness"), ScoreStep)
+    assert plan.config.stages()[-1] == ("rft", "rft-correctness")
+
+
+def test_the_rft_stage_key_follows_its_scores_its_sft_options_and_the_records_it_replays(plan_for, tmp_path):
+    import dataclasses
+
+    from posttrain.cache.keys import code_kind
+
+    plan = plan_for(SCORED, RFT)
+    one = score_output(tmp_path / "one", stage="rft-correctness")
+    other = score_output(tmp_path / "two", stage="rft-correctness", correct={"a": 1, "b": 4})
+
+    def key(cfg_plan, scores=one, data=None, step="rft-correctness"):
+        inputs = StepInputs(_inputs().model, data or _data(), scores)
+        return cfg_plan.step(step).key(cfg_plan.config, inputs)
+
+    stage = key(plan)
+    assert key(plan, scores=other) != stage
+    assert key(plan_for(SCORED, RFT, "grpo.stages.1.rft.replay=0.5")) != stage
+    assert key(plan_for(SCORED, RFT, "grpo.stages.1.rft.trainer.learning_rate=0.001")) != stage
+    # the records it replays: the run's train split, read whether or not the stage has its own data
+    replayed = dataclasses.replace(_data(), train_fingerprint="train-other")
+    assert key(plan, data=replayed) != stage
+    own = plan_for(SCORED, RFT, "grpo.stages.1.data={source: synthetic}")
+    own_data = dataclasses.replace(_data(), stats={"rft-correctness.train_fingerprint": "own-1"})
+    assert key(own, data=own_data) != key(own, data=dataclasses.replace(own_data, train_fingerprint="t2"))
+    assert code_kind(plan.step("rft-correctness").section(plan.config)) == "rft"
+    # its scoring measures what a GRPO stage's would: the fine-tuning's settings leave it alone
+    scoring = key(plan, step="score-rft-correctness")
+    assert key(plan_for(SCORED, RFT, "grpo.stages.1.rft.replay=0.5"), step="score-rft-correctness") == scoring
+    assert (
+        key(plan_for(SCORED, RFT, "grpo.stages.1.pass_rate.samples=8"), step="score-rft-correctness")
+        != scoring
+    )
+
+
 def test_the_stage_key_follows_its_pass_rates(plan_for, tmp_path):
     plan = plan_for(SCORED)
     stage = plan.step("grpo-correctness")

@@ -46,6 +46,7 @@ ENTRY_MODULES: dict[str, tuple[str, ...]] = {
     "sft": ("posttrain.training.sft",),
     "dpo": ("posttrain.training.dpo",),
     "grpo": ("posttrain.training.grpo",),
+    "rft": ("posttrain.training.sft", "posttrain.data.builders", "posttrain.evaluation.pass_rate"),
     "score": ("posttrain.evaluation.pass_rate", "posttrain.data.prepare", "posttrain.models.loading"),
 }
 """The modules each step kind runs, besides its own step code (:data:`STEP_SOURCES`)."""
@@ -68,6 +69,12 @@ STEP_SOURCES: dict[str, tuple[tuple[str, str], ...]] = {
         (_STEPS, "evaluation_inputs"),
     ),
     "grpo": ((_PLAN, "GRPOStep"), (_STEPS, "load_data"), (_STEPS, "in_training_records")),
+    "rft": (
+        (_PLAN, "RFTStep"),
+        (_PLAN, "GRPOStep"),
+        (_STEPS, "load_data"),
+        (_STEPS, "in_training_records"),
+    ),
     "score": ((_STEPS, "score_step"), (_STEPS, "load_data")),
 }
 """(module, top-level function or class) of each kind's own step code."""
@@ -81,6 +88,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "sft": ("torch", "transformers", "trl", "peft", "accelerate", "datasets"),
     "dpo": ("torch", "transformers", "trl", "peft", "accelerate", "datasets"),
     "grpo": ("torch", "transformers", "trl", "peft", "accelerate", "datasets"),
+    "rft": ("torch", "transformers", "trl", "peft", "accelerate", "datasets"),
     "score": ("torch", "transformers", "peft", "datasets"),
 }
 

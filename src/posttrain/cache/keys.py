@@ -185,13 +185,28 @@ def train_identity(
             "seed": cfg.seed,
             **({"processes": processes} if processes > 1 else {}),
             **_selection_settings(cfg, section),
+            **_rft_settings(section),
         }
     )
     rewards = [spec.name for spec in getattr(section, "rewards", ())]
     inputs = {"model": model_fingerprint, "data": data_fingerprint}
     if section.keep == "best":
         inputs["selection"] = selection_fingerprint or "-"
-    return StepIdentity(stage, config_hash, inputs, code_fingerprint(section.trl_kind, rewards))
+    return StepIdentity(stage, config_hash, inputs, code_fingerprint(code_kind(section), rewards))
+
+
+def code_kind(section: SFTStageConfig | DPOStageConfig | GRPOStageConfig) -> str:
+    """Whose code a stage runs (posttrain.cache.code): its TRL kind, or ``rft`` for a GRPO-section
+    stage that fine-tunes (``rft:``)."""
+    return "rft" if getattr(section, "rft", None) is not None else section.trl_kind
+
+
+def _rft_settings(section: SFTStageConfig | DPOStageConfig | GRPOStageConfig) -> dict[str, object]:
+    """An ``rft:`` stage's SFT options with posttrain's code-side defaults, which its section hash lacks."""
+    rft = getattr(section, "rft", None)
+    if rft is None:
+        return {}
+    return {"rft_trainer": {k: v for k, v in rft.trainer_options().items() if k not in CHECKPOINT_OPTIONS}}
 
 
 def _selection_settings(

@@ -55,6 +55,7 @@ RESULT_TYPES: dict[str, type] = {
     "sft": StageResult,
     "dpo": StageResult,
     "grpo": StageResult,
+    "rft": StageResult,
     "score": ScoreResult,
 }
 """The result dataclass each step kind returns (``Step.kind``)."""

@@ -723,6 +723,40 @@ class PassRateConfig(StrictModel):
         return low < rate < high
 
 
+class RFTConfig(StrictModel):
+    """Train a stage by rejection-sampling fine-tuning (RFT) instead of GRPO: SFT on the correct
+    completions its input model wrote in the stage's pass-rate scoring, mixed with replayed worked
+    solutions of the run's training records. GRPO needs groups whose completions differ; RFT learns
+    from every correct one, and where a model first meets a kind of question (answers known, no
+    worked solutions) it moved accuracy far more than GRPO did in the same minutes
+    (docs/results/2026-12-06-stage-own-prompts.md)."""
+
+    replay: float = Field(1.0, ge=0)
+    """Worked solutions of the run's training records (``data``'s train split, in its order) mixed in
+    per correct completion, so the stage keeps what SFT taught: 0 trains on the completions alone."""
+    trainer: dict[str, Any] = Field(default_factory=dict)
+    """TRL ``SFTConfig`` options of the fine-tuning, passed through (``max_steps``, ``learning_rate``,
+    ``per_device_train_batch_size``, ``max_length``, ...; posttrain's SFT defaults otherwise). The
+    stage's own ``trainer:`` still sets how the scoring samples (temperature, completion length)."""
+
+    @field_validator("trainer")
+    @classmethod
+    def _check_trainer(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return validate_trainer_options("sft", value)
+
+    def trainer_options(self) -> dict[str, Any]:
+        """posttrain's SFT defaults overlaid with these options."""
+        return {**TRAINER_DEFAULTS["sft"], **self.trainer}
+
+
+_GRPO_ONLY_FOR_RFT = {
+    "zero_signal": "keep",
+    "zero_signal_retire_after": None,
+    "tool_protocol": "inline",
+}
+"""GRPO stage settings an ``rft:`` stage has no use for, with the value it accepts."""
+
+
 class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     trl_kind: ClassVar[str] = "grpo"
     omit_when_default: ClassVar[tuple[str, ...]] = (
@@ -731,9 +765,11 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
         "pass_rate",
         "zero_signal_retire_after",
         "data",
+        "rft",
     )
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
-    """Lowercase and unique: the stage's step is ``grpo-<name>`` (``--force``, runs, store folders)."""
+    """Lowercase and unique: the stage's step is ``grpo-<name>``, or ``rft-<name>`` with ``rft:``
+    (``--force``, runs, store folders)."""
     rewards: list[RewardSpec] = Field(min_length=1)
     """The rewards the stage is paid with, by name, with weights (see ``posttrain rewards list``)."""
     data: DataSource | None = None
@@ -770,6 +806,14 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     pass_rate: PassRateConfig | None = None
     """Choose the stage's prompts by the input model's measured pass rate (a ``score-<stage>`` step
     before the stage); null: the stage trains on its whole ``data_filter`` slice."""
+    rft: RFTConfig | None = None
+    """Train the stage by rejection-sampling fine-tuning instead of GRPO (its step is then
+    ``rft-<name>``): SFT on the distinct completions of its ``pass_rate`` scoring that the
+    ``correctness`` reward pays in full, every scored prompt's, with replayed worked solutions.
+    Needs ``pass_rate:``, whose ``samples`` and ``candidates`` then say how much is sampled (its
+    ``band``, ``weighting`` and ``refresh_every`` choose GRPO's prompts and must stay unset). The
+    stage's ``lora``, ``tools``, ``eval_every`` and ``keep`` apply to the fine-tuning; ``rewards``
+    other than ``correctness``, ``monitor``, ``sample_every`` and ``zero_signal`` do not. Null: GRPO."""
     tools: list[str] = Field(default_factory=list)
     """Tools the stage's rollouts (and its in-training evaluation) use. ``inline`` ``[calculator]``:
     after an arithmetic expression and ``=`` posttrain's engine writes the value's tokens, which are
@@ -779,8 +823,51 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
 
     @property
     def step_name(self) -> str:
-        """The stage's step name in the plan, runs and store: ``grpo-<name>``."""
-        return f"grpo-{self.name}"
+        """The stage's step name in the plan, runs and store: ``grpo-<name>`` (``rft-<name>`` with ``rft:``)."""
+        return f"{self.method}-{self.name}"
+
+    @property
+    def method(self) -> Literal["grpo", "rft"]:
+        """How the stage trains: ``grpo``, or ``rft`` when it sets ``rft:``."""
+        return "grpo" if self.rft is None else "rft"
+
+    def rft_section(self) -> SFTStageConfig:
+        """The SFT an ``rft:`` stage runs: ``rft.trainer``, and the stage's tools, ``lora``,
+        in-training evaluation and checkpoint choice."""
+        assert self.rft is not None, "only an rft: stage fine-tunes"
+        own = {
+            k: getattr(self, k)
+            for k in ("lora", "keep", "select_metric", "patience")
+            if k in self.model_fields_set
+        }
+        return SFTStageConfig(
+            trainer=self.rft.trainer,
+            tools=list(self.tools),
+            eval_every=self.eval_every,
+            eval_limit=self.eval_limit,
+            **own,
+        )
+
+    @model_validator(mode="after")
+    def _rft_settings(self) -> GRPOStageConfig:
+        if self.rft is None:
+            return self
+        if self.pass_rate is None:
+            raise ValueError("rft: fine-tunes on the completions of the stage's scoring; it needs pass_rate:")
+        defaults = PassRateConfig()
+        for key in ("band", "weighting", "refresh_every"):
+            if getattr(self.pass_rate, key) != getattr(defaults, key):
+                raise ValueError(
+                    f"pass_rate.{key}: chooses GRPO's prompts; an rft: stage trains on every scored prompt's "
+                    "correct completions"
+                )
+        for key, accepted in _GRPO_ONLY_FOR_RFT.items():
+            if getattr(self, key) != accepted:
+                raise ValueError(
+                    f"{key}: is a GRPO setting; an rft: stage takes {accepted!r} (or leave it out)"
+                )
+        self.rft_section()  # the SFT's own options, checked as SFT's (selection included)
+        return self
 
     @model_validator(mode="after")
     def _tools_need_the_engine(self) -> GRPOStageConfig:
@@ -1215,7 +1302,7 @@ class PipelineConfig(StrictModel):
             stages.append(("sft", self.sft.step_name))
         if self.dpo is not None and self.dpo.enabled:
             stages.append(("dpo", self.dpo.step_name))
-        stages += [("grpo", s.step_name) for s in self.grpo.stages]
+        stages += [(s.method, s.step_name) for s in self.grpo.stages]
         return stages
 
     def stage_data_sources(self) -> dict[str, DataConfig]:

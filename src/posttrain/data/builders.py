@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +27,21 @@ from posttrain.data.prepare import MESSAGES_FEATURE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DPO_FEATURES", "DpoPair", "build_dpo_dataset", "build_sft_dataset", "select_dpo_pair"]
+__all__ = [
+    "DPO_FEATURES",
+    "SFT_FEATURES",
+    "DpoPair",
+    "RFTData",
+    "build_dpo_dataset",
+    "build_rft_dataset",
+    "build_sft_dataset",
+    "select_dpo_pair",
+]
 
 DPO_FEATURES = datasets.Features(
     {"prompt": MESSAGES_FEATURE, "chosen": MESSAGES_FEATURE, "rejected": MESSAGES_FEATURE}
 )
+SFT_FEATURES = datasets.Features({"prompt": MESSAGES_FEATURE, "completion": MESSAGES_FEATURE})
 
 
 def _assistant(text: str) -> list[dict[str, str]]:
@@ -58,6 +68,62 @@ def build_sft_dataset(
     return ds.map(
         completions, input_columns="solution", batched=True, remove_columns=drop, desc="SFT targets"
     )
+
+
+@dataclass(frozen=True)
+class RFTData:
+    """What an ``rft:`` stage fine-tunes on (:func:`build_rft_dataset`), and where it came from."""
+
+    dataset: datasets.Dataset
+    completions: int
+    """The model's own correct completions in it."""
+    prompts: int
+    """Scored prompts that gave at least one."""
+    replayed: int
+    """Worked solutions of the run's training records mixed in."""
+
+
+def build_rft_dataset(
+    rows: datasets.Dataset,
+    correct: Mapping[str, Sequence[str]],
+    replay: datasets.Dataset,
+    *,
+    replay_ratio: float,
+    seed: int,
+    calculator: bool = False,
+) -> RFTData:
+    """``prompt`` + ``completion`` rows for rejection-sampling fine-tuning: each of ``correct[id]``
+    (the completions of prompt ``id`` that the correctness reward paid in full) after the prompt of
+    the record of ``rows`` with that ``id``, in ``rows``' order, plus ``replay_ratio`` worked solutions
+    of ``replay`` (prepared records, its first ones) per completion, shuffled together with ``seed``.
+
+    The completions are trained on as the model wrote them, tool-written values included: the same
+    text SFT writes for a worked solution in the calculator's form.
+
+    >>> rows = datasets.Dataset.from_list([{"id": "a", "prompt": [{"role": "user", "content": "1+1?"}]}])
+    >>> done = "<reasoning>\\n1+1 = 2\\n</reasoning>\\n<answer>\\n2\\n</answer>"
+    >>> replay = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "2*3?"}],
+    ...                                       "solution": "2*3 = <<2*3=6>>6\\n#### 6"}] * 3)
+    >>> data = build_rft_dataset(rows, {"a": [done, done.replace(" = ", "=")]}, replay, replay_ratio=1.0, seed=0)
+    >>> data.completions, data.prompts, data.replayed, len(data.dataset), data.dataset.column_names
+    (2, 1, 2, 4, ['prompt', 'completion'])
+    """
+    records = []
+    prompts = 0
+    for row in rows:
+        texts = correct.get(str(row["id"]), ())
+        prompts += bool(texts)
+        records += [{"prompt": row["prompt"], "completion": _assistant(text)} for text in texts]
+    if not records:
+        raise DataError("rft: the scoring found no correct completion, so there is nothing to fine-tune on")
+    own = datasets.Dataset.from_list(records, features=SFT_FEATURES)
+    count = min(len(replay), round(replay_ratio * len(records)))
+    parts = [own]
+    if count:
+        replayed = build_sft_dataset(replay.select(range(count)), calculator=calculator)
+        parts.append(replayed.cast(SFT_FEATURES))
+    mixed = datasets.concatenate_datasets(parts).shuffle(seed=seed).flatten_indices()
+    return RFTData(mixed, completions=len(records), prompts=prompts, replayed=count)
 
 
 @dataclass(frozen=True)

@@ -139,12 +139,12 @@ class PreparedData:
 
 STAGE_FOLDER = "stages"
 """Where :meth:`PreparedData.save` puts each stage's own split: ``stages/<step name>/``."""
-_STAGE_NAME_RE = re.compile(r"^grpo-[a-z0-9][a-z0-9_-]*$")
+_STAGE_NAME_RE = re.compile(r"^(grpo|rft)-[a-z0-9][a-z0-9_-]*$")
 
 
 def stage_sources_in(stats: Mapping[str, Any]) -> list[str]:
     """The step names of the stages with a split of their own, as a data step's ``stats`` records
-    them (``<step>.train_fingerprint``); a name that is not a GRPO stage's is not one of them.
+    them (``<step>.train_fingerprint``); a name that is not a ``grpo:`` stage's is not one of them.
 
     >>> stage_sources_in({"train_fingerprint": "a", "grpo-new.train_fingerprint": "b", "../x.train_fingerprint": "c"})
     ['grpo-new']

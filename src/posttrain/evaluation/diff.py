@@ -282,7 +282,7 @@ def stage_value_rows(
     rows, trained = [], []
     for outcome in outcomes:
         step = outcome["step"]
-        if outcome["kind"] in ("sft", "dpo", "grpo"):
+        if outcome["kind"] in ("sft", "dpo", "grpo", "rft"):
             trained.append(step)
         if outcome["kind"] != "eval":
             continue

@@ -23,7 +23,7 @@ from posttrain.rewards.accuracy import correctness_reward
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PassRateScoring", "score_pass_rates", "scoring_config"]
+__all__ = ["PassRateScoring", "correct_completions", "score_pass_rates", "scoring_config"]
 
 SCORING_BATCH = 64
 """Rows decoded together while scoring (the evaluator's default batch)."""
@@ -95,3 +95,15 @@ def score_pass_rates(
         rates.histogram(),
     )
     return PassRateScoring(rates, report)
+
+
+def correct_completions(report: EvalReport, answers: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Each scored prompt's distinct completions that the ``correctness`` reward pays in full (the ones
+    its pass rate counts), in sampling order, by id; ``answers`` holds each id's gold answer."""
+    correct: dict[str, list[str]] = {}
+    for record in report.records:
+        texts = [s.completion for s in record.samples]
+        scores = correctness_reward(texts, [answers[record.id]] * len(texts))
+        paid = [text for text, score in zip(texts, scores, strict=True) if score == 1.0]
+        correct[record.id] = list(dict.fromkeys(paid))
+    return correct

@@ -49,6 +49,7 @@ __all__ = [
     "DataStep",
     "EvalStep",
     "Plan",
+    "RFTStep",
     "ScoreStep",
     "Step",
     "StepInputs",
@@ -72,7 +73,7 @@ class Step:
     """One step of the plan: its identity, cache key, output location, how to run and verify it."""
 
     kind: ClassVar[str]
-    """`data`, `sft`, `dpo`, `grpo`, `score` or `eval`: tags the MLflow run, names the Prefect task."""
+    """`data`, `sft`, `dpo`, `grpo`, `rft`, `score` or `eval`: tags the MLflow run, names the Prefect task."""
     feeds_downstream: ClassVar[bool] = True
     """False for evaluations: nothing downstream consumes their output."""
     name: str
@@ -310,6 +311,70 @@ class GRPOStep(TrainStep):
 
 
 @dataclass(frozen=True)
+class RFTStep(GRPOStep):
+    """A stage of the ``grpo:`` section that sets ``rft:`` (``rft-<name>``): after the same scoring step
+    and with the same inputs as a GRPO stage, it fine-tunes on what the scoring found correct. Its
+    key holds the run's train split, which it replays from: as its data when the stage has no
+    source of its own, else as ``run_train`` (GRPOStep.identity)."""
+
+    kind: ClassVar[str] = "rft"
+
+    def train(self, cfg, model, data, output_dir, report_to, scores: ScoreResult | None = None):
+        """SFT from ``model`` on the distinct correct completions of the stage's scoring, mixed with
+        ``rft.replay`` worked solutions per completion from the run's train split, into ``output_dir``."""
+        from posttrain.data.builders import build_rft_dataset  # heavy: datasets
+        from posttrain.data.prepare import select_stage_data
+        from posttrain.evaluation.pass_rate import correct_completions  # heavy: torch, transformers
+        from posttrain.training.sft import run_sft  # heavy: torch, transformers, TRL
+
+        assert scores is not None, "an rft: stage runs after its scoring step"
+        stage_cfg, prepared = self.section(cfg), load_data(data)
+        assert stage_cfg.rft is not None
+        rows = select_stage_data(prepared.train_for(self.name), stage_cfg.data_filter)
+        answers = {str(row["id"]): row["answer"] for row in rows}
+        report = EvalReport.load(scores.output_dir)
+        unknown = [r.id for r in report.records if r.id not in answers]
+        if unknown:
+            raise PosttrainError(
+                f"{self.name}: its scoring at {scores.output_dir} holds prompts the stage's data has not "
+                f"({len(unknown)}, e.g. {unknown[0]}); rerun it with --force score-{self.name}"
+            )
+        rft = build_rft_dataset(
+            rows,
+            correct_completions(report, answers),
+            prepared.train,
+            replay_ratio=stage_cfg.rft.replay,
+            seed=cfg.seed,
+            calculator="calculator" in stage_cfg.tools,
+        )
+        logger.info(
+            "[%s] fine-tuning on %d correct completions of %d prompts and %d replayed worked solutions",
+            self.name,
+            rft.completions,
+            rft.prompts,
+            rft.replayed,
+        )
+        return run_sft(
+            stage_cfg.rft_section(),
+            cfg.model_for(stage_cfg),
+            model.path,
+            rft.dataset,
+            output_dir,
+            seed=cfg.seed,
+            report_to=report_to,
+            selection=in_training_records(prepared, stage_cfg),
+            eval_max_new_tokens=int(stage_cfg.trainer_options()["max_completion_length"]),
+            stage=self.name,
+            kind=self.kind,
+            metrics={
+                "rft_completions": rft.completions,
+                "rft_prompts": rft.prompts,
+                "rft_replayed": rft.replayed,
+            },
+        )
+
+
+@dataclass(frozen=True)
 class ScoreStep(Step):
     """Pass rates of a GRPO stage's candidate prompts under the model the stage starts from
     (``score-grpo-<name>``, before the stage; its ``pass_rate:`` section)."""
@@ -361,7 +426,7 @@ class ScoreStep(Step):
         return dict(result.summary)
 
 
-TRAIN_KINDS: dict[str, type[TrainStep]] = {"sft": SFTStep, "dpo": DPOStep, "grpo": GRPOStep}
+TRAIN_KINDS: dict[str, type[TrainStep]] = {"sft": SFTStep, "dpo": DPOStep, "grpo": GRPOStep, "rft": RFTStep}
 """Training-stage kinds by the ``kind`` the config gives each enabled stage (`PipelineConfig.stages`)."""
 
 
@@ -508,7 +573,7 @@ def build_plan(cfg: PipelineConfig) -> Plan:
     if cfg.eval.baseline:
         plan.append(EvalStep("baseline", final=not stages))
     for i, (kind, name) in enumerate(stages):
-        if kind == "grpo" and keys.stage_section(cfg, name).pass_rate is not None:
+        if kind in ("grpo", "rft") and keys.stage_section(cfg, name).pass_rate is not None:
             plan.append(ScoreStep(stage=name))
         plan.append(TRAIN_KINDS[kind](name=name))
         if cfg.eval.after_each_stage or i == len(stages) - 1:

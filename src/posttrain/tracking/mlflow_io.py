@@ -34,7 +34,7 @@ STORE_TAG = "posttrain.store"
 PREFECT_FLOW_RUN_TAG = "posttrain.prefect_flow_run_id"
 """On a pipeline run that Prefect ran: the id of its flow run (the UI's /runs/flow-run/<id>)."""
 STEP_KIND_TAG = "posttrain.step_kind"
-"""Its kind (``Step.kind``: data, sft, dpo, grpo, eval): what comparisons and plots select runs by."""
+"""Its kind (``Step.kind``: data, sft, dpo, grpo, rft, score, eval): what comparisons and plots select runs by."""
 SEED_GROUP_TAG = "posttrain.seed_group"
 """On the pipeline run: the same for runs of one config that differ only in ``seed``
 (:func:`posttrain.core.sweep.seed_group`), so MLflow's UI groups them and ``compare`` aggregates them."""

@@ -16,7 +16,7 @@ it trains, and with ``keep: best`` its output is the checkpoint that answered be
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ def make_sft_trainer(
     callbacks: Sequence[Any] = (),
     selection: Any = None,
     eval_max_new_tokens: int | None = None,
+    stage: str = "sft",
 ):
     """The stage's ``SFTTrainer``, ready to ``train()``: ``(trainer, tokenizer, train rows)``
     (shared with benchmarks/sft_throughput.py, which measures it against TRL's defaults).
@@ -101,7 +102,7 @@ def make_sft_trainer(
     )
     quiet_console(trainer)
     if records is not None:
-        attach_evaluation(trainer, sft_cfg, records, stage="sft", max_new_tokens=eval_max_new_tokens)
+        attach_evaluation(trainer, sft_cfg, records, stage=stage, max_new_tokens=eval_max_new_tokens)
     return trainer, tokenizer, data
 
 
@@ -128,12 +129,17 @@ def run_sft(
     eval_dataset: Any = None,
     selection: Any = None,
     eval_max_new_tokens: int | None = None,
+    stage: str = "sft",
+    kind: str = "sft",
+    metrics: Mapping[str, Any] | None = None,
 ) -> StageResult:
     """Fine-tune ``model_path`` on ``train_dataset`` (prepared data or prompt/completion rows).
 
     ``sft_cfg.limit`` keeps the first N examples; TRL options come from
     ``sft_cfg.trainer_options()``. ``selection`` is what ``eval_every`` evaluates (and ``keep: best``
-    chooses by). Returns the stage summary; the policy is in ``output_dir``.
+    chooses by). ``stage`` and ``kind`` name the step that fine-tunes (an ``rft-<name>`` stage runs
+    here too), and ``metrics`` joins its result's. Returns the stage summary; the policy is in
+    ``output_dir``.
     """
     options = sft_cfg.trainer_options()
 
@@ -147,6 +153,7 @@ def run_sft(
             eval_dataset=eval_dataset,
             selection=selection,
             eval_max_new_tokens=eval_max_new_tokens,
+            stage=stage,
         )
         carry_token_count(trainer, ctx.resume_from)
         output = train_resumable(trainer, ctx)
@@ -154,13 +161,13 @@ def run_sft(
             trainer,
             output,
             tokenizer,
-            metrics={"train_examples": len(data)},
+            metrics={"train_examples": len(data), **(metrics or {})},
             selection=selection_record(sft_cfg, trainer),
         )
 
     return execute_stage(
-        stage="sft",
-        kind="sft",
+        stage=stage,
+        kind=kind,
         stage_cfg=sft_cfg,
         model_cfg=model_cfg,
         model_path=model_path,
