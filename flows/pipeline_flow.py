@@ -20,7 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from posttrain.core.config import PipelineConfig
 from posttrain.core.metric_names import slices_of
 from posttrain.core.redact import redact, redact_override
-from posttrain.evaluation.diff import STAGE_VALUE_COLUMNS, STAGE_VALUE_TITLE, stage_value_rows
+from posttrain.evaluation.diff import STAGE_VALUE_TITLE, stage_value_columns, stage_value_rows
 from posttrain.evaluation.report import rate_text
 from posttrain.flows.plan_walker import PipelineSummary, PlanRunner, StepOutcome, run_plan
 from posttrain.flows.prefect_compat import redact_stored_parameters, store_parameters_redacted
@@ -200,6 +200,7 @@ def summary_markdown(summary: PipelineSummary) -> str:
             + "".join(f" {slices.get(name, {}).get(None, 0):.1%} |" for name in extra)
         )
     if rows := stage_value_rows([asdict(o) for o in summary.outcomes], summary.changes):
-        lines += ["", f"**{STAGE_VALUE_TITLE}**", "", "| " + " | ".join(STAGE_VALUE_COLUMNS) + " |"]
-        lines += ["|---" * len(STAGE_VALUE_COLUMNS) + "|", *("| " + " | ".join(row) + " |" for row in rows)]
+        columns = stage_value_columns(summary.changes)
+        lines += ["", f"**{STAGE_VALUE_TITLE}**", "", "| " + " | ".join(columns) + " |"]
+        lines += ["|---" * len(columns) + "|", *("| " + " | ".join(row) + " |" for row in rows)]
     return "\n".join(lines)

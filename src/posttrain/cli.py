@@ -38,7 +38,7 @@ from posttrain.core.quiet import one_line_per_library_record, quiet_library_warn
 from posttrain.core.redact import RedactingFormatter, redact_text, redacting_log_records
 from posttrain.core.stats import format_percent
 from posttrain.core.sweep import parse_seeds, point_labels, sweep_points
-from posttrain.evaluation.diff import STAGE_VALUE_COLUMNS, STAGE_VALUE_TITLE, stage_value_rows
+from posttrain.evaluation.diff import STAGE_VALUE_TITLE, stage_value_columns, stage_value_rows
 from posttrain.flows.server import prefect_api_problem, prestart_embedded_prefect, use_embedded_prefect
 from posttrain.generation.vllm_server import check_vllm_server
 from posttrain.models.loading import load_tokenizer
@@ -212,7 +212,7 @@ def stage_value_table(outcomes: Sequence[dict], changes: dict[str, float]) -> st
     rows = stage_value_rows(outcomes, changes)
     if not rows:
         return ""
-    return f"{STAGE_VALUE_TITLE}:\n" + format_table(rows, STAGE_VALUE_COLUMNS)
+    return f"{STAGE_VALUE_TITLE}:\n" + format_table(rows, stage_value_columns(changes))
 
 
 def eval_sets_legend(outcomes: Sequence[dict], primary: str) -> str:

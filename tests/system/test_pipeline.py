@@ -213,6 +213,18 @@ def test_the_prefect_summary_shows_each_evaluation_and_what_each_stage_bought():
         "|---|---|---|---|",
         "| sft | 2.0 | +25.0 [+10.0, +40.0] | +12.50 |",
     ]
+    # an extra evaluation set's change gets a column of its own: a stage trained for problems the
+    # primary set does not hold shows what it bought there
+    summary.changes |= {
+        "eval-sft/delta_accuracy_strict/unseen": 0.3,
+        "eval-sft/delta_accuracy_strict_ci_low/unseen": 0.2,
+        "eval-sft/delta_accuracy_strict_ci_high/unseen": 0.4,
+    }
+    assert summary_markdown(summary).splitlines()[-3:] == [
+        "| stage | minutes | change (points) | points per minute | unseen change |",
+        "|---|---|---|---|---|",
+        "| sft | 2.0 | +25.0 [+10.0, +40.0] | +12.50 | +30.0 [+20.0, +40.0] |",
+    ]
 
 
 @pytest.mark.parametrize(

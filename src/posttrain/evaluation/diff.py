@@ -38,7 +38,9 @@ __all__ = [
     "paired_scores",
     "setting_differences",
     "stage_delta_metrics",
+    "stage_value_columns",
     "stage_value_rows",
+    "stage_value_sets",
 ]
 
 Pair = tuple[EvalRecord, EvalRecord]
@@ -257,19 +259,46 @@ STAGE_VALUE_TITLE = "what each stage bought (strict accuracy, paired 95% interva
 STAGE_VALUE_COLUMNS = ("stage", "minutes", "change (points)", "points per minute")
 
 
+def stage_value_sets(changes: Mapping[str, float]) -> list[str]:
+    """The extra evaluation sets that ``changes`` holds a paired change of, in order of appearance.
+
+    >>> stage_value_sets({"eval-sft/delta_accuracy_strict": 0.1, "eval-sft/delta_accuracy_strict/unseen": 0.2,
+    ...                   "eval-sft/delta_accuracy_strict_ci_low/unseen": 0.1})
+    ['unseen']
+    """
+    sets: list[str] = []
+    for key in changes:
+        _, _, metric = key.partition("/")
+        name, _, eval_set = metric.partition("/")
+        if name == "delta_accuracy_strict" and eval_set and "/" not in eval_set and eval_set not in sets:
+            sets.append(eval_set)
+    return sets
+
+
+def stage_value_columns(changes: Mapping[str, float]) -> tuple[str, ...]:
+    """:data:`STAGE_VALUE_COLUMNS`, then one change column per extra set (:func:`stage_value_sets`)."""
+    return (*STAGE_VALUE_COLUMNS, *(f"{name} change" for name in stage_value_sets(changes)))
+
+
 def stage_value_rows(
     outcomes: Sequence[Mapping[str, Any]], changes: Mapping[str, float]
 ) -> list[tuple[str, ...]]:
     """What each training stage bought, one row per evaluation that follows training (the run
     summary's ``outcomes`` and ``changes``): the stages it evaluates, their minutes (training and
     scoring, the producer's when cached), the paired change in strict accuracy on the primary set
-    with its 95 % interval, and points per minute (:data:`STAGE_VALUE_COLUMNS`). An evaluation
-    whose change or cost is unknown has no row.
+    with its 95 % interval, and points per minute (:data:`STAGE_VALUE_COLUMNS`), then its change on
+    each extra evaluation set (:func:`stage_value_columns`): a stage trained for problems the primary
+    set does not hold shows its gain there. An evaluation whose change or cost is unknown has no row.
 
     >>> stage_value_rows([{"step": "sft", "kind": "sft"}, {"step": "eval-sft", "kind": "eval"}],
     ...     {"eval-sft/stage_minutes": 4.0, "eval-sft/delta_accuracy_strict": 0.1,
     ...      "eval-sft/delta_accuracy_strict_ci_low": 0.05, "eval-sft/delta_accuracy_strict_ci_high": 0.15})
     [('sft', '4.0', '+10.0 [+5.0, +15.0]', '+2.50')]
+    >>> stage_value_rows([{"step": "sft", "kind": "sft"}, {"step": "eval-sft", "kind": "eval"}],
+    ...     {"eval-sft/stage_minutes": 4.0, "eval-sft/delta_accuracy_strict": 0.1,
+    ...      "eval-sft/delta_accuracy_strict/unseen": 0.25, "eval-sft/delta_accuracy_strict_ci_low/unseen": 0.2,
+    ...      "eval-sft/delta_accuracy_strict_ci_high/unseen": 0.3})
+    [('sft', '4.0', '+10.0', '+2.50', '+25.0 [+20.0, +30.0]')]
 
     Stages with no evaluation between them (``eval.after_each_stage: false``) share one row:
 
@@ -279,6 +308,18 @@ def stage_value_rows(
     [('sft + grpo-x', '60.0', '+12.0', '+0.20')]
     """
     low_name, high_name = interval_names("delta_accuracy_strict")
+    sets = stage_value_sets(changes)
+
+    def change_text(step: str, eval_set: str | None) -> str:
+        suffix = f"/{eval_set}" if eval_set else ""
+        delta = changes.get(f"{step}/delta_accuracy_strict{suffix}")
+        if delta is None:
+            return ""
+        low, high = changes.get(f"{step}/{low_name}{suffix}"), changes.get(f"{step}/{high_name}{suffix}")
+        if low is None or high is None:
+            return f"{100 * delta:+.1f}"
+        return Interval(delta, low, high, "paired").points()
+
     rows, trained = [], []
     for outcome in outcomes:
         step = outcome["step"]
@@ -292,10 +333,9 @@ def stage_value_rows(
         minutes, delta = changes.get(f"{step}/stage_minutes"), changes.get(f"{step}/delta_accuracy_strict")
         if minutes is None or delta is None:
             continue
-        low, high = changes.get(f"{step}/{low_name}"), changes.get(f"{step}/{high_name}")
-        change = Interval(delta, low, high, "paired").points() if low is not None and high is not None else ""
         per_minute = f"{100 * delta / minutes:+.2f}" if minutes > 0 else ""
-        rows.append((stages, f"{minutes:.1f}", change or f"{100 * delta:+.1f}", per_minute))
+        extra = tuple(change_text(step, name) for name in sets)
+        rows.append((stages, f"{minutes:.1f}", change_text(step, None), per_minute, *extra))
     return rows
 
 
