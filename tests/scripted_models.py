@@ -63,16 +63,22 @@ def chain(tokenizer, *texts: str) -> dict[int, int]:
     return successors
 
 
-def answers_seven_mostly(tokenizer, after: str, p_seven: float):
+def answers_seven_mostly(tokenizer, after: str, p_seven: float, *, stop_on_eight: bool = False):
     """A model that, after the last token of ``after``, writes ``<answer>7</answer>`` with probability
     ``p_seven`` (at temperature 1) and ``<answer>8</answer>`` otherwise, whatever came before; a
     bigram model has no memory, so it then repeats ``answer>`` + digit + ``</`` up to the length limit
-    (only the first ``<answer>`` opens a block, so the first digit is the answer)."""
+    (only the first ``<answer>`` opens a block, so the first digit is the answer).
+
+    ``stop_on_eight``: every 8 ends the completion instead, so it answers 7 with probability
+    ``p_seven`` (``<answer>7</answer>`` + more sevens + ``8``) and gives no answer block otherwise;
+    a completion stops (not cut off at the limit) when an 8 comes soon enough."""
     t = tokenizer
     lt, word, gt = token_ids(t, "<answer>")
     close, seven, eight = token_ids(t, "</")[0], token_ids(t, "7")[0], token_ids(t, "8")[0]
     start = token_ids(t, after)[-1]
     successors = {start: lt, lt: word, word: gt, gt: seven, seven: close, eight: close, close: word}
+    if stop_on_eight:
+        del successors[eight]  # the default: the end-of-sequence token
     model = bigram_model(t, successors, default=t.eos_token_id)
     with torch.no_grad():  # the branch after '>': logit(8) - logit(7) = log((1 - p) / p)
         out = model(torch.tensor([[gt]]), output_hidden_states=True)

@@ -264,6 +264,31 @@ CASES = [
         "{cfg}: grpo.stages.0.rft.trainer: unknown SFTConfig option 'num_generations'",
     ),
     (
+        "rft with chat-template options its fine-tuning would not apply",
+        [
+            "grpo.stages.0.pass_rate={samples: 4}",
+            "grpo.stages.0.rft={}",
+            "grpo.stages.0.trainer.chat_template_kwargs={enable_thinking: false}",
+        ],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0: trainer.chat_template_kwargs: an rft: stage fine-tunes on the template's defaults",
+    ),
+    (
+        "rft with an SFT option that its keep: best sets itself",
+        [
+            "grpo.stages.0.pass_rate={samples: 4}",
+            "grpo.stages.0.rft={trainer: {eval_steps: 3}}",
+            "grpo.stages.0.keep=best",
+            "grpo.stages.0.eval_every=2",
+        ],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0: rft.trainer.eval_steps: keep: best sets it",
+    ),
+    (
         "rft replaying a negative share",
         ["grpo.stages.0.pass_rate={samples: 4}", "grpo.stages.0.rft={replay: -1}"],
         None,

@@ -171,31 +171,47 @@ def test_a_stage_with_its_own_source_scores_and_trains_on_that_source_alone(
     assert ("grpo-correctness prompts", fingerprint) in inputs["data"]
 
 
+@pytest.fixture(scope="module")
+def stopping_model_dir(tiny_tokenizer, tmp_path_factory) -> Path:
+    model = answers_seven_mostly(tiny_tokenizer, "\n", 0.75, stop_on_eight=True)
+    folder = tmp_path_factory.mktemp("stopping-model")
+    model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
 def test_an_rft_stage_fine_tunes_on_the_correct_completions_of_its_scoring_and_replays_worked_solutions(
-    smoke_config, scripted_model_dir, questions, tmp_path
+    smoke_config, stopping_model_dir, questions, tmp_path
 ):
-    """The scripted model answers 7 or 8 whatever the question: the stage keeps each scored prompt's
-    distinct completions whose answer is its gold (none of a gold-9 prompt, none that answers
-    wrong), and mixes in as many of the run's worked solutions."""
+    """The scripted model answers 7 whatever the question, or gives no answer: the stage keeps each
+    scored prompt's distinct completions whose answer is its gold and that stopped (none of a gold-8
+    or gold-9 prompt, none cut off at the length limit), and mixes in as many of the run's worked
+    solutions."""
     from posttrain.evaluation.report import EvalReport
     from posttrain.flows.pipeline_flow import posttrain_pipeline
 
+    worked = tmp_path / "worked.jsonl"  # the questions, with a worked solution to replay
+    rows = [json.loads(line) for line in questions.read_text().splitlines()]
+    worked.write_text("".join(json.dumps({**r, "answer": f"It is 3+4.\n{r['answer']}"}) + "\n" for r in rows))
     cfg = scored_config(
         smoke_config,
         tmp_path,
-        scripted_model_dir,
-        questions,
+        stopping_model_dir,
+        worked,
         "grpo.stages.0.rft={replay: 0.5, trainer: {max_steps: 1, per_device_train_batch_size: 2}}",
+        "grpo.defaults.trainer.max_completion_length=16",  # room to stop after up to three sevens
     )
     summary = posttrain_pipeline(cfg)
     outcomes = {o["step"]: o for o in summary["outcomes"]}
     assert [o["step"] for o in summary["outcomes"]][1:3] == ["score-rft-correctness", "rft-correctness"]
     report = EvalReport.load(outcomes["score-rft-correctness"]["output"])
     right = {
-        r.id: {s.completion for s in r.samples if s.correct_strict and s.strict == r.gold}
+        r.id: {s.completion for s in r.samples if s.correct_strict and s.strict == r.gold and not s.truncated}
         for r in report.records
     }
-    assert all(not texts for r in report.records if r.gold == "9" for texts in [right[r.id]])
+    assert all(not right[r.id] for r in report.records if r.gold != "7")
+    cut_off = [s for r in report.records for s in r.samples if s.correct_strict and s.truncated]
+    assert cut_off  # right answers that ran to the limit: the stage must leave them out
     expected = sum(len(texts) for texts in right.values())
     stage = outcomes["rft-correctness"]
     assert stage["status"] == "ran" and stage["kind"] == "rft"
@@ -206,3 +222,4 @@ def test_an_rft_stage_fine_tunes_on_the_correct_completions_of_its_scoring_and_r
     assert metrics["train_examples"] == expected + round(0.5 * expected)
     stage_json = json.loads((Path(stage["output"]) / "stage.json").read_text())
     assert stage_json["stage"] == "rft-correctness" and stage_json["kind"] == "rft"
+    assert stage_json["config"]["rft"]["replay"] == 0.5 and stage_json["config"]["pass_rate"]["samples"] == 8

@@ -193,6 +193,24 @@ def test_build_rft_dataset_replay_is_capped_written_for_the_calculator_and_shuff
     ]
 
 
+def test_build_rft_dataset_replays_worked_solutions_only_and_refuses_answers_alone():
+    import datasets
+
+    answers_only = [{"prompt": build_prompt(f"bare {i}?"), "solution": f"#### {i}"} for i in range(3)]
+    mixed = datasets.Dataset.from_list([*answers_only, *_replay(2).to_list()])
+    data = build_rft_dataset(_rows("a"), {"a": [GOOD, WRONG]}, mixed, replay_ratio=2.0, seed=0)
+    assert data.replayed == 2  # the two worked ones, not the first answers alone
+    assert not [r for r in data.dataset if r["prompt"][-1]["content"].startswith("bare")]
+    with pytest.raises(DataError, match="rft.replay: the run's training records hold answers without"):
+        build_rft_dataset(
+            _rows("a"), {"a": [GOOD]}, datasets.Dataset.from_list(answers_only), replay_ratio=1.0, seed=0
+        )
+    alone = build_rft_dataset(
+        _rows("a"), {"a": [GOOD]}, datasets.Dataset.from_list(answers_only), replay_ratio=0.0, seed=0
+    )
+    assert alone.replayed == 0
+
+
 def test_build_rft_dataset_without_a_correct_completion_says_so():
     with pytest.raises(DataError, match="no correct completion"):
         build_rft_dataset(_rows("a"), {"a": []}, _replay(3), replay_ratio=1.0, seed=0)

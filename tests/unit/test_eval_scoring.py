@@ -805,8 +805,8 @@ def test_correct_completions_keeps_each_prompts_distinct_fully_paid_completions_
     from posttrain.core.sample_score import SampleScore
     from posttrain.evaluation.pass_rate import correct_completions
 
-    def sample(text, flag):  # the flag is what an evaluator said; the correctness reward decides
-        return SampleScore(text, None, None, flag, flag, True, 1, False)
+    def sample(text, flag, truncated=False):  # the flag is an evaluator's; the correctness reward decides
+        return SampleScore(text, None, None, flag, flag, True, 1, truncated)
 
     other = GOOD.replace("6 * 7 = 42", "7 * 6 = 42")
     flexible_only = "6 * 7 = 42"
@@ -815,7 +815,9 @@ def test_correct_completions_keeps_each_prompts_distinct_fully_paid_completions_
             "a", "q a", "42", [sample(other, True), sample(GOOD, True), sample(other, True)]
         ),
         EvalRecord.from_samples("b", "q b", "41", [sample(GOOD, True), sample(flexible_only, False)]),
-        EvalRecord.from_samples("c", "q c", "42", [sample(flexible_only, True)]),
+        EvalRecord.from_samples(
+            "c", "q c", "42", [sample(flexible_only, True), sample(GOOD + " 6", True, True)]
+        ),
     )
     report = EvalReport(model="m", summary={}, records=records)
     found = correct_completions(report, {"a": "#### 42", "b": "#### 41", "c": "42"})

@@ -264,7 +264,7 @@ PINNED_CONFIG_HASHES = {
     "smollm2-arith-calc-new-stories-rft-cpu.yaml": {
         "data": "1a217d5c591ca023",
         "sft": "2e1daac12fbf6fda",
-        "rft-new-stories": "5e561e0e8db58e38",
+        "rft-new-stories": "89869adf3f871d99",
         "eval": "56eee56527611fe5",
         "seed_group": "9e5478a0de7c",
     },

@@ -811,6 +811,15 @@ def test_the_rft_stage_key_follows_its_scores_its_sft_options_and_the_records_it
     own_data = dataclasses.replace(_data(), stats={"rft-correctness.train_fingerprint": "own-1"})
     assert key(own, data=own_data) != key(own, data=dataclasses.replace(own_data, train_fingerprint="t2"))
     assert code_kind(plan.step("rft-correctness").section(plan.config)) == "rft"
+    # what only GRPO (or checkpointing) reads leaves it alone: grpo.defaults may set it for every stage
+    for unused in (
+        "grpo.stages.1.rft.trainer.save_steps=7",
+        "grpo.stages.1.trainer.beta=0.1",
+        "grpo.stages.1.trainer.learning_rate=0.3",
+        "grpo.stages.1.sample_every=3",
+    ):
+        assert key(plan_for(SCORED, RFT, unused)) == stage, unused
+    assert key(plan_for(SCORED, RFT, "grpo.stages.1.trainer.max_completion_length=24")) != stage
     # its scoring measures what a GRPO stage's would: the fine-tuning's settings leave it alone
     scoring = key(plan, step="score-rft-correctness")
     assert key(plan_for(SCORED, RFT, "grpo.stages.1.rft.replay=0.5"), step="score-rft-correctness") == scoring

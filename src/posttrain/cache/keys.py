@@ -171,6 +171,7 @@ def train_identity(
     choice itself (``keep``, ``select_metric``, ``patience``, ``eval_every``) is in the section."""
     section = stage_section(cfg, stage)
     trainer = {k: v for k, v in section.trainer.items() if k not in CHECKPOINT_OPTIONS}
+    rft = getattr(section, "rft", None)
     # How the stage is launched is not what it trains on, but the number of processes is: each
     # takes its own per-device batch, so it multiplies the global batch. One process adds nothing,
     # so in-process keys are those of before launchers existed.
@@ -179,8 +180,14 @@ def train_identity(
         {
             "stage": stable_hash(
                 _without_lora(section.model_copy(update={"trainer": trainer, "launch": None}))
+                if rft is None
+                else _rft_stage_form(section)
             ),
-            "trainer": {k: v for k, v in section.trainer_options().items() if k not in CHECKPOINT_OPTIONS},
+            "trainer": {
+                k: v
+                for k, v in section.trainer_options().items()
+                if k not in CHECKPOINT_OPTIONS and (rft is None or k in RFT_SAMPLING_OPTIONS)
+            },
             "model": stable_hash(cache_form(cfg.model_for(section))),  # the stage's own `lora:` included
             "seed": cfg.seed,
             **({"processes": processes} if processes > 1 else {}),
@@ -188,7 +195,8 @@ def train_identity(
             **_rft_settings(section),
         }
     )
-    rewards = [spec.name for spec in getattr(section, "rewards", ())]
+    # an rft: stage pays no reward: the scoring's correctness decides what it trains on
+    rewards = [spec.name for spec in getattr(section, "rewards", ())] if rft is None else []
     inputs = {"model": model_fingerprint, "data": data_fingerprint}
     if section.keep == "best":
         inputs["selection"] = selection_fingerprint or "-"
@@ -199,6 +207,37 @@ def code_kind(section: SFTStageConfig | DPOStageConfig | GRPOStageConfig) -> str
     """Whose code a stage runs (posttrain.cache.code): its TRL kind, or ``rft`` for a GRPO-section
     stage that fine-tunes (``rft:``)."""
     return "rft" if getattr(section, "rft", None) is not None else section.trl_kind
+
+
+RFT_SAMPLING_OPTIONS = ("temperature", "max_completion_length", "chat_template_kwargs")
+"""The options of an ``rft:`` stage's own ``trainer:`` it reads: how its scoring samples and how long its
+in-training evaluation generates. The rest are GRPO's (and ``grpo.defaults`` may set them for every
+stage): changing them leaves its key alone."""
+RFT_STAGE_KEYS = (
+    "name",
+    "rft",
+    "tools",
+    "tool_protocol",
+    "environment_factory",
+    "data",
+    "data_filter",
+    "pass_rate",
+    "keep",
+    "select_metric",
+    "patience",
+    "eval_every",
+    "eval_limit",
+)
+"""The settings of an ``rft:`` stage its fine-tuning reads (its ``lora:`` enters as the model's)."""
+
+
+def _rft_stage_form(section: GRPOStageConfig) -> dict[str, object]:
+    """An ``rft:`` stage's section as its key holds it: :data:`RFT_STAGE_KEYS`, with checkpoint options
+    left out of ``rft.trainer`` as they are of every stage's ``trainer``."""
+    data = {k: v for k, v in cache_form(section).items() if k in RFT_STAGE_KEYS}
+    rft = dict(data["rft"])
+    rft["trainer"] = {k: v for k, v in rft.get("trainer", {}).items() if k not in CHECKPOINT_OPTIONS}
+    return {**data, "rft": rft}
 
 
 def _rft_settings(section: SFTStageConfig | DPOStageConfig | GRPOStageConfig) -> dict[str, object]:

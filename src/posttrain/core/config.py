@@ -812,8 +812,11 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     ``correctness`` reward pays in full, every scored prompt's, with replayed worked solutions.
     Needs ``pass_rate:``, whose ``samples`` and ``candidates`` then say how much is sampled (its
     ``band``, ``weighting`` and ``refresh_every`` choose GRPO's prompts and must stay unset). The
-    stage's ``lora``, ``tools``, ``eval_every`` and ``keep`` apply to the fine-tuning; ``rewards``
-    other than ``correctness``, ``monitor``, ``sample_every`` and ``zero_signal`` do not. Null: GRPO."""
+    stage's ``lora``, ``tools``, ``eval_every`` and ``keep`` apply to the fine-tuning, and of its
+    ``trainer:`` only ``temperature`` and ``max_completion_length`` (the scoring's sampling, the
+    in-training evaluation's length); ``rewards`` (the scoring's ``correctness`` decides), ``monitor``
+    and ``sample_every`` do not apply and stay out of its key. ``zero_signal``, chat tools and
+    ``chat_template_kwargs`` are refused. Null: GRPO."""
     tools: list[str] = Field(default_factory=list)
     """Tools the stage's rollouts (and its in-training evaluation) use. ``inline`` ``[calculator]``:
     after an arithmetic expression and ``=`` posttrain's engine writes the value's tokens, which are
@@ -866,7 +869,18 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
                 raise ValueError(
                     f"{key}: is a GRPO setting; an rft: stage takes {accepted!r} (or leave it out)"
                 )
-        self.rft_section()  # the SFT's own options, checked as SFT's (selection included)
+        if "chat_template_kwargs" in self.trainer_options():
+            # the scoring would render prompts with them and the fine-tuning without (SFTConfig has none)
+            raise ValueError(
+                "trainer.chat_template_kwargs: an rft: stage fine-tunes on the template's defaults"
+            )
+        try:
+            self.rft_section()  # the SFT's own options, checked as SFT's (selection included)
+        except ValidationError as exc:  # said of the SFT section this stage builds: name rft's key
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            message = str(first["msg"]).removeprefix("Value error, ")
+            raise ValueError(f"rft.{where}: {message}" if where else f"rft.{message}") from None
         return self
 
     @model_validator(mode="after")
@@ -899,7 +913,8 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     def uses_vllm_server(self) -> bool:
         """True when the stage generates through a vLLM server (TRL's ``use_vllm`` + ``vllm_mode: server``)."""
         options = self.trainer_options()
-        return bool(options.get("use_vllm")) and options.get("vllm_mode") == "server"
+        # an rft: stage samples in its scoring step, through posttrain's engine
+        return self.rft is None and bool(options.get("use_vllm")) and options.get("vllm_mode") == "server"
 
     def refreshes_pool(self) -> bool:
         """True when the stage re-scores its prompt pool while it trains (``pass_rate.refresh_every``)."""

@@ -61,7 +61,7 @@ class EvalResult:
 @dataclass(frozen=True)
 class StageResult:
     stage: str
-    """`sft`, `dpo` or `grpo-<name>`."""
+    """`sft`, `dpo`, `grpo-<name>` or `rft-<name>`."""
     output_dir: str
     metrics: Mapping[str, float | int]
     fingerprints: Mapping[str, str]

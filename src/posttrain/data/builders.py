@@ -95,7 +95,8 @@ def build_rft_dataset(
     """``prompt`` + ``completion`` rows for rejection-sampling fine-tuning: each of ``correct[id]``
     (the completions of prompt ``id`` that the correctness reward paid in full) after the prompt of
     the record of ``rows`` with that ``id``, in ``rows``' order, plus ``replay_ratio`` worked solutions
-    of ``replay`` (prepared records, its first ones) per completion, shuffled together with ``seed``.
+    of ``replay`` (prepared records, its first ones that have a worked body before ``####``) per
+    completion, shuffled together with ``seed``.
 
     The completions are trained on as the model wrote them, tool-written values included: the same
     text SFT writes for a worked solution in the calculator's form.
@@ -117,10 +118,22 @@ def build_rft_dataset(
     if not records:
         raise DataError("rft: the scoring found no correct completion, so there is nothing to fine-tune on")
     own = datasets.Dataset.from_list(records, features=SFT_FEATURES)
-    count = min(len(replay), round(replay_ratio * len(records)))
+    wanted = round(replay_ratio * len(records))
+    worked = (
+        [i for i, text in enumerate(replay["solution"]) if text.rsplit("####", 1)[0].strip()]
+        if wanted
+        else []
+    )
+    if wanted and not worked:
+        # an answer alone would be replayed as "The answer follows directly from the question."
+        raise DataError(
+            "rft.replay: the run's training records hold answers without worked solutions, so there is "
+            "nothing to replay; set rft.replay: 0"
+        )
+    count = min(len(worked), wanted)
     parts = [own]
     if count:
-        replayed = build_sft_dataset(replay.select(range(count)), calculator=calculator)
+        replayed = build_sft_dataset(replay.select(worked[:count]), calculator=calculator)
         parts.append(replayed.cast(SFT_FEATURES))
     mixed = datasets.concatenate_datasets(parts).shuffle(seed=seed).flatten_indices()
     return RFTData(mixed, completions=len(records), prompts=prompts, replayed=count)

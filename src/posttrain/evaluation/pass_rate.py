@@ -99,11 +99,16 @@ def score_pass_rates(
 
 def correct_completions(report: EvalReport, answers: Mapping[str, Any]) -> dict[str, list[str]]:
     """Each scored prompt's distinct completions that the ``correctness`` reward pays in full (the ones
-    its pass rate counts), in sampling order, by id; ``answers`` holds each id's gold answer."""
+    its pass rate counts), in sampling order, by id; ``answers`` holds each id's gold answer. A
+    completion cut off at the length limit is left out: trained on, it would end where the model
+    never stopped."""
     correct: dict[str, list[str]] = {}
     for record in report.records:
-        texts = [s.completion for s in record.samples]
+        samples = record.samples
+        texts = [s.completion for s in samples]
         scores = correctness_reward(texts, [answers[record.id]] * len(texts))
-        paid = [text for text, score in zip(texts, scores, strict=True) if score == 1.0]
+        paid = [
+            s.completion for s, score in zip(samples, scores, strict=True) if score == 1.0 and not s.truncated
+        ]
         correct[record.id] = list(dict.fromkeys(paid))
     return correct

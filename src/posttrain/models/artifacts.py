@@ -11,7 +11,7 @@ A stage output directory holds a loadable policy plus ``stage.json``::
         completions/*.parquet                 GRPO samples with per-reward scores (when logged)
         dpo_pairs.jsonl                       DPO: the on-policy pairs trained on
 
-``stage.json`` (schema 1): ``stage``, ``kind`` (sft/dpo/grpo), ``config`` and ``config_hash`` (the
+``stage.json`` (schema 1): ``stage``, ``kind`` (sft/dpo/grpo/rft), ``config`` and ``config_hash`` (the
 stage section, :func:`posttrain.core.hashing.stable_hash`), ``model_config_hash``, ``trainer_options`` and
 ``trainer_options_hash`` (what reached TRL, defaults included), ``input_model`` {path, fingerprint},
 ``data_fingerprint``, ``seed``, ``precision``, ``artifact`` (merged/full/adapter), ``adapter``

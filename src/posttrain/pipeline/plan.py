@@ -151,7 +151,7 @@ class DataStep(Step):
 
 @dataclass(frozen=True)
 class TrainStep(Step):
-    """A training stage: ``sft``, ``dpo`` or ``grpo-<name>`` (see :data:`TRAIN_KINDS`)."""
+    """A training stage: ``sft``, ``dpo``, ``grpo-<name>`` or ``rft-<name>`` (see :data:`TRAIN_KINDS`)."""
 
     kind: ClassVar[str] = "train"
     name: str = ""
@@ -366,6 +366,7 @@ class RFTStep(GRPOStep):
             eval_max_new_tokens=int(stage_cfg.trainer_options()["max_completion_length"]),
             stage=self.name,
             kind=self.kind,
+            recorded_cfg=stage_cfg,
             metrics={
                 "rft_completions": rft.completions,
                 "rft_prompts": rft.prompts,

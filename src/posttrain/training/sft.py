@@ -132,14 +132,16 @@ def run_sft(
     stage: str = "sft",
     kind: str = "sft",
     metrics: Mapping[str, Any] | None = None,
+    recorded_cfg: Any = None,
 ) -> StageResult:
     """Fine-tune ``model_path`` on ``train_dataset`` (prepared data or prompt/completion rows).
 
     ``sft_cfg.limit`` keeps the first N examples; TRL options come from
     ``sft_cfg.trainer_options()``. ``selection`` is what ``eval_every`` evaluates (and ``keep: best``
     chooses by). ``stage`` and ``kind`` name the step that fine-tunes (an ``rft-<name>`` stage runs
-    here too), and ``metrics`` joins its result's. Returns the stage summary; the policy is in
-    ``output_dir``.
+    here too), ``metrics`` joins its result's, and ``recorded_cfg`` is the section ``stage.json``
+    keeps (default ``sft_cfg``: an ``rft:`` stage keeps its whole stage, scoring and replay included).
+    Returns the stage summary; the policy is in ``output_dir``.
     """
     options = sft_cfg.trainer_options()
 
@@ -168,7 +170,7 @@ def run_sft(
     return execute_stage(
         stage=stage,
         kind=kind,
-        stage_cfg=sft_cfg,
+        stage_cfg=recorded_cfg if recorded_cfg is not None else sft_cfg,
         model_cfg=model_cfg,
         model_path=model_path,
         train_dataset=train_dataset,
