@@ -269,6 +269,7 @@ CASES = [
             "grpo.stages.0.pass_rate={samples: 4}",
             "grpo.stages.0.rft={}",
             "grpo.stages.0.trainer.chat_template_kwargs={enable_thinking: false}",
+            "grpo.stages.0.rewards=[{name: correctness}]",
         ],
         None,
         [],
@@ -282,11 +283,25 @@ CASES = [
             "grpo.stages.0.rft={trainer: {eval_steps: 3}}",
             "grpo.stages.0.keep=best",
             "grpo.stages.0.eval_every=2",
+            "grpo.stages.0.rewards=[{name: correctness}]",
         ],
         None,
         [],
         {},
         "{cfg}: grpo.stages.0: rft.trainer.eval_steps: keep: best sets it",
+    ),
+    (
+        "rft with a reward that would do nothing",
+        [
+            "grpo.stages.0.pass_rate={samples: 4}",
+            "grpo.stages.0.rft={}",
+            "grpo.stages.0.rewards=[{name: correctness}, {name: strict_format}]",
+        ],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0: rewards: an rft: stage trains on what the correctness reward pays; list only "
+        "correctness (got strict_format)",
     ),
     (
         "rft replaying a negative share",
@@ -1514,6 +1529,19 @@ TRUST_CASES = [
         {},
         None,
         "{cfg}: eval.max_completion_length: 100000 tokens is beyond the context of tiny-random (2048 tokens)",
+    ),
+    (
+        "an rft stage's fine-tuning length beyond the model's context",
+        [
+            "grpo.stages.0.pass_rate={samples: 4}",
+            "grpo.stages.0.rewards=[{name: correctness}]",
+            "grpo.stages.0.rft={trainer: {max_length: 4096}}",
+        ],
+        None,
+        [],
+        {},
+        None,
+        "{cfg}: grpo.stages.0.rft.trainer.max_length: 4096 tokens is beyond the context of tiny-random",
     ),
     (
         "completion length beyond the model's context",

@@ -771,13 +771,16 @@ def test_the_score_key_follows_k_the_model_and_sampling_not_the_learning_rate_or
     assert key_with("grpo.stages.1.trainer.beta=0.1") == key
 
 
-RFT = "grpo.stages.1.rft={replay: 1.0, trainer: {max_steps: 2}}"
+RFT = (
+    "grpo.stages.1.rft={replay: 1.0, trainer: {max_steps: 2}}",
+    "grpo.stages.1.rewards=[{name: correctness}]",
+)
 
 
 def test_an_rft_stage_is_scored_right_before_it_and_fine_tunes_as_its_own_kind(plan_for):
     from posttrain.pipeline.plan import RFTStep, ScoreStep
 
-    plan = plan_for(SCORED, RFT)
+    plan = plan_for(SCORED, *RFT)
     names = plan.names
     assert names[names.index("rft-correctness") - 1 :][:2] == ["score-rft-correctness", "rft-correctness"]
     assert "grpo-correctness" not in names and "eval-rft-correctness" in names
@@ -792,7 +795,7 @@ def test_the_rft_stage_key_follows_its_scores_its_sft_options_and_the_records_it
 
     from posttrain.cache.keys import code_kind
 
-    plan = plan_for(SCORED, RFT)
+    plan = plan_for(SCORED, *RFT)
     one = score_output(tmp_path / "one", stage="rft-correctness")
     other = score_output(tmp_path / "two", stage="rft-correctness", correct={"a": 1, "b": 4})
 
@@ -802,12 +805,12 @@ def test_the_rft_stage_key_follows_its_scores_its_sft_options_and_the_records_it
 
     stage = key(plan)
     assert key(plan, scores=other) != stage
-    assert key(plan_for(SCORED, RFT, "grpo.stages.1.rft.replay=0.5")) != stage
-    assert key(plan_for(SCORED, RFT, "grpo.stages.1.rft.trainer.learning_rate=0.001")) != stage
+    assert key(plan_for(SCORED, *RFT, "grpo.stages.1.rft.replay=0.5")) != stage
+    assert key(plan_for(SCORED, *RFT, "grpo.stages.1.rft.trainer.learning_rate=0.001")) != stage
     # the records it replays: the run's train split, read whether or not the stage has its own data
     replayed = dataclasses.replace(_data(), train_fingerprint="train-other")
     assert key(plan, data=replayed) != stage
-    own = plan_for(SCORED, RFT, "grpo.stages.1.data={source: synthetic}")
+    own = plan_for(SCORED, *RFT, "grpo.stages.1.data={source: synthetic}")
     own_data = dataclasses.replace(_data(), stats={"rft-correctness.train_fingerprint": "own-1"})
     assert key(own, data=own_data) != key(own, data=dataclasses.replace(own_data, train_fingerprint="t2"))
     assert code_kind(plan.step("rft-correctness").section(plan.config)) == "rft"
@@ -818,13 +821,15 @@ def test_the_rft_stage_key_follows_its_scores_its_sft_options_and_the_records_it
         "grpo.stages.1.trainer.learning_rate=0.3",
         "grpo.stages.1.sample_every=3",
     ):
-        assert key(plan_for(SCORED, RFT, unused)) == stage, unused
-    assert key(plan_for(SCORED, RFT, "grpo.stages.1.trainer.max_completion_length=24")) != stage
+        assert key(plan_for(SCORED, *RFT, unused)) == stage, unused
+    assert key(plan_for(SCORED, *RFT, "grpo.stages.1.trainer.max_completion_length=24")) != stage
     # its scoring measures what a GRPO stage's would: the fine-tuning's settings leave it alone
     scoring = key(plan, step="score-rft-correctness")
-    assert key(plan_for(SCORED, RFT, "grpo.stages.1.rft.replay=0.5"), step="score-rft-correctness") == scoring
     assert (
-        key(plan_for(SCORED, RFT, "grpo.stages.1.pass_rate.samples=8"), step="score-rft-correctness")
+        key(plan_for(SCORED, *RFT, "grpo.stages.1.rft.replay=0.5"), step="score-rft-correctness") == scoring
+    )
+    assert (
+        key(plan_for(SCORED, *RFT, "grpo.stages.1.pass_rate.samples=8"), step="score-rft-correctness")
         != scoring
     )
 

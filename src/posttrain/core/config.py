@@ -814,9 +814,9 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     ``band``, ``weighting`` and ``refresh_every`` choose GRPO's prompts and must stay unset). The
     stage's ``lora``, ``tools``, ``eval_every`` and ``keep`` apply to the fine-tuning, and of its
     ``trainer:`` only ``temperature`` and ``max_completion_length`` (the scoring's sampling, the
-    in-training evaluation's length); ``rewards`` (the scoring's ``correctness`` decides), ``monitor``
-    and ``sample_every`` do not apply and stay out of its key. ``zero_signal``, chat tools and
-    ``chat_template_kwargs`` are refused. Null: GRPO."""
+    in-training evaluation's length); ``rewards`` must be ``correctness`` alone (the scoring's
+    reward decides); ``monitor`` and ``sample_every`` do not apply and stay out of its key.
+    ``zero_signal``, chat tools and ``chat_template_kwargs`` are refused. Null: GRPO."""
     tools: list[str] = Field(default_factory=list)
     """Tools the stage's rollouts (and its in-training evaluation) use. ``inline`` ``[calculator]``:
     after an arithmetic expression and ``=`` posttrain's engine writes the value's tokens, which are
@@ -869,6 +869,13 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
                 raise ValueError(
                     f"{key}: is a GRPO setting; an rft: stage takes {accepted!r} (or leave it out)"
                 )
+        unpaid = [spec.name for spec in self.rewards if spec.name != "correctness"]
+        if unpaid:
+            # the scoring's correctness alone decides what it trains on: any other would do nothing
+            raise ValueError(
+                f"rewards: an rft: stage trains on what the correctness reward pays; list only correctness "
+                f"(got {', '.join(unpaid)})"
+            )
         if "chat_template_kwargs" in self.trainer_options():
             # the scoring would render prompts with them and the fine-tuning without (SFTConfig has none)
             raise ValueError(

@@ -106,6 +106,9 @@ def _generation_limits(cfg: PipelineConfig) -> Iterator[tuple[str, int]]:
         for option in ("max_completion_length", "max_length"):
             if isinstance(options.get(option), int):
                 yield cfg.written_key(where, f"trainer.{option}"), options[option]
+        rft = getattr(section, "rft", None)  # an rft: stage's fine-tuning has limits of its own
+        if rft is not None and isinstance(rft.trainer_options().get("max_length"), int):
+            yield cfg.written_key(where, "rft.trainer.max_length"), rft.trainer_options()["max_length"]
 
 
 def check_generation_lengths(cfg: PipelineConfig, context: int | None, source: str) -> None:
