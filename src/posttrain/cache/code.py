@@ -74,8 +74,9 @@ STEP_SOURCES: dict[str, tuple[tuple[str, str], ...]] = {
         (_PLAN, "GRPOStep"),
         (_STEPS, "load_data"),
         (_STEPS, "in_training_records"),
+        (_STEPS, "scoring_candidates"),
     ),
-    "score": ((_STEPS, "score_step"), (_STEPS, "load_data")),
+    "score": ((_STEPS, "score_step"), (_STEPS, "load_data"), (_STEPS, "scoring_candidates")),
 }
 """(module, top-level function or class) of each kind's own step code."""
 NOT_CALLED: dict[str, tuple[str, ...]] = {"sft": ("posttrain.rewards",)}

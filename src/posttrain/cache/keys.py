@@ -204,9 +204,9 @@ def train_identity(
 
 
 def code_kind(section: SFTStageConfig | DPOStageConfig | GRPOStageConfig) -> str:
-    """Whose code a stage runs (posttrain.cache.code): its TRL kind, or ``rft`` for a GRPO-section
-    stage that fine-tunes (``rft:``)."""
-    return "rft" if getattr(section, "rft", None) is not None else section.trl_kind
+    """Whose code a stage runs (posttrain.cache.code): its TRL kind, or a ``grpo:`` stage's method
+    (``rft`` when it fine-tunes)."""
+    return getattr(section, "method", section.trl_kind)
 
 
 RFT_SAMPLING_OPTIONS = ("temperature", "max_completion_length", "chat_template_kwargs")

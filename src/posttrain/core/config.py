@@ -852,7 +852,7 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
         )
 
     @model_validator(mode="after")
-    def _rft_settings(self) -> GRPOStageConfig:
+    def _rft_needs_its_scoring(self) -> GRPOStageConfig:
         if self.rft is None:
             return self
         if self.pass_rate is None:

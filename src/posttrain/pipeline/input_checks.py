@@ -107,8 +107,9 @@ def _generation_limits(cfg: PipelineConfig) -> Iterator[tuple[str, int]]:
             if isinstance(options.get(option), int):
                 yield cfg.written_key(where, f"trainer.{option}"), options[option]
         rft = getattr(section, "rft", None)  # an rft: stage's fine-tuning has limits of its own
-        if rft is not None and isinstance(rft.trainer_options().get("max_length"), int):
-            yield cfg.written_key(where, "rft.trainer.max_length"), rft.trainer_options()["max_length"]
+        length = rft.trainer_options().get("max_length") if rft is not None else None
+        if isinstance(length, int):
+            yield cfg.written_key(where, "rft.trainer.max_length"), length
 
 
 def check_generation_lengths(cfg: PipelineConfig, context: int | None, source: str) -> None:

@@ -39,6 +39,7 @@ from posttrain.pipeline.steps import (
     evaluation_inputs,
     in_training_records,
     load_data,
+    scoring_candidates,
     stage_train_fingerprint,
 )
 
@@ -323,14 +324,13 @@ class RFTStep(GRPOStep):
         """SFT from ``model`` on the distinct correct completions of the stage's scoring, mixed with
         ``rft.replay`` worked solutions per completion from the run's train split, into ``output_dir``."""
         from posttrain.data.builders import build_rft_dataset  # heavy: datasets
-        from posttrain.data.prepare import select_stage_data
         from posttrain.evaluation.pass_rate import correct_completions  # heavy: torch, transformers
         from posttrain.training.sft import run_sft  # heavy: torch, transformers, TRL
 
         assert scores is not None, "an rft: stage runs after its scoring step"
         stage_cfg, prepared = self.section(cfg), load_data(data)
         assert stage_cfg.rft is not None
-        rows = select_stage_data(prepared.train_for(self.name), stage_cfg.data_filter)
+        rows = scoring_candidates(prepared, self.name, stage_cfg)
         answers = {str(row["id"]): row["answer"] for row in rows}
         report = EvalReport.load(scores.output_dir)
         unknown = [r.id for r in report.records if r.id not in answers]

@@ -216,15 +216,11 @@ def score_step(
     """Pass rates of GRPO stage ``stage``'s candidate prompts under ``model`` (the model the stage starts
     from): ``pass_rates.json`` and the k samples' report (``report.json``, ``examples.jsonl``)."""
     from posttrain.cache.keys import stage_section
-    from posttrain.data.prepare import select_stage_data  # heavy: datasets
     from posttrain.evaluation.pass_rate import score_pass_rates  # heavy: torch, transformers
 
     start = time.perf_counter()
     section = stage_section(cfg, stage)
-    assert section.pass_rate is not None, f"{stage} has no pass_rate: section"
-    rows = select_stage_data(load_data(data).train_for(stage), section.data_filter)
-    if section.pass_rate.candidates is not None and section.pass_rate.candidates < len(rows):
-        rows = rows.select(range(section.pass_rate.candidates))
+    rows = scoring_candidates(load_data(data), stage, section)
     loaded = load_stage_model(
         model.path, cfg.model.precision, cfg.model.cache_dir, revision=cfg.model.revision
     )
@@ -260,6 +256,18 @@ def score_step(
         )
         write_result(tmp, result)
     return result
+
+
+def scoring_candidates(prepared: PreparedData, stage: str, section: Any) -> Any:
+    """The prompts stage ``stage``'s scoring step scores: the first ``pass_rate.candidates`` of the
+    stage's data (its own split, else the train split) after its ``data_filter``."""
+    from posttrain.data.prepare import select_stage_data  # heavy: datasets
+
+    assert section.pass_rate is not None, f"{stage} has no pass_rate: section"
+    rows = select_stage_data(prepared.train_for(stage), section.data_filter)
+    if section.pass_rate.candidates is not None and section.pass_rate.candidates < len(rows):
+        rows = rows.select(range(section.pass_rate.candidates))
+    return rows
 
 
 def in_training_records(prepared: PreparedData, section: Any) -> Any:
