@@ -30,7 +30,13 @@ from posttrain.core.results import DataResult, EvalResult, ScoreResult
 from posttrain.data.pass_rates import PassRates
 from posttrain.evaluation.diff import stage_delta_metrics
 from posttrain.evaluation.report import EvalReport
-from posttrain.models.artifacts import adapter_root, is_adapter_dir, read_log_history, read_stage_json
+from posttrain.models.artifacts import (
+    adapter_root,
+    is_adapter_dir,
+    read_log_history,
+    read_stage_json,
+    read_train_data,
+)
 from posttrain.pipeline.plan import EvalStep, Plan, Step, StepInputs, TrainStep, build_plan, preview
 from posttrain.pipeline.steps import base_model, load_data, stage_train_fingerprint
 from posttrain.pipeline.validation import check_rewards
@@ -342,7 +348,7 @@ def _log_result(
 ) -> None:
     """What each kind of step leaves in its nested MLflow run (evaluations: against ``model_id``; a
     training stage: with what it draws from as its input, ``data``'s train set or the stage's own
-    prompts, before the stage's own selection)."""
+    prompts, before the stage's own selection, or the rows it kept of what it trained on)."""
     dataset_name = cfg.eval.data
     if isinstance(result, DataResult):
         prepared = load_data(result)
@@ -381,7 +387,17 @@ def _log_result(
     # last step it ends the curves the trainer drew; without a step it would start them at step 0.
     run.log_metrics(metrics, step=int(metrics.get("step", 0)))
     run.log_alerts(list(result.alerts))
-    if data is not None:
+    kept = read_train_data(result.output_dir)
+    if kept is not None:  # rows no data step holds (an rft: stage's mix): the exact training set
+        import datasets  # heavy: deferred until needed
+
+        run.log_dataset(
+            datasets.Dataset.from_list(kept),
+            name=f"{result.stage} training data",
+            context="training",
+            digest=str(info.get("data_fingerprint") or "") or None,
+        )
+    elif data is not None:
         prepared = load_data(data)
         run.log_dataset(
             prepared.train_for(result.stage),

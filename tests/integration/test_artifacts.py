@@ -27,9 +27,11 @@ from posttrain.models.artifacts import (
     is_adapter_dir,
     is_complete_stage,
     read_stage_json,
+    read_train_data,
     save_policy,
     write_log_history,
     write_stage_json,
+    write_train_data,
 )
 
 STAGE_ARGS = {
@@ -101,6 +103,31 @@ def test_log_history_is_one_json_object_per_logged_step(tmp_path):
     ]
     write_log_history(tmp_path, [{"step": 3}])  # rewritten, not appended
     assert (tmp_path / "log_history.jsonl").read_text() == '{"step": 3}\n'
+
+
+def test_kept_training_data_reads_back_row_for_row_and_a_damaged_file_as_none(tmp_path, caplog):
+    """The rows an rft: stage kept are logged as its MLflow dataset; a damaged or foreign file in
+    the store is noted and logged as nothing, never half-read."""
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "1+1?"}],
+            "completion": [{"role": "assistant", "content": "2"}],
+        },
+        {
+            "prompt": [{"role": "user", "content": "2+2?"}],
+            "completion": [{"role": "assistant", "content": "4"}],
+        },
+    ]
+    assert read_train_data(tmp_path) is None  # a stage that kept none
+    before = fingerprint_dir(tmp_path)
+    write_train_data(tmp_path, rows)
+    assert read_train_data(tmp_path) == rows
+    assert fingerprint_dir(tmp_path) == before  # a record of the run, not part of the policy
+    for damaged in ('{"prompt": [\n', "[1, 2]\n"):
+        (tmp_path / artifacts.TRAIN_DATA_FILE).write_text(damaged)
+        with caplog.at_level(logging.WARNING):
+            assert read_train_data(tmp_path) is None
+    assert "not logging the stage's training data" in caplog.text
 
 
 def test_stage_result_as_dict():

@@ -223,3 +223,20 @@ def test_an_rft_stage_fine_tunes_on_the_correct_completions_of_its_scoring_and_r
     stage_json = json.loads((Path(stage["output"]) / "stage.json").read_text())
     assert stage_json["stage"] == "rft-correctness" and stage_json["kind"] == "rft"
     assert stage_json["config"]["rft"]["replay"] == 0.5 and stage_json["config"]["pass_rate"]["samples"] == 8
+    kept = [
+        json.loads(line) for line in (Path(stage["output"]) / "train_data.jsonl").read_text().splitlines()
+    ]
+    assert len(kept) == metrics["train_examples"]  # the mix, beside the model it made
+    texts = [row["completion"][-1]["content"] for row in kept]
+    assert sorted(t for t in texts if "It is 3+4." not in t) == sorted(t for ts in right.values() for t in ts)
+
+    import mlflow
+
+    client = mlflow.MlflowClient(cfg.tracking.tracking_uri)
+    [run] = client.search_runs(
+        [client.get_run(summary["run_id"]).info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{summary['run_id']}' and attributes.run_name = 'rft-correctness'",
+    )
+    assert [(d.dataset.name, d.dataset.digest) for d in run.inputs.dataset_inputs] == [
+        ("rft-correctness training data", stage_json["data_fingerprint"][:36])
+    ]

@@ -10,6 +10,7 @@ A stage output directory holds a loadable policy plus ``stage.json``::
         log_history.jsonl                     every logged trainer step
         completions/*.parquet                 GRPO samples with per-reward scores (when logged)
         dpo_pairs.jsonl                       DPO: the on-policy pairs trained on
+        train_data.jsonl                      rft: the prompt/completion rows it fine-tuned on
 
 ``stage.json`` (schema 1): ``stage``, ``kind`` (sft/dpo/grpo/rft), ``config`` and ``config_hash`` (the
 stage section, :func:`posttrain.core.hashing.stable_hash`), ``model_config_hash``, ``trainer_options`` and
@@ -43,7 +44,12 @@ from posttrain.cache.digests import sha256_file
 from posttrain.core.errors import StageError
 from posttrain.core.hashing import jsonable, package_versions
 from posttrain.core.redact import redact
-from posttrain.core.untrusted import UntrustedContentError, read_json_bounded
+from posttrain.core.untrusted import (
+    UntrustedContentError,
+    note_unreadable,
+    read_json_bounded,
+    read_jsonl_bounded,
+)
 from posttrain.models.datasets_compat import dataset_fingerprint
 from posttrain.models.resolve import resolve_model_path
 
@@ -51,12 +57,14 @@ logger = logging.getLogger(__name__)
 
 STAGE_FILE = "stage.json"
 LOG_HISTORY_FILE = "log_history.jsonl"
+TRAIN_DATA_FILE = "train_data.jsonl"
 ADAPTER_CONFIG = "adapter_config.json"
 SCHEMA_VERSION = 1
 # Files that describe a run rather than the policy: two runs producing the same weights fingerprint equal.
 _NOT_POLICY = {
     STAGE_FILE,
     LOG_HISTORY_FILE,
+    TRAIN_DATA_FILE,
     "dpo_pairs.jsonl",
     "dpo_pairs_stats.json",
     "README.md",
@@ -210,6 +218,32 @@ def read_log_history(directory: str | Path) -> list[dict[str, Any]]:
     """The trainer's log history a stage output keeps (rank 0's, when several processes trained)."""
     text = (Path(directory) / LOG_HISTORY_FILE).read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def write_train_data(directory: Path, rows: Any) -> None:
+    """Keep the rows a stage trained on (``TRAIN_DATA_FILE``, one JSON object per line) where
+    they cannot be rebuilt from the data step alone: an ``rft:`` stage's mix of the model's own
+    completions and replayed solutions."""
+    with (directory / TRAIN_DATA_FILE).open("w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(jsonable(dict(row))) + "\n")
+
+
+def read_train_data(directory: str | Path) -> list[dict[str, Any]] | None:
+    """The rows :func:`write_train_data` kept in a stage output, or None when it kept none. A
+    damaged file is logged and read as none: the stage's model, not this record, is the output."""
+    path = Path(directory) / TRAIN_DATA_FILE
+    if not path.is_file():
+        return None
+    try:
+        rows = read_jsonl_bounded(path)
+    except (OSError, UntrustedContentError) as exc:
+        note_unreadable(exc, "not logging the stage's training data")
+        return None
+    if not all(isinstance(row, dict) for row in rows):
+        note_unreadable(f"{path}: a line that is not a JSON object", "not logging the stage's training data")
+        return None
+    return rows
 
 
 # --------------------------------------------------------------------------- saving and loading

@@ -367,6 +367,7 @@ class RFTStep(GRPOStep):
             stage=self.name,
             kind=self.kind,
             recorded_cfg=stage_cfg,
+            keep_data=True,
             metrics={
                 "rft_completions": rft.completions,
                 "rft_prompts": rft.prompts,

@@ -25,6 +25,8 @@ from posttrain.core.errors import StageError
 from posttrain.core.keep_best import selection_trainer_options
 from posttrain.core.results import StageResult
 from posttrain.data.builders import build_sft_dataset
+from posttrain.models.artifacts import write_train_data
+from posttrain.training import distributed
 from posttrain.training.selection import (
     attach_evaluation,
     evaluation_records,
@@ -133,6 +135,7 @@ def run_sft(
     kind: str = "sft",
     metrics: Mapping[str, Any] | None = None,
     recorded_cfg: Any = None,
+    keep_data: bool = False,
 ) -> StageResult:
     """Fine-tune ``model_path`` on ``train_dataset`` (prepared data or prompt/completion rows).
 
@@ -141,11 +144,15 @@ def run_sft(
     chooses by). ``stage`` and ``kind`` name the step that fine-tunes (an ``rft-<name>`` stage runs
     here too), ``metrics`` joins its result's, and ``recorded_cfg`` is the section ``stage.json``
     keeps (default ``sft_cfg``: an ``rft:`` stage keeps its whole stage, scoring and replay included).
+    ``keep_data`` keeps ``train_dataset``'s rows beside the policy (``train_data.jsonl``), for data
+    that exists nowhere else in the store.
     Returns the stage summary; the policy is in ``output_dir``.
     """
     options = sft_cfg.trainer_options()
 
     def train(ctx: StageContext) -> TrainOutcome:
+        if keep_data and distributed.is_main_process():  # the output copies the working folder's files
+            write_train_data(ctx.work_dir, train_dataset)
         trainer, tokenizer, data = make_sft_trainer(
             sft_cfg,
             model_cfg,
