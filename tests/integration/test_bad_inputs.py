@@ -859,6 +859,26 @@ CASES = [
         "{cfg}: eval: tools run in posttrain's engine (backend: hf); backend vllm cannot force tokens",
     ),
     (
+        "a GRPO stage's own selection slice that nothing reads",
+        ["grpo.stages.0.data={source: synthetic, selection_size: 8}"],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0: data.selection_size: only the stage's in-training evaluations read its "
+        "selection slice; set eval_every, or remove it",
+    ),
+    (
+        "a GRPO stage's own selection slice as large as its synthetic source",
+        [
+            "grpo.stages.0.data={source: synthetic, selection_size: 50, synthetic: {num_examples: 50}}",
+            "grpo.stages.0.eval_every=1",
+        ],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0.data: selection_size: 50 of the 50 synthetic problems leaves none to train on",
+    ),
+    (
         "keep best without a selection slice (would choose on nothing, or on the reported set)",
         ["grpo.stages.0.keep=best", "grpo.stages.0.eval_every=1"],
         None,

@@ -278,7 +278,7 @@ def test_a_stage_source_is_prepared_whole_without_any_reported_question(tmp_path
     reported = [*plain.eval["question"], *plain.selection["question"]]
     own = [f"Question {i}: how many answers does a stage of its own count, {i} or more?" for i in range(8)]
     path = write_questions(tmp_path / "answers.jsonl", [*own, reported[0], reported[-1], NATALIA])
-    stage_cfg = run.model_copy(update={"source": "local", "path": str(path)})
+    stage_cfg = run.model_copy(update={"source": "local", "path": str(path), "selection_size": 0})
     paraphrase = "Maria sold clips to 48 of her friends in April. How many did she sell?"
     prepared = prepare_data(
         run, tokenizer=tiny_tokenizer, eval_questions=[paraphrase], stage_sources={"grpo-own": stage_cfg}
@@ -300,11 +300,57 @@ def test_a_stage_source_is_prepared_whole_without_any_reported_question(tmp_path
     assert loaded.train_for("grpo-own")._fingerprint == stage._fingerprint
 
 
+def test_a_stage_source_with_a_selection_slice_keeps_it_out_of_every_training_set(tmp_path):
+    """The slice a stage chooses its checkpoint by: cut from its source, disjoint from its prompts,
+    without a question the run trains on or reports, kept with its fingerprint and chosen by the
+    stage's in-training evaluation over the run's slice."""
+    from posttrain.core.config import GRPOStageConfig
+    from posttrain.pipeline.steps import in_training_records
+
+    # questions under 8 words: only exact copies overlap, so every removal below is one named here
+    run_path = write_questions(tmp_path / "run.jsonl", [f"How much is {i} times {i + 2}?" for i in range(40)])
+    run = DataConfig(source="local", path=str(run_path), eval_size=6, selection_size=4)
+    plain = prepare_data(run)
+    own = [f"What is {i} plus {i + 1}?" for i in range(30)]
+    run_trained = list(plain.train["question"])
+    path = write_questions(tmp_path / "answers.jsonl", [*own, *run_trained, plain.eval[0]["question"]])
+    stage = GRPOStageConfig(
+        name="own",
+        rewards=[{"name": "correctness"}],
+        eval_every=2,
+        data={"source": "local", "path": str(path), "selection_size": 20},
+    )
+    prepared = prepare_data(run, stage_sources={"grpo-own": run.source_of(stage)})
+    assert prepared.train.to_list() == plain.train.to_list()  # the run's splits are as they were
+    chosen, trained = prepared.stage_selection["grpo-own"], prepared.train_for("grpo-own")
+    chosen_qs, trained_qs = list(chosen["question"]), list(trained["question"])
+    removed = prepared.stats["grpo-own.selection_decontaminated"]
+    assert removed > 0 and len(chosen) == 20 - removed  # the run's questions drawn into it, left out
+    assert set(chosen_qs) <= set(own) and not set(chosen_qs) & set(trained_qs)
+    assert plain.eval[0]["question"] not in trained_qs + chosen_qs
+    assert set(trained_qs) >= set(own) - set(chosen_qs)  # a stage may train on what the run trains on
+    assert len(trained_qs) + len(chosen_qs) + removed + prepared.stats["grpo-own.decontaminated"] == 61
+    assert prepared.stats["grpo-own.selection"] == len(chosen)
+    assert prepared.stats["grpo-own.selection_fingerprint"] == chosen._fingerprint
+    assert in_training_records(prepared, stage, "grpo-own") is chosen
+    assert in_training_records(prepared, stage, "grpo-other") is prepared.selection  # the run's, for others
+
+    prepared.save(tmp_path / "prepared")
+    loaded = PreparedData.load(tmp_path / "prepared")
+    assert loaded.stage_selection["grpo-own"].to_list() == chosen.to_list()
+    assert loaded.stage_selection["grpo-own"]._fingerprint == chosen._fingerprint
+    assert loaded.train_for("grpo-own").to_list() == trained.to_list()
+
+    too_many = stage.model_copy(update={"data": stage.data.model_copy(update={"selection_size": 70})})
+    with pytest.raises(DataError, match=r"^grpo-own's data.selection_size=70 but only 61 records"):
+        prepare_data(run, stage_sources={"grpo-own": run.source_of(too_many)})
+
+
 def test_a_stage_source_with_nothing_left_names_the_stage(tmp_path):
     run = synthetic_cfg(30, eval_size=5)
     held = prepare_data(run).eval["question"]
     path = write_questions(tmp_path / "answers.jsonl", held[:2])
-    stage_cfg = run.model_copy(update={"source": "local", "path": str(path)})
+    stage_cfg = run.model_copy(update={"source": "local", "path": str(path), "selection_size": 0})
     with pytest.raises(
         DataError, match=r"no prompts left from local data .*answers.jsonl of grpo-own: loaded 2.*2 removed"
     ):

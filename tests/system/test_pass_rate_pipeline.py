@@ -125,7 +125,7 @@ def test_a_stage_with_its_own_source_scores_and_trains_on_that_source_alone(
 ):
     """The run's records feed SFT and the held-out slice; the stage's own file (answers only, golds 7
     and 8 the scripted model sometimes gives) is what its scoring step and its trainer see, less
-    the one question it shares with the held-out slice."""
+    the one question it shares with the held-out slice and the three it evaluates itself on."""
     from posttrain.core.config import DataConfig
     from posttrain.data.pass_rates import PassRates
     from posttrain.data.prepare import PreparedData, prepare_data
@@ -142,18 +142,34 @@ def test_a_stage_with_its_own_source_scores_and_trains_on_that_source_alone(
         tmp_path,
         scripted_model_dir,
         questions,
-        f"grpo.stages.0.data={{source: local, path: {own}}}",
+        f"grpo.stages.0.data={{source: local, path: {own}, selection_size: 3}}",
+        "grpo.stages.0.eval_every=1",
     )
     summary = posttrain_pipeline(cfg)
     outcomes = {o["step"]: o for o in summary["outcomes"]}
     prepared = PreparedData.load(outcomes["data"]["output"])
     stage_rows = prepared.train_for("grpo-correctness")
-    assert stage_rows["question"] == [r["question"] for r in rows[:12]]  # the held-out one removed
-    assert outcomes["data"]["metrics"]["grpo-correctness.decontaminated"] == 1
+    chosen = list(prepared.stage_selection["grpo-correctness"]["question"])
+    assert len(chosen) == 3 and not set(chosen) & set(stage_rows["question"])
+    # the held-out one removed, from the prompts or from the slice
+    assert sorted([*stage_rows["question"], *chosen]) == sorted(r["question"] for r in rows[:12])
+    data_metrics = outcomes["data"]["metrics"]
+    assert (
+        data_metrics["grpo-correctness.decontaminated"]
+        + data_metrics["grpo-correctness.selection_decontaminated"]
+        == 1
+    )
     rates = PassRates.load(outcomes["score-grpo-correctness"]["output"])
     assert set(rates.correct) == set(stage_rows["id"])  # scored: the stage's own prompts
     kept = [pid for pid, n in rates.correct.items() if 0 < n < 8]
     assert kept and outcomes["grpo-correctness"]["metrics"]["train_examples"] == len(kept)
+    history = [
+        json.loads(line)
+        for line in (Path(outcomes["grpo-correctness"]["output"]) / "log_history.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    assert any("eval/accuracy" in row for row in history)  # it evaluated itself, on its slice
 
     import mlflow
 

@@ -725,6 +725,51 @@ def test_a_stage_with_its_own_source_is_keyed_by_and_trains_on_its_own_split(pla
     assert drawn == ["grpo-correctness's own"]  # PreparedData.train_for's own test says what it holds
 
 
+def test_a_stage_with_its_own_selection_slice_is_keyed_by_and_evaluates_on_that_slice(plan_for, monkeypatch):
+    """keep: best without the run's selection slice: the stage chooses its checkpoint by the slice
+    cut from its own source, so that slice's content keys it and is what its evaluations read."""
+    import dataclasses
+
+    import posttrain.pipeline.plan as plan_module
+    import posttrain.training.grpo as grpo
+
+    own_slice = (
+        "grpo.stages.1.data={source: synthetic, selection_size: 8}",
+        "grpo.stages.1.eval_every=2",
+        "grpo.stages.1.keep=best",
+    )
+    plan = plan_for(*own_slice)
+    assert plan.config.data.selection_size == 0  # allowed: the stage has a slice of its own
+    stats = {"grpo-correctness.train_fingerprint": "own", "selection_fingerprint": "run-slice"}
+    one = dataclasses.replace(_data(), stats={**stats, "grpo-correctness.selection_fingerprint": "slice-1"})
+    two = dataclasses.replace(_data(), stats={**stats, "grpo-correctness.selection_fingerprint": "slice-2"})
+    run_slice = dataclasses.replace(one, stats={**one.stats, "selection_fingerprint": "run-slice-2"})
+    stage = plan.step("grpo-correctness")
+
+    def key(data):
+        return stage.identity(plan.config, StepInputs(_inputs().model, data)).key
+
+    assert key(one) != key(two)  # its own slice's content keys it
+    assert key(one) == key(run_slice)  # the run's slice is not what it chooses by
+
+    evaluated = []
+    monkeypatch.setattr(grpo, "run_grpo_stage", lambda *a, **kw: evaluated.append(kw["heldout"]) or "ran")
+    prepared = type(
+        "P",
+        (),
+        {
+            "train": "train",
+            "eval": "heldout",
+            "selection": None,
+            "stage_selection": {"grpo-correctness": "its own slice"},
+            "train_for": lambda self, stage: f"{stage}'s own",
+        },
+    )
+    monkeypatch.setattr(plan_module, "load_data", lambda data: prepared())
+    stage.run(plan.config, _inputs(), "/out")
+    assert evaluated == ["its own slice"]
+
+
 def score_output(root: Path, stage: str = "grpo-correctness", correct=None):
     from posttrain.cache.digests import fingerprint_tree
     from posttrain.core.results import ScoreResult

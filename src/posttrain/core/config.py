@@ -67,6 +67,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DataSource",
+    "StageDataSource",
     "DPOStageConfig",
     "EvalConfig",
     "EvalSetConfig",
@@ -507,6 +508,28 @@ class DataSource(StrictModel):
         return self
 
 
+class StageDataSource(DataSource):
+    """A GRPO stage's own ``data:``: a source, and optionally a selection slice cut from it."""
+
+    omit_when_default: ClassVar[tuple[str, ...]] = ("selection_size",)
+    selection_size: int = Field(0, ge=0)
+    """Records of this source set aside for the stage's in-training evaluations and ``keep: best``
+    in place of the run's selection slice, so the stage chooses its checkpoint by the questions it
+    learns to answer: never trained on by any stage, and decontaminated against every evaluation
+    set, the run's held-out and selection slices, the run's training records and the stage's
+    prompts. Needs ``eval_every``. 0: the run's selection slice (else its held-out slice)."""
+
+    @model_validator(mode="after")
+    def _prompts_left(self) -> StageDataSource:
+        if self.source == "synthetic" and self.selection_size:
+            made = min(self.synthetic.num_examples, self.limit or self.synthetic.num_examples)
+            if self.selection_size >= made:
+                raise ValueError(
+                    f"selection_size: {self.selection_size} of the {made} synthetic problems leaves none to train on"
+                )
+        return self
+
+
 class DataConfig(DataSource):
     omit_when_default: ClassVar[tuple[str, ...]] = ("selection_size",)
     eval_size: int = Field(100, ge=1)
@@ -537,7 +560,8 @@ class DataConfig(DataSource):
         own = getattr(stage, "data", None)
         if own is None:
             return self
-        return self.model_copy(update={name: getattr(own, name) for name in DataSource.model_fields})
+        update = {name: getattr(own, name) for name in DataSource.model_fields}
+        return self.model_copy(update={**update, "selection_size": own.selection_size})
 
     def _cache_form(self, data: dict[str, Any]) -> dict[str, Any]:
         """The generator's seed was ``data.synthetic.seed`` until it became ``data.seed``."""
@@ -772,14 +796,15 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     (``--force``, runs, store folders)."""
     rewards: list[RewardSpec] = Field(min_length=1)
     """The rewards the stage is paid with, by name, with weights (see ``posttrain rewards list``)."""
-    data: DataSource | None = None
+    data: StageDataSource | None = None
     """Where the stage's prompts come from instead of the run's training records: a source of its
     own (``source``, ``path``, ``hub_id``, ``hub_config``, ``split``, ``synthetic``, ``limit`` as in
     ``data``), e.g. questions that have answers but no worked solutions, which GRPO's correctness
     reward needs and SFT cannot use. The data step prepares it as it does ``data`` (``data``'s seed,
-    system prompt, prompt-length limit and bad-record rule), holds nothing out of it, and removes
-    every question that overlaps an evaluation set, the held-out slice or the selection slice.
-    ``data_filter`` and ``pass_rate`` then choose among its records. Null: the run's training records."""
+    system prompt, prompt-length limit and bad-record rule), holds nothing out of it but its own
+    ``selection_size`` slice, and removes every question that overlaps an evaluation set, the
+    held-out slice or the selection slice. ``data_filter`` and ``pass_rate`` then choose among its
+    records. Null: the run's training records."""
     data_filter: StageDataFilter = StageDataFilter()
     """Which prepared examples the stage trains on (a curriculum by operations per problem)."""
     monitor: MonitorConfig = MonitorConfig()
@@ -798,8 +823,8 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     scored alike: it is not generated for again, and a fresh prompt of the stage's data (one not
     retired) stands in for it in every batch that would have held it. Null: prompts never leave."""
     eval_every: int | None = Field(None, ge=1)
-    """Evaluate greedily on the selection slice (``data.selection_size``; else the held-out slice) at
-    the start and every N steps (``eval/accuracy``, ``eval/accuracy_flexible``, ``eval/format`` next
+    """Evaluate greedily on the selection slice (the stage's own ``data.selection_size``, else the
+    run's ``data.selection_size``, else the held-out slice) at the start and every N steps (``eval/accuracy``, ``eval/accuracy_flexible``, ``eval/format`` next
     to the reward; what ``keep: best`` chooses by); null: no in-training evaluation."""
     eval_limit: int = Field(64, ge=1)
     """Held-out questions per in-training evaluation (those in the stage's ``data_filter`` ops range)."""
@@ -850,6 +875,15 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
             eval_limit=self.eval_limit,
             **own,
         )
+
+    @model_validator(mode="after")
+    def _own_selection_is_read(self) -> GRPOStageConfig:
+        if self.data is not None and self.data.selection_size and self.eval_every is None:
+            raise ValueError(
+                "data.selection_size: only the stage's in-training evaluations read its selection slice; "
+                "set eval_every, or remove it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rft_needs_its_scoring(self) -> GRPOStageConfig:
@@ -1280,10 +1314,14 @@ class PipelineConfig(StrictModel):
     @model_validator(mode="after")
     def _best_needs_a_selection_slice(self) -> PipelineConfig:
         for key, section in self.stage_sections():
+            own = getattr(section, "data", None)
+            if own is not None and own.selection_size:
+                continue  # a GRPO stage with a selection slice of its own chooses by that one
             if section.keep == "best" and self.data.selection_size == 0:
                 raise ValueError(
                     f"{self.written_key(key, 'keep')}: best needs data.selection_size (training records set "
-                    "aside to choose the checkpoint on; choosing on the evaluation set would overstate the gain)"
+                    "aside to choose the checkpoint on; choosing on the evaluation set would overstate the gain), "
+                    "or a GRPO stage's own data.selection_size"
                 )
         return self
 

@@ -14,7 +14,10 @@ evaluation asks would overstate the gain.
 
 A GRPO stage with a ``data:`` source of its own gets a split of its own (``stage_train``), prepared
 from that source with the run's prompt and filters: nothing is held out of it, and every question
-that overlaps an evaluation question, the held-out slice or the selection slice is removed.
+that overlaps an evaluation question, the held-out slice or the selection slice is removed. With
+its own ``selection_size`` it also gets a selection slice of its own (``stage_selection``), cut from
+that source the same way and never trained on by any stage: the stage evaluates itself on the
+questions it learns to answer, not on the run's.
 
 The datasets' ``_fingerprint`` values are content hashes (in-memory datasets are fingerprinted from
 their Arrow data), so equal preparation gives equal fingerprints on any machine; they are recorded
@@ -87,6 +90,8 @@ class PreparedData:
     """Records set aside to choose checkpoints on (``data.selection_size``); None without."""
     stage_train: Mapping[str, datasets.Dataset] = dataclasses.field(default_factory=dict)
     """The prompts of each GRPO stage that has a ``data:`` source of its own, by step name."""
+    stage_selection: Mapping[str, datasets.Dataset] = dataclasses.field(default_factory=dict)
+    """The selection slice cut from such a stage's source (its ``selection_size``), by step name."""
 
     def train_for(self, stage: str) -> datasets.Dataset:
         """What training stage ``stage`` (a step name) draws from: its own split, else ``train``."""
@@ -102,6 +107,8 @@ class PreparedData:
             self.selection.save_to_disk(str(directory / "selection"))
         for stage, dataset in self.stage_train.items():
             dataset.save_to_disk(str(directory / STAGE_FOLDER / stage))
+        for stage, dataset in self.stage_selection.items():
+            dataset.save_to_disk(str(directory / STAGE_SELECTION_FOLDER / stage))
         (directory / "stats.json").write_text(json.dumps(self.stats, indent=2, sort_keys=True) + "\n")
         return directory
 
@@ -128,17 +135,27 @@ class PreparedData:
             stage: _load_split(directory / STAGE_FOLDER / stage, stats[f"{stage}.train_fingerprint"])
             for stage in stage_sources_in(stats)
         }
+        stage_selection = {
+            stage: _load_split(
+                directory / STAGE_SELECTION_FOLDER / stage, stats[f"{stage}.selection_fingerprint"]
+            )
+            for stage in stage_train
+            if stats.get(f"{stage}.selection_fingerprint")
+        }
         return cls(
             train=parts["train"],
             eval=parts["eval"],
             stats=stats,
             selection=parts.get("selection"),
             stage_train=stage_train,
+            stage_selection=stage_selection,
         )
 
 
 STAGE_FOLDER = "stages"
 """Where :meth:`PreparedData.save` puts each stage's own split: ``stages/<step name>/``."""
+STAGE_SELECTION_FOLDER = "stage-selections"
+"""And each stage's own selection slice: ``stage-selections/<step name>/``."""
 _STAGE_NAME_RE = re.compile(r"^(grpo|rft)-[a-z0-9][a-z0-9_-]*$")
 
 
@@ -177,10 +194,11 @@ def split_records(
 
 
 def split_selection(
-    records: Sequence[dict[str, Any]], selection_size: int, seed: int
+    records: Sequence[dict[str, Any]], selection_size: int, seed: int, key: str = "data.selection_size"
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train, selection): :func:`split_records` with its own salt, so the selection slice is a
-    random draw of the training records, independent of which records were held out.
+    random draw of the training records, independent of which records were held out. ``key`` is
+    the setting an error names.
 
     >>> recs = [{"id": str(i)} for i in range(10)]
     >>> train, selection = split_selection(recs, 2, seed=0)
@@ -189,9 +207,7 @@ def split_selection(
     """
     if selection_size == 0:
         return list(records), []
-    return _hash_split(
-        records, selection_size, f"{seed}:selection:", "data.selection_size", "selection slice"
-    )
+    return _hash_split(records, selection_size, f"{seed}:selection:", key, "selection slice")
 
 
 def _hash_split(
@@ -360,7 +376,8 @@ def prepare_data(
     ``eval_questions`` are extra questions that training must not overlap (e.g. the GSM8K test
     split the final evaluation uses), on top of the held-out slice. Without a ``tokenizer`` the
     prompt-length filter is skipped. ``stage_sources`` (step name -> the data settings of a GRPO
-    stage's own source, :meth:`DataConfig.source_of`) become the ``stage_train`` splits. Raises
+    stage's own source, :meth:`DataConfig.source_of`) become the ``stage_train`` splits, and
+    ``stage_selection`` slices where they set ``selection_size``. Raises
     :class:`DataError` when nothing is left to train on, naming the step that removed the last
     records.
     """
@@ -401,8 +418,13 @@ def prepare_data(
     reported = [r["question"] for r in (*held, *selection)] + list(eval_questions)
     stage_train: dict[str, datasets.Dataset] = {}
     stage_stats: dict[str, Any] = {}
+    stage_selection: dict[str, datasets.Dataset] = {}
+    trained = [r["question"] for r in train]
     for stage, stage_cfg in (stage_sources or {}).items():
-        stage_train[stage], counts = _prepare_stage_source(stage, stage_cfg, tokenizer, reported, few_shot)
+        own, counts = _prepare_stage_source(stage, stage_cfg, tokenizer, reported, trained, few_shot)
+        stage_train[stage] = own.train
+        if own.selection is not None:
+            stage_selection[stage] = own.selection
         stage_stats.update({f"{stage}.{k}": v for k, v in counts.items()})
 
     too_long, eval_too_long, longest = 0, 0, None
@@ -467,22 +489,47 @@ def prepare_data(
         "prepared %s: %s", source, {k: v for k, v in stats.items() if k != "train_ops" and "." not in k}
     )
     return PreparedData(
-        train=train_ds, eval=eval_ds, stats=stats, selection=selection_ds, stage_train=stage_train
+        train=train_ds,
+        eval=eval_ds,
+        stats=stats,
+        selection=selection_ds,
+        stage_train=stage_train,
+        stage_selection=stage_selection,
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _StageSplit:
+    train: datasets.Dataset
+    selection: datasets.Dataset | None
+
+
 def _prepare_stage_source(
-    stage: str, cfg: DataConfig, tokenizer: Any, reported: Sequence[str], few_shot: Sequence[Any]
-) -> tuple[datasets.Dataset, dict[str, Any]]:
-    """A GRPO stage's own prompts: every record of its source (nothing held out), without those that
-    overlap ``reported`` questions, with prompts built and over-long ones dropped as for ``train``."""
+    stage: str,
+    cfg: DataConfig,
+    tokenizer: Any,
+    reported: Sequence[str],
+    trained: Sequence[str],
+    few_shot: Sequence[Any],
+) -> tuple[_StageSplit, dict[str, Any]]:
+    """A GRPO stage's own prompts: every record of its source without those that overlap
+    ``reported`` questions, with prompts built and over-long ones dropped as for ``train``; less its
+    own selection slice when ``cfg.selection_size`` asks for one, which overlaps neither ``reported``
+    nor ``trained`` (the run's training questions) nor the prompts kept."""
     loaded = load_records(cfg)
     source = f"{_describe_source(cfg)} of {stage}"
-    records, removed = list(loaded.records), []
+    records, removed, selection, selection_removed = list(loaded.records), [], [], []
+    key = f"{stage}'s data.selection_size"  # the step name: this module does not know the stage's index
+    records, selection = split_selection(records, cfg.selection_size, cfg.seed, key)
     mode, n = _overlap_rule(cfg)
     if mode != "off":
-        records, removed = decontaminate(records, reported, n)
-    for record in records:
+        selection, selection_removed = decontaminate(selection, [*reported, *trained], n)
+        records, removed = decontaminate(records, [*reported, *(r["question"] for r in selection)], n)
+    if cfg.selection_size and not selection:
+        raise DataError(
+            f"{key}={cfg.selection_size}: decontamination ({mode}) removed every selection record"
+        )
+    for record in (*records, *selection):
         record["prompt"] = build_prompt(record["question"], cfg.system_prompt, few_shot)
     too_long = 0
     if tokenizer is not None and records:
@@ -499,9 +546,11 @@ def _prepare_stage_source(
     if not records:
         raise DataError(
             f"no prompts left from {source}: loaded {len(loaded.records)} ({len(loaded.skipped)} skipped as bad), "
-            f"{len(removed)} removed by decontamination ({mode}), {too_long} over data.max_prompt_tokens"
+            f"{len(selection)} set aside as its selection slice, {len(removed)} removed by decontamination "
+            f"({mode}), {too_long} over data.max_prompt_tokens"
         )
     dataset = _to_dataset(records)
+    selection_ds = _to_dataset(selection) if selection else None
     counts = {
         "loaded": len(loaded.records),
         "skipped_bad": len(loaded.skipped),
@@ -510,8 +559,20 @@ def _prepare_stage_source(
         "train": len(dataset),
         "train_fingerprint": dataset._fingerprint,
     }
-    logger.info("prepared %s: %d prompts (%d removed by decontamination)", source, len(dataset), len(removed))
-    return dataset, counts
+    if selection_ds is not None:
+        counts.update(
+            selection=len(selection_ds),
+            selection_decontaminated=len(selection_removed),
+            selection_fingerprint=selection_ds._fingerprint,
+        )
+    logger.info(
+        "prepared %s: %d prompts (%d removed by decontamination)%s",
+        source,
+        len(dataset),
+        len(removed),
+        f", {len(selection)} in its selection slice" if selection else "",
+    )
+    return _StageSplit(dataset, selection_ds), counts
 
 
 def _ops_in_range(ops: list[int], lo: int | None, hi: int | None) -> list[bool]:

@@ -169,6 +169,11 @@ def check_bounds(cfg: PipelineConfig, source: str) -> None:
             values += [
                 (cfg.written_key(f"grpo.stages.{i}", "data.limit"), stage.data.limit, _COUNT),
                 (
+                    cfg.written_key(f"grpo.stages.{i}", "data.selection_size"),
+                    stage.data.selection_size,
+                    _COUNT,
+                ),
+                (
                     cfg.written_key(f"grpo.stages.{i}", "data.synthetic.num_examples"),
                     stage.data.synthetic.num_examples,
                     _COUNT,

@@ -40,6 +40,7 @@ from posttrain.pipeline.steps import (
     in_training_records,
     load_data,
     scoring_candidates,
+    stage_selection_fingerprint,
     stage_train_fingerprint,
 )
 
@@ -163,7 +164,7 @@ class TrainStep(Step):
     def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
         assert inputs.data is not None, "a training step runs after the data step"
         data = inputs.data
-        selection = str(data.stats.get("selection_fingerprint", ""))
+        selection = stage_selection_fingerprint(data, self.name)
         processes = world_size(cfg, self.section(cfg))
         return keys.train_identity(
             cfg,
@@ -287,15 +288,16 @@ class GRPOStep(TrainStep):
             output_dir,
             seed=cfg.seed,
             report_to=report_to,
-            heldout=in_training_records(prepared, stage_cfg),
+            heldout=in_training_records(prepared, stage_cfg, self.name),
             vllm_server_cfg=cfg.vllm_server,
             pass_rates=PassRates.load(scores.output_dir) if scores is not None else None,
         )
 
     def identity(self, cfg: PipelineConfig, inputs: StepInputs) -> keys.StepIdentity:
         """A stage that chooses its prompts by pass rate also depends on the pass rates it chose by;
-        one with a ``data:`` source of its own trains on its own split (the ``data`` input) and
-        evaluates itself on slices of the run's records, whose train split then stands for them."""
+        one with a ``data:`` source of its own trains on its own split (the ``data`` input), replays or
+        evaluates itself on the run's records, whose train split then stands for them, and chooses its
+        checkpoint by its own selection slice when it has one (the ``selection`` input)."""
         identity = super().identity(cfg, inputs)
         added = {}
         if self.section(cfg).pass_rate is not None:
@@ -362,7 +364,7 @@ class RFTStep(GRPOStep):
             output_dir,
             seed=cfg.seed,
             report_to=report_to,
-            selection=in_training_records(prepared, stage_cfg),
+            selection=in_training_records(prepared, stage_cfg, self.name),
             eval_max_new_tokens=int(stage_cfg.trainer_options()["max_completion_length"]),
             stage=self.name,
             kind=self.kind,

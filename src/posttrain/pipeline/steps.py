@@ -128,6 +128,14 @@ def load_data(data: DataResult) -> PreparedData:
     return PreparedData.load(data.data_dir)
 
 
+def stage_selection_fingerprint(data: DataResult, stage: str) -> str:
+    """The fingerprint of the selection slice training stage ``stage`` chooses its checkpoint by
+    (in_training_records): its own slice's, else the run's, else ""."""
+    return str(
+        data.stats.get(f"{stage}.selection_fingerprint") or data.stats.get("selection_fingerprint", "")
+    )
+
+
 def stage_train_fingerprint(data: DataResult, stage: str) -> str:
     """The fingerprint of what training stage ``stage`` draws from (PreparedData.train_for): its own
     split's when the data step prepared one, else the train split's."""
@@ -270,12 +278,15 @@ def scoring_candidates(prepared: PreparedData, stage: str, section: Any) -> Any:
     return rows
 
 
-def in_training_records(prepared: PreparedData, section: Any) -> Any:
-    """What a stage with ``eval_every`` evaluates as it trains: the selection slice when the data has
-    one (never the set the final evaluation reports), else the held-out split; None without
-    ``eval_every``."""
+def in_training_records(prepared: PreparedData, section: Any, stage: str | None = None) -> Any:
+    """What a stage with ``eval_every`` evaluates as it trains: training stage ``stage``'s own
+    selection slice (cut from its ``data:`` source) when it has one, else the run's selection slice
+    when the data has one (never the set the final evaluation reports), else the held-out split;
+    None without ``eval_every``."""
     if getattr(section, "eval_every", None) is None:
         return None
+    if stage is not None and stage in prepared.stage_selection:
+        return prepared.stage_selection[stage]
     return prepared.selection if prepared.selection is not None else prepared.eval
 
 
