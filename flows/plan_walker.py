@@ -387,16 +387,15 @@ def _log_result(
     # last step it ends the curves the trainer drew; without a step it would start them at step 0.
     run.log_metrics(metrics, step=int(metrics.get("step", 0)))
     run.log_alerts(list(result.alerts))
-    kept = read_train_data(result.output_dir)
-    if kept is not None:  # rows no data step holds (an rft: stage's mix): the exact training set
-        import datasets  # heavy: deferred until needed
-
-        run.log_dataset(
-            datasets.Dataset.from_list(kept),
-            name=f"{result.stage} training data",
-            context="training",
-            digest=str(info.get("data_fingerprint") or "") or None,
-        )
+    if info.get("kind") == "rft":  # rows no data step holds: the exact set it fine-tuned on, or none
+        kept = read_train_data(result.output_dir)
+        if kept is not None:
+            run.log_dataset(
+                kept,
+                name=f"{result.stage} training data",
+                context="training",
+                digest=str(info.get("data_fingerprint") or "") or None,
+            )
     elif data is not None:
         prepared = load_data(data)
         run.log_dataset(

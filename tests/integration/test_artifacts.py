@@ -121,9 +121,10 @@ def test_kept_training_data_reads_back_row_for_row_and_a_damaged_file_as_none(tm
     assert read_train_data(tmp_path) is None  # a stage that kept none
     before = fingerprint_dir(tmp_path)
     write_train_data(tmp_path, rows)
-    assert read_train_data(tmp_path) == rows
+    assert read_train_data(tmp_path).to_list() == rows
     assert fingerprint_dir(tmp_path) == before  # a record of the run, not part of the policy
-    for damaged in ('{"prompt": [\n', "[1, 2]\n"):
+    mixed = '{"prompt": "1+1?", "completion": "2"}\n{"prompt": [{"role": "user"}], "completion": "4"}\n'
+    for damaged in ('{"prompt": [\n', "[1, 2]\n", mixed):
         (tmp_path / artifacts.TRAIN_DATA_FILE).write_text(damaged)
         with caplog.at_level(logging.WARNING):
             assert read_train_data(tmp_path) is None

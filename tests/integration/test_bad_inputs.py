@@ -879,6 +879,18 @@ CASES = [
         "{cfg}: grpo.stages.0.data: selection_size: 50 of the 50 synthetic problems leaves none to train on",
     ),
     (
+        "a GRPO stage's own selection slice cut from the run's own data",
+        [
+            "grpo.stages.0.data={source: synthetic, synthetic: {num_examples: 32}, selection_size: 4}",
+            "grpo.stages.0.eval_every=1",
+        ],
+        None,
+        [],
+        {},
+        "{cfg}: grpo.stages.0.data.selection_size: the stage's source is the run's data, whose records are "
+        "held out or trained on; set data.selection_size for a slice of them",
+    ),
+    (
         "keep best without a selection slice (would choose on nothing, or on the reported set)",
         ["grpo.stages.0.keep=best", "grpo.stages.0.eval_every=1"],
         None,
@@ -1420,6 +1432,22 @@ TRUST_CASES = [
         {},
         _files({"notes.db": "hello\n"}),
         "{cfg}: tracking.tracking_uri: {tmp}/notes.db is not an SQLite database",
+    ),
+    (
+        "a GRPO stage's own selection slice that takes every record of its file",
+        [
+            "grpo.stages.0.data={source: local, path: answers.jsonl, selection_size: 2}",
+            "grpo.stages.0.eval_every=1",
+        ],
+        None,
+        [],
+        {},
+        _files(
+            {
+                "answers.jsonl": '{"question": "q1", "answer": "#### 1"}\n{"question": "q2", "answer": "#### 2"}\n'
+            }
+        ),
+        "{cfg}: grpo.stages.0.data.selection_size: 2 of the 2 records of answers.jsonl leaves none to train on",
     ),
     (
         "an empty file of a GRPO stage's own source",

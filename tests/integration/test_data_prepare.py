@@ -313,7 +313,8 @@ def test_a_stage_source_with_a_selection_slice_keeps_it_out_of_every_training_se
     plain = prepare_data(run)
     own = [f"What is {i} plus {i + 1}?" for i in range(30)]
     run_trained = list(plain.train["question"])
-    path = write_questions(tmp_path / "answers.jsonl", [*own, *run_trained, plain.eval[0]["question"]])
+    # each question twice: a copy of a slice question must leave the prompts too
+    path = write_questions(tmp_path / "answers.jsonl", [*own, *own, *run_trained, plain.eval[0]["question"]])
     stage = GRPOStageConfig(
         name="own",
         rewards=[{"name": "correctness"}],
@@ -329,7 +330,7 @@ def test_a_stage_source_with_a_selection_slice_keeps_it_out_of_every_training_se
     assert set(chosen_qs) <= set(own) and not set(chosen_qs) & set(trained_qs)
     assert plain.eval[0]["question"] not in trained_qs + chosen_qs
     assert set(trained_qs) >= set(own) - set(chosen_qs)  # a stage may train on what the run trains on
-    assert len(trained_qs) + len(chosen_qs) + removed + prepared.stats["grpo-own.decontaminated"] == 61
+    assert len(trained_qs) + len(chosen_qs) + removed + prepared.stats["grpo-own.decontaminated"] == 91
     assert prepared.stats["grpo-own.selection"] == len(chosen)
     assert prepared.stats["grpo-own.selection_fingerprint"] == chosen._fingerprint
     assert in_training_records(prepared, stage, "grpo-own") is chosen
@@ -341,9 +342,22 @@ def test_a_stage_source_with_a_selection_slice_keeps_it_out_of_every_training_se
     assert loaded.stage_selection["grpo-own"]._fingerprint == chosen._fingerprint
     assert loaded.train_for("grpo-own").to_list() == trained.to_list()
 
-    too_many = stage.model_copy(update={"data": stage.data.model_copy(update={"selection_size": 70})})
-    with pytest.raises(DataError, match=r"^grpo-own's data.selection_size=70 but only 61 records"):
+    too_many = stage.model_copy(update={"data": stage.data.model_copy(update={"selection_size": 100})})
+    with pytest.raises(DataError, match=r"^grpo-own's data.selection_size=100 but only 91 records"):
         prepare_data(run, stage_sources={"grpo-own": run.source_of(too_many)})
+
+
+def test_no_stage_trains_on_another_stages_selection_slice(tmp_path):
+    run = synthetic_cfg(30, eval_size=5)
+    path = write_questions(tmp_path / "answers.jsonl", [f"What is {i} plus {i + 1}?" for i in range(40)])
+    source = run.model_copy(update={"source": "local", "path": str(path), "selection_size": 0})
+    prepared = prepare_data(
+        run, stage_sources={"grpo-a": source, "grpo-b": source.model_copy(update={"selection_size": 10})}
+    )
+    chosen = set(prepared.stage_selection["grpo-b"]["question"])
+    assert len(chosen) == 10 and "grpo-a" not in prepared.stage_selection
+    assert not chosen & set(prepared.train_for("grpo-a")["question"])  # the same source, without b's slice
+    assert prepared.stats["grpo-a.decontaminated"] == 10 and prepared.stats["grpo-a.train"] == 30
 
 
 def test_a_stage_source_with_nothing_left_names_the_stage(tmp_path):

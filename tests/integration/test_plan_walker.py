@@ -367,6 +367,35 @@ def test_a_stages_summary_is_logged_at_its_last_step_or_at_zero(tmp_path, metric
     assert run.called("log_metrics") == [((metrics,), {"step": step})]
 
 
+@pytest.mark.parametrize("kept", ["rows", "damaged", "none"])
+def test_an_rft_stage_logs_the_rows_it_kept_as_its_dataset_and_nothing_else(tmp_path, kept):
+    """Its training mix exists nowhere else; when the record is damaged or gone, no other set (its
+    prompts, the run's train split) stands in for it."""
+    from posttrain.core.results import DataResult, StageResult
+    from posttrain.flows.plan_walker import _log_result
+    from posttrain.models.artifacts import TRAIN_DATA_FILE, write_train_data
+
+    (tmp_path / "stage.json").write_text('{"kind": "rft", "data_fingerprint": "mix-fingerprint"}')
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "1+1?"}],
+            "completion": [{"role": "assistant", "content": "2"}],
+        }
+    ]
+    if kept == "rows":
+        write_train_data(tmp_path, rows)
+    elif kept == "damaged":
+        (tmp_path / TRAIN_DATA_FILE).write_text('{"prompt": "1+1?"}\n{"prompt": [1]}\n')
+    run = RecordingRun()
+    result = StageResult(stage="rft-new", output_dir=str(tmp_path), metrics={}, fingerprints={})
+    data = DataResult(data_dir=str(tmp_path / "no-data"), train_fingerprint="t", eval_fingerprint="e")
+    _log_result(run, result, cfg=_smoke_cfg(), data=data)
+    logged = [
+        (args[0].to_list(), kwargs["name"], kwargs["digest"]) for args, kwargs in run.called("log_dataset")
+    ]
+    assert logged == ([(rows, "rft-new training data", "mix-fingerprint")] if kept == "rows" else [])
+
+
 def test_each_evaluation_set_gets_its_own_examples_table(tmp_path):
     from posttrain.core.results import EvalResult
     from posttrain.evaluation import EvalRecord, EvalReport, score_completion

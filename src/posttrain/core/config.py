@@ -1318,10 +1318,26 @@ class PipelineConfig(StrictModel):
             if own is not None and own.selection_size:
                 continue  # a GRPO stage with a selection slice of its own chooses by that one
             if section.keep == "best" and self.data.selection_size == 0:
+                also = ", or the stage's own data.selection_size" if key.startswith("grpo.") else ""
                 raise ValueError(
                     f"{self.written_key(key, 'keep')}: best needs data.selection_size (training records set "
-                    "aside to choose the checkpoint on; choosing on the evaluation set would overstate the gain), "
-                    "or a GRPO stage's own data.selection_size"
+                    "aside to choose the checkpoint on; choosing on the evaluation set would overstate the "
+                    f"gain){also}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _own_slice_of_other_records(self) -> PipelineConfig:
+        def records(source: DataSource) -> dict[str, Any]:  # which records: a limit only shortens them
+            return {name: getattr(source, name) for name in DataSource.model_fields if name != "limit"}
+
+        for i, stage in enumerate(self.grpo.stages):
+            if stage.data is None or not stage.data.selection_size:
+                continue
+            if records(stage.data) == records(self.data):
+                raise ValueError(
+                    f"{self.grpo.written_key(i, 'data.selection_size')}: the stage's source is the run's data, "
+                    "whose records are held out or trained on; set data.selection_size for a slice of them"
                 )
         return self
 

@@ -420,8 +420,12 @@ def prepare_data(
     stage_stats: dict[str, Any] = {}
     stage_selection: dict[str, datasets.Dataset] = {}
     trained = [r["question"] for r in train]
-    for stage, stage_cfg in (stage_sources or {}).items():
-        own, counts = _prepare_stage_source(stage, stage_cfg, tokenizer, reported, trained, few_shot)
+    sources = dict(stage_sources or {})
+    cuts = {stage: _cut_stage_selection(stage, c, reported, trained) for stage, c in sources.items()}
+    # No stage trains on a question any stage chooses its checkpoint by.
+    avoid = [*reported, *(r["question"] for cut in cuts.values() for r in cut.selection)]
+    for stage, stage_cfg in sources.items():
+        own, counts = _prepare_stage_source(stage, stage_cfg, cuts[stage], tokenizer, avoid, few_shot)
         stage_train[stage] = own.train
         if own.selection is not None:
             stage_selection[stage] = own.selection
@@ -504,31 +508,52 @@ class _StageSplit:
     selection: datasets.Dataset | None
 
 
-def _prepare_stage_source(
-    stage: str,
-    cfg: DataConfig,
-    tokenizer: Any,
-    reported: Sequence[str],
-    trained: Sequence[str],
-    few_shot: Sequence[Any],
-) -> tuple[_StageSplit, dict[str, Any]]:
-    """A GRPO stage's own prompts: every record of its source without those that overlap
-    ``reported`` questions, with prompts built and over-long ones dropped as for ``train``; less its
-    own selection slice when ``cfg.selection_size`` asks for one, which overlaps neither ``reported``
-    nor ``trained`` (the run's training questions) nor the prompts kept."""
+@dataclasses.dataclass(frozen=True)
+class _StageCut:
+    """A stage source's records, read and split: its prompts-to-be and its selection slice."""
+
+    loaded: Any
+    records: list[dict[str, Any]]
+    selection: list[dict[str, Any]]
+    selection_removed: list[dict[str, Any]]
+
+
+def _cut_stage_selection(
+    stage: str, cfg: DataConfig, reported: Sequence[str], trained: Sequence[str]
+) -> _StageCut:
+    """Read a stage's source and cut its selection slice (``cfg.selection_size``; none at 0) without
+    the questions that overlap ``reported`` or ``trained`` (the run's training questions)."""
     loaded = load_records(cfg)
-    source = f"{_describe_source(cfg)} of {stage}"
-    records, removed, selection, selection_removed = list(loaded.records), [], [], []
     key = f"{stage}'s data.selection_size"  # the step name: this module does not know the stage's index
-    records, selection = split_selection(records, cfg.selection_size, cfg.seed, key)
+    records, selection = split_selection(list(loaded.records), cfg.selection_size, cfg.seed, key)
     mode, n = _overlap_rule(cfg)
+    selection_removed: list[dict[str, Any]] = []
     if mode != "off":
         selection, selection_removed = decontaminate(selection, [*reported, *trained], n)
-        records, removed = decontaminate(records, [*reported, *(r["question"] for r in selection)], n)
     if cfg.selection_size and not selection:
         raise DataError(
             f"{key}={cfg.selection_size}: decontamination ({mode}) removed every selection record"
         )
+    return _StageCut(loaded, records, selection, selection_removed)
+
+
+def _prepare_stage_source(
+    stage: str,
+    cfg: DataConfig,
+    cut: _StageCut,
+    tokenizer: Any,
+    avoid: Sequence[str],
+    few_shot: Sequence[Any],
+) -> tuple[_StageSplit, dict[str, Any]]:
+    """A GRPO stage's own prompts: the records of its source ``cut`` left outside its selection
+    slice, without those that overlap ``avoid`` (every question the run reports or selects on and
+    every stage's selection slice), with prompts built and over-long ones dropped as for ``train``."""
+    loaded, selection, selection_removed = cut.loaded, cut.selection, cut.selection_removed
+    source = f"{_describe_source(cfg)} of {stage}"
+    records, removed = cut.records, []
+    mode, n = _overlap_rule(cfg)
+    if mode != "off":
+        records, removed = decontaminate(records, avoid, n)
     for record in (*records, *selection):
         record["prompt"] = build_prompt(record["question"], cfg.system_prompt, few_shot)
     too_long = 0

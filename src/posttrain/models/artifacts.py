@@ -229,21 +229,29 @@ def write_train_data(directory: Path, rows: Any) -> None:
             fh.write(json.dumps(jsonable(dict(row))) + "\n")
 
 
-def read_train_data(directory: str | Path) -> list[dict[str, Any]] | None:
-    """The rows :func:`write_train_data` kept in a stage output, or None when it kept none. A
-    damaged file is logged and read as none: the stage's model, not this record, is the output."""
+def read_train_data(directory: str | Path) -> Any:
+    """The rows :func:`write_train_data` kept in a stage output, as a ``datasets.Dataset``, or None
+    when it kept none. A damaged file (unreadable, not JSON objects, columns of mixed types) is
+    noted and read as none: the stage's model, not this record, is the output."""
+    import datasets  # heavy: deferred until needed
+
     path = Path(directory) / TRAIN_DATA_FILE
     if not path.is_file():
         return None
+    unreadable = "not logging the stage's training data"
     try:
         rows = read_jsonl_bounded(path)
     except (OSError, UntrustedContentError) as exc:
-        note_unreadable(exc, "not logging the stage's training data")
+        note_unreadable(exc, unreadable)
         return None
     if not all(isinstance(row, dict) for row in rows):
-        note_unreadable(f"{path}: a line that is not a JSON object", "not logging the stage's training data")
+        note_unreadable(f"{path}: a line that is not a JSON object", unreadable)
         return None
-    return rows
+    try:
+        return datasets.Dataset.from_list(rows)
+    except (TypeError, ValueError) as exc:  # pyarrow's ArrowInvalid / ArrowTypeError
+        note_unreadable(f"{path}: {type(exc).__name__}: {str(exc)[:200]}", unreadable)
+        return None
 
 
 # --------------------------------------------------------------------------- saving and loading

@@ -292,6 +292,12 @@ def check_local_data(cfg: PipelineConfig, source: str = "<config>") -> None:
             loaded = load_jsonl(path, on_bad, limit=section.limit)
         except DataError as exc:
             raise ConfigError(f"{source}: {key}: {exc}") from None
+        own = getattr(section, "selection_size", 0) if key.startswith("grpo.") else 0
+        if loaded.records and own >= len(loaded.records):
+            where = key.removesuffix(".path") + ".selection_size"
+            raise ConfigError(
+                f"{source}: {where}: {own} of the {len(loaded.records)} records of {path} leaves none to train on"
+            )
         if loaded.records:
             continue
         if loaded.skipped:

@@ -159,7 +159,8 @@ def selection_record(section: Any, trainer: Any) -> dict[str, Any] | None:
             "[%s] keep: best: no checkpoint scored above the stage's input on the %d selection questions "
             "(%s %.3f at step 0, best %.3f at step %s): the slice saw no gain from this stage, and its "
             "output is the first checkpoint with the best score; raise data.selection_size to tell "
-            "checkpoints apart, or use keep: last",
+            "checkpoints apart (a GRPO stage with a data: source of its own can choose by a slice of "
+            "that source: its data.selection_size), or use keep: last",
             evaluation.stage,
             len(evaluation.golds),
             section.select_metric,
