@@ -97,6 +97,13 @@ class PreparedData:
         """What training stage ``stage`` (a step name) draws from: its own split, else ``train``."""
         return self.stage_train.get(stage, self.train)
 
+    def selection_for(self, stage: str | None) -> datasets.Dataset:
+        """What training stage ``stage`` (a step name) chooses its checkpoint by: its own selection
+        slice, else the run's (never the set the final evaluation reports), else the held-out split."""
+        if stage is not None and stage in self.stage_selection:
+            return self.stage_selection[stage]
+        return self.selection if self.selection is not None else self.eval
+
     def save(self, directory: str | Path) -> Path:
         """Write ``train/``, ``eval/``, ``selection/`` (``save_to_disk``) and ``stats.json`` under ``directory``."""
         directory = Path(directory)

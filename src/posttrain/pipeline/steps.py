@@ -279,15 +279,11 @@ def scoring_candidates(prepared: PreparedData, stage: str, section: Any) -> Any:
 
 
 def in_training_records(prepared: PreparedData, section: Any, stage: str | None = None) -> Any:
-    """What a stage with ``eval_every`` evaluates as it trains: training stage ``stage``'s own
-    selection slice (cut from its ``data:`` source) when it has one, else the run's selection slice
-    when the data has one (never the set the final evaluation reports), else the held-out split;
-    None without ``eval_every``."""
+    """What a stage with ``eval_every`` evaluates as it trains (PreparedData.selection_for of
+    training stage ``stage``); None without ``eval_every``."""
     if getattr(section, "eval_every", None) is None:
         return None
-    if stage is not None and stage in prepared.stage_selection:
-        return prepared.stage_selection[stage]
-    return prepared.selection if prepared.selection is not None else prepared.eval
+    return prepared.selection_for(stage)
 
 
 def evaluation_inputs(cfg: PipelineConfig, section: Any, prepared: PreparedData) -> dict[str, Any]:
