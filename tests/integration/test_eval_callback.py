@@ -127,6 +127,28 @@ def test_heldout_slice_follows_the_stage_data_filter(data_filter, limit, expecte
     assert [r["id"] for r in rows] == expected_ids
 
 
+@pytest.mark.parametrize("kind", [{}, {"pass_rate": {"samples": 2}, "rft": {}}], ids=["grpo", "rft"])
+def test_a_stage_evaluates_itself_on_the_slice_in_its_operation_range(kind):
+    """What the plan hands a GRPO or an rft: stage to evaluate itself on (an rft: stage's fine-tuning
+    takes it as given): its slice's records in its data_filter range, however many its limit takes."""
+    from datasets import Dataset
+
+    from posttrain.core.config import GRPOStageConfig
+    from posttrain.data.prepare import PreparedData
+    from posttrain.pipeline.steps import in_training_records
+
+    held = Dataset.from_list(HELDOUT)
+    prepared = PreparedData(train=held, eval=held, stats={}, selection=held)
+    stage = GRPOStageConfig(
+        name="s",
+        rewards=[{"name": "correctness"}],
+        eval_every=1,
+        data_filter={"max_ops": 1, "limit": 1},
+        **kind,
+    )
+    assert list(in_training_records(prepared, stage, "grpo-s")["id"]) == ["0", "3", "5"]
+
+
 def test_grpo_step_hands_the_held_out_split_to_stages_that_evaluate(tiny_tokenizer, tmp_path, monkeypatch):
     from posttrain.core.results import DataResult
     from posttrain.data.prepare import prepare_data

@@ -55,6 +55,7 @@ __all__ = [
     "check_disjoint",
     "decontaminate",
     "filter_by_ops",
+    "records_in_ops_range",
     "prepare_data",
     "prompt_token_lengths",
     "select_stage_data",
@@ -617,6 +618,17 @@ def select_stage_data(dataset: datasets.Dataset, data_filter: Any) -> datasets.D
     if data_filter.limit is not None and data_filter.limit < len(ds):
         ds = ds.select(range(data_filter.limit))
     return ds
+
+
+def records_in_ops_range(ds: datasets.Dataset, data_filter: Any) -> datasets.Dataset:
+    """The records a stage with ``data_filter`` evaluates itself on: those in its operation range,
+    so reward and accuracy measure the same difficulty; all of them (with a warning) where none lie
+    in it, since an evaluation slice of another difficulty still ranks checkpoints."""
+    try:
+        return filter_by_ops(ds, data_filter.min_ops, data_filter.max_ops)
+    except DataError as exc:
+        logger.warning("in-training evaluation: %s; evaluating the whole slice instead", exc)
+        return ds
 
 
 def filter_by_ops(

@@ -279,11 +279,18 @@ def scoring_candidates(prepared: PreparedData, stage: str, section: Any) -> Any:
 
 
 def in_training_records(prepared: PreparedData, section: Any, stage: str | None = None) -> Any:
-    """What a stage with ``eval_every`` evaluates as it trains (PreparedData.selection_for of
-    training stage ``stage``); None without ``eval_every``."""
+    """What a stage with ``eval_every`` evaluates as it trains: PreparedData.selection_for training
+    stage ``stage``, in the stage's ``data_filter`` operation range where it has one (an ``rft:``
+    stage's fine-tuning reads them as they are); None without ``eval_every``."""
     if getattr(section, "eval_every", None) is None:
         return None
-    return prepared.selection_for(stage)
+    records = prepared.selection_for(stage)
+    data_filter = getattr(section, "data_filter", None)
+    if data_filter is None:
+        return records
+    from posttrain.data.prepare import records_in_ops_range  # heavy: datasets
+
+    return records_in_ops_range(records, data_filter)
 
 
 def evaluation_inputs(cfg: PipelineConfig, section: Any, prepared: PreparedData) -> dict[str, Any]:

@@ -41,7 +41,6 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from posttrain.core.errors import DataError
 from posttrain.core.sample_score import score_completion
 from posttrain.generation.engine import encode_prompts, generate_continuous, pad_token_id, stop_token_ids
 from posttrain.generation.rollout import ShadowRollout
@@ -66,13 +65,9 @@ BATCH_SIZE = 64
 
 def heldout_slice(heldout: Any, data_filter: Any, limit: int) -> list[dict[str, Any]]:
     """The first ``limit`` held-out records in the stage's ``data_filter`` ops range (all if none are)."""
-    from posttrain.data.prepare import filter_by_ops  # heavy (datasets): deferred until a slice is cut
+    from posttrain.data.prepare import records_in_ops_range  # heavy (datasets): deferred until a slice is cut
 
-    try:
-        rows = filter_by_ops(heldout, data_filter.min_ops, data_filter.max_ops)
-    except DataError as exc:
-        logger.warning("in-training evaluation: %s; evaluating the whole held-out slice instead", exc)
-        rows = heldout
+    rows = records_in_ops_range(heldout, data_filter)
     return [dict(rows[i]) for i in range(min(limit, len(rows)))]
 
 
