@@ -761,7 +761,9 @@ def test_a_stage_with_its_own_selection_slice_is_keyed_by_and_evaluates_on_that_
             "train": "train",
             "eval": "heldout",
             "selection": None,
-            "stage_selection": {"grpo-correctness": "its own slice"},
+            "selection_for": lambda self, stage: {"grpo-correctness": "its own slice"}.get(
+                stage, "the run's"
+            ),
             "train_for": lambda self, stage: f"{stage}'s own",
         },
     )
