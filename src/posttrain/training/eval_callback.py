@@ -64,10 +64,11 @@ BATCH_SIZE = 64
 
 
 def heldout_slice(heldout: Any, data_filter: Any, limit: int) -> list[dict[str, Any]]:
-    """The first ``limit`` held-out records in the stage's ``data_filter`` ops range (all if none are)."""
+    """The first ``limit`` held-out records in the stage's ``data_filter`` ops range (all if none
+    are; None: no range)."""
     from posttrain.data.prepare import records_in_ops_range  # heavy (datasets): deferred until a slice is cut
 
-    rows = records_in_ops_range(heldout, data_filter)
+    rows = heldout if data_filter is None else records_in_ops_range(heldout, data_filter)
     return [dict(rows[i]) for i in range(min(limit, len(rows)))]
 
 

@@ -235,7 +235,8 @@ def make_grpo_trainer(
         if heldout is None:
             logger.warning("[%s] eval_every is set but no held-out data was given: not evaluating", stage)
         else:
-            records = heldout_slice(heldout, stage_cfg.data_filter, stage_cfg.eval_limit)
+            # already in the stage's data_filter range: the plan cuts it (steps.in_training_records)
+            records = heldout_slice(heldout, None, stage_cfg.eval_limit)
     rollout, generation = None, "TRL"
     if inline_tools or (fast_generation and args.use_cpu):
         blockers = shadow_rollout_blockers(
