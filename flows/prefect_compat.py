@@ -13,6 +13,12 @@ server process beside a thread that shuts the server down when its parent is gon
 changes). Linux's ``PR_SET_PDEATHSIG`` is no substitute: it fires when the *thread* that started
 the child ends, and the server is started from a short-lived background thread.
 
+The server runs in a session of its own. Ctrl-C in a terminal signals the whole foreground process
+group: in posttrain's group the server would stop at once, and the interrupted run would then spend
+minutes retrying to tell it that the flow run crashed (and a run whose ``KeyboardInterrupt`` Python
+swallowed, in a weakref callback say, would go on without its API). Out of the group it records the
+interruption and stops with posttrain, by Prefect's ``atexit`` hook or the watchdog.
+
 ``PREFECT_VERSIONS`` is the range this was checked against (pyproject pins the same);
 ``tests/system/test_prefect_compat.py`` fails when the installed Prefect leaves it, the singleton's shape
 changes, or Prefect's own uvicorn command differs from the one posttrain runs, which is the signal
@@ -63,7 +69,8 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def uvicorn_dying_with_parent(server: Any) -> subprocess.Popen:
-    """``SubprocessASGIServer._run_uvicorn_command`` of Prefect 3.9, run under :data:`WATCHDOG`.
+    """``SubprocessASGIServer._run_uvicorn_command`` of Prefect 3.9, run under :data:`WATCHDOG` in a
+    session of its own (module docstring).
 
     The same arguments and environment as Prefect's (a test compares them), with ``-m uvicorn``
     replaced by the watchdog and this process's pid.
@@ -97,6 +104,7 @@ def uvicorn_dying_with_parent(server: Any) -> subprocess.Popen:
             **server_env,
             **get_current_settings().to_environment_variables(exclude_unset=True),
         },
+        start_new_session=True,
     )
 
 

@@ -4,6 +4,7 @@ of stage and rerun, concurrent runs, and what a run leaves behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -281,3 +282,58 @@ def test_runs_killed_in_each_kind_of_stage_resume_to_the_exact_step_count_and_wr
         db.execute("select key, value from params where key like '%api_key%' or key like '%hub_id%'")
     )
     assert set(params.values()) <= {"***", "https://bob:***@hub.example/x"} and len(params) >= 2
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+INTERRUPTED_PIPELINE = """\
+model: {name: tiny-random, precision: fp32, lora: {r: 4, alpha: 8}}
+data: {source: synthetic, synthetic: {num_examples: 32}, eval_size: 2, max_prompt_tokens: 1024}
+sft: {limit: 16, trainer: {max_steps: 5000, per_device_train_batch_size: 2, save_steps: 5}}
+eval: {baseline: false, limit: 1, max_completion_length: 2, batch_size: 1}
+tracking: {log_model: false}
+"""
+
+
+def test_ctrl_c_in_a_terminal_ends_the_run_at_once_with_prefect_and_mlflow_told(tmp_path):
+    """Ctrl-C signals the terminal's whole foreground process group: posttrain and everything it
+    started. The run exits 130 in one line, its Prefect flow run is recorded as crashed (the
+    embedded server outlives the signal long enough to hear it), no MLflow run is left RUNNING,
+    and nothing it started lives on."""
+    cfg = tmp_path / "interrupted.yaml"
+    cfg.write_text(INTERRUPTED_PIPELINE)
+    log = tmp_path / "run.log"
+    with log.open("w") as out:  # a session of its own: a terminal's foreground group
+        proc = subprocess.Popen(
+            [str(BIN / "posttrain"), "run", cfg.name, "--set", f"model.cache_dir={tmp_path / 'models'}"],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+    try:
+        wait_for(lambda: checkpoint_step(tmp_path / ".posttrain" / "stages", "sft") >= 5, proc, log)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("uvicorn" in " ".join(c.cmdline()) for c in children), "no Prefect server?"
+        # Python drops a KeyboardInterrupt raised inside a weakref callback or __del__; a user
+        # then presses Ctrl-C again.
+        for _ in range(3):
+            os.killpg(proc.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+                break
+        assert proc.returncode == 130, log.read_text()[-3000:]
+        assert all_gone(children, timeout=10) == [], "something the run started outlived it"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert output.rstrip().endswith("interrupted"), output[-3000:]
+    assert "Traceback" not in output and "Error logging to API" not in output, output[-3000:]
+
+    (prefect_db,) = (tmp_path / ".posttrain" / "prefect").rglob("*.db")
+    states = [s for (s,) in sqlite3.connect(prefect_db).execute("select state_type from flow_run")]
+    assert states == ["CRASHED"]
+    statuses = [s for (s,) in sqlite3.connect(tmp_path / "mlflow.db").execute("select status from runs")]
+    assert "KILLED" in statuses and "RUNNING" not in statuses

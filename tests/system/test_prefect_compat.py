@@ -66,7 +66,7 @@ def test_import_embedded_server_defines_every_orm_model_before_the_server_thread
 
 def test_posttrain_runs_prefects_own_uvicorn_command_under_the_watchdog(monkeypatch):
     """The server command posttrain starts is Prefect's, argument for argument and variable for
-    variable, with `-m uvicorn` run through the watchdog instead."""
+    variable, with `-m uvicorn` run through the watchdog instead, in a session of its own."""
     import subprocess
 
     from prefect.server.api.server import SubprocessASGIServer
@@ -90,7 +90,7 @@ def test_posttrain_runs_prefects_own_uvicorn_command_under_the_watchdog(monkeypa
     (theirs, their_kwargs), (ours, our_kwargs) = started
     assert theirs[1:3] == ["-m", "uvicorn"]
     assert ours[:5] == [theirs[0], "-c", prefect_compat.WATCHDOG, str(os.getpid()), "uvicorn"]
-    assert ours[5:] == theirs[3:] and our_kwargs == their_kwargs
+    assert ours[5:] == theirs[3:] and our_kwargs == {**their_kwargs, "start_new_session": True}
 
 
 def test_the_watchdog_ends_its_process_when_the_parent_is_killed(tmp_path):
