@@ -295,11 +295,14 @@ tracking: {log_model: false}
 """
 
 
-def test_ctrl_c_in_a_terminal_ends_the_run_at_once_with_prefect_and_mlflow_told(tmp_path):
-    """Ctrl-C signals the terminal's whole foreground process group: posttrain and everything it
-    started. The run exits 130 in one line, its Prefect flow run is recorded as crashed (the
-    embedded server outlives the signal long enough to hear it), no MLflow run is left RUNNING,
-    and nothing it started lives on."""
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_run_ends_at_once_with_prefect_and_mlflow_told(tmp_path, how):
+    """Ctrl-C signals the terminal's whole foreground process group (posttrain and everything it
+    started); SIGTERM (`kill`, a scheduler, a container stop) posttrain alone. Either way the run
+    ends at once without a traceback (Ctrl-C: exit 130 and one line; SIGTERM: Prefect re-raises
+    the signal), its Prefect flow run is recorded as crashed (the embedded server outlives the
+    signal long enough to hear it), its MLflow runs as KILLED, none left RUNNING or FAILED, and
+    nothing it started lives on."""
     cfg = tmp_path / "interrupted.yaml"
     cfg.write_text(INTERRUPTED_PIPELINE)
     log = tmp_path / "run.log"
@@ -319,21 +322,27 @@ def test_ctrl_c_in_a_terminal_ends_the_run_at_once_with_prefect_and_mlflow_told(
         # Python drops a KeyboardInterrupt raised inside a weakref callback or __del__; a user
         # then presses Ctrl-C again.
         for _ in range(3):
-            os.killpg(proc.pid, signal.SIGINT)
+            if how == "ctrl-c":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
                 break
-        assert proc.returncode == 130, log.read_text()[-3000:]
+        assert proc.returncode == (130 if how == "ctrl-c" else -signal.SIGTERM), log.read_text()[-3000:]
         assert all_gone(children, timeout=10) == [], "something the run started outlived it"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     output = log.read_text()
-    assert output.rstrip().endswith("interrupted"), output[-3000:]
     assert "Traceback" not in output and "Error logging to API" not in output, output[-3000:]
+    if how == "ctrl-c":
+        assert output.rstrip().endswith("interrupted"), output[-3000:]
 
     (prefect_db,) = (tmp_path / ".posttrain" / "prefect").rglob("*.db")
     states = [s for (s,) in sqlite3.connect(prefect_db).execute("select state_type from flow_run")]
     assert states == ["CRASHED"]
-    statuses = [s for (s,) in sqlite3.connect(tmp_path / "mlflow.db").execute("select status from runs")]
-    assert "KILLED" in statuses and "RUNNING" not in statuses
+    db = sqlite3.connect(tmp_path / "mlflow.db")
+    statuses = dict(db.execute("select name, status from runs"))
+    assert statuses.pop("data") == "FINISHED" and statuses.pop("sft") == "KILLED", statuses
+    assert list(statuses.values()) == ["KILLED"], statuses  # the pipeline's own run

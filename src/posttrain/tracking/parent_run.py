@@ -133,6 +133,14 @@ def _copy_inputs(client: Any, producer: Any, run_id: str) -> None:
         )
 
 
+def ended_status(exc: BaseException | None) -> str:
+    """The MLflow status of a run its block left with ``exc``: an error fails it; Ctrl-C, SIGTERM
+    (Prefect raises its ``TerminationSignal``) or an exit kills it, the work done so far kept."""
+    if exc is None:
+        return "FINISHED"
+    return "FAILED" if isinstance(exc, Exception) else "KILLED"
+
+
 class TrackingLost(PosttrainError, RuntimeError):
     """The tracking server (or database) went away while a pipeline ran. Every step's output and
     cache record are in the store, so the same command, once it is back, logs what is missing
@@ -211,7 +219,7 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.finish("FINISHED" if exc_type is None else "FAILED")
+        self.finish(ended_status(exc))
 
     def went_away(self, during: str, exc: BaseException) -> bool:
         """Whether ``exc``, raised by MLflow calls made ``during`` a step, means that the tracking
@@ -313,8 +321,8 @@ class Tracker:
             with callback_env_guard():
                 yield stage
             status = "FINISHED"
-        except KeyboardInterrupt:
-            status = "KILLED"
+        except BaseException as exc:
+            status = ended_status(exc)
             raise
         finally:
             for logger_name in _BACKGROUND_FAILURES:
