@@ -314,6 +314,9 @@ def test_an_interrupted_run_ends_at_once_with_prefect_and_mlflow_told(tmp_path, 
             stdout=out,
             stderr=out,
             start_new_session=True,
+            # As a terminal starts it: a shell starts its background jobs with SIGINT ignored (so may
+            # whatever started this suite), and a child inherits that.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         wait_for(lambda: checkpoint_step(tmp_path / ".posttrain" / "stages", "sft") >= 5, proc, log)
