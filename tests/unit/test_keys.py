@@ -253,12 +253,14 @@ PINNED_CONFIG_HASHES = {
         "seed_group": "9ddc21db0e67",
     },
     # Added with the GRPO stage's own `data:` source; its SFT is the calculator config's, hash and all.
+    # Its stage's hash and seed group changed when the stage came to train the whole model and
+    # choose by a slice of its own (docs/results/2026-12-07-new-stories-full-grpo.md).
     "smollm2-arith-calc-new-stories-cpu.yaml": {
         "data": "1a217d5c591ca023",
         "sft": "2e1daac12fbf6fda",
-        "grpo-new-stories": "16108ee8740d9204",
+        "grpo-new-stories": "d85b98dffde71fa1",
         "eval": "56eee56527611fe5",
-        "seed_group": "8e198f4d7b3d",
+        "seed_group": "cf57845ab826",
     },
     # Added with the rft: stage; its data, SFT and evaluation are the config above's.
     "smollm2-arith-calc-new-stories-rft-cpu.yaml": {
