@@ -44,11 +44,26 @@ def posttrain(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> s
     )
 
 
-def start_posttrain(args: list[str], cwd: Path, log: Path, **env: str) -> subprocess.Popen:
-    """`posttrain ARGS` started in the background, its output (both streams) in ``log``."""
+def start_posttrain(
+    args: list[str], cwd: Path, log: Path, *, as_terminal: bool = False, **env: str
+) -> subprocess.Popen:
+    """`posttrain ARGS` started in the background, its output (both streams) in ``log``.
+
+    ``as_terminal``: as a terminal starts it, the leader of its own process group (Ctrl-C signals
+    the group) with SIGINT at its default: a shell starts its background jobs with SIGINT ignored
+    (so may whatever started this suite), and a child inherits that."""
+    terminal = {
+        "start_new_session": True,
+        "preexec_fn": lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    }
     with log.open("w") as out:
         return subprocess.Popen(
-            [str(BIN / "posttrain"), *args], cwd=cwd, env=clean_env(**env), stdout=out, stderr=out
+            [str(BIN / "posttrain"), *args],
+            cwd=cwd,
+            env=clean_env(**env),
+            stdout=out,
+            stderr=out,
+            **(terminal if as_terminal else {}),
         )
 
 
@@ -306,18 +321,8 @@ def test_an_interrupted_run_ends_at_once_with_prefect_and_mlflow_told(tmp_path, 
     cfg = tmp_path / "interrupted.yaml"
     cfg.write_text(INTERRUPTED_PIPELINE)
     log = tmp_path / "run.log"
-    with log.open("w") as out:  # a session of its own: a terminal's foreground group
-        proc = subprocess.Popen(
-            [str(BIN / "posttrain"), "run", cfg.name, "--set", f"model.cache_dir={tmp_path / 'models'}"],
-            cwd=tmp_path,
-            env=clean_env(),
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-            # As a terminal starts it: a shell starts its background jobs with SIGINT ignored (so may
-            # whatever started this suite), and a child inherits that.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
+    cmd = ["run", cfg.name, "--set", f"model.cache_dir={tmp_path / 'models'}"]
+    proc = start_posttrain(cmd, tmp_path, log, as_terminal=True)
     try:
         wait_for(lambda: checkpoint_step(tmp_path / ".posttrain" / "stages", "sft") >= 5, proc, log)
         children = psutil.Process(proc.pid).children(recursive=True)
