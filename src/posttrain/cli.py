@@ -19,7 +19,9 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,6 +59,31 @@ logger = logging.getLogger(__name__)
 EXIT_USAGE = 2
 EXIT_TRACKING_LOST = 1
 """A run whose MLflow server went away: its steps' outputs are in the store, their logs are not."""
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(BaseException):
+    """SIGTERM as an exception, as Ctrl-C is a KeyboardInterrupt: the run unwinds (its MLflow runs
+    marked KILLED, files closed, exit handlers run) and says why it stopped, where the default
+    disposition ends the process mid-line. Prefect's flow engine swaps in its own handler while a
+    flow runs and, once it has marked the flow run crashed, hands the signal back to this one."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises_terminated():
+    if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class CLIError(Exception):
@@ -1075,7 +1102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_library_warnings()
     one_line_per_library_record()
     try:
-        with redacting_log_records(), deferred_memos():
+        with redacting_log_records(), deferred_memos(), sigterm_raises_terminated():
             status = args.func(args)
             flush_memos()
             return status
@@ -1093,7 +1120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     finally:
         if previous_opt_in is None:
             os.environ.pop(CUSTOM_CODE_ENV, None)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
+from posttrain import cli
 from posttrain.cli import eval_table, format_table, main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -37,6 +41,22 @@ def test_expected_errors_are_one_line_exit_2(argv, fragment, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1
+
+
+def test_sigterm_ends_a_command_with_one_line_and_exit_143(monkeypatch, capsys):
+    """`kill`, a scheduler or a container stop: the command unwinds as Ctrl-C does (exception
+    handlers and `finally` blocks run) and says why it stopped, and the handler is put back."""
+
+    def killed(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises before this returns
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_rewards_list", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["rewards", "list"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines()[-1] == "terminated"
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_bad_record_names_file_and_line(tmp_path, capsys):
