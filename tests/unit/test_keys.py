@@ -75,6 +75,21 @@ def test_data_identity_names_its_step_config_and_inputs(smoke):
     assert identity.code.files and identity.key != identity.lineage
 
 
+def test_the_data_step_is_keyed_by_the_problems_of_every_set_it_decontaminates_against(smoke):
+    """The data step removes each external evaluation set's questions from training: another
+    story, number range or operation count there is other questions to remove."""
+
+    def key(**fields: str) -> str:
+        unseen = ", ".join(f"{k}: {v}" for k, v in {"max_ops": "2", **fields}.items())
+        return data_key(smoke(f"eval.extra_sets=[{{name: unseen, data: synthetic, {unseen}}}]"), "tok")
+
+    plain = key()
+    assert plain != data_key(smoke(), "tok")
+    changed = [key(themes="[farm]"), key(themes="[farm, travel]"), key(numbers="small"), key(max_ops="3")]
+    assert len({plain, *changed}) == 5
+    assert key(themes="[farm]") == changed[0]  # a key, not a draw
+
+
 def test_a_stages_own_source_is_keyed_in_the_data_step_and_in_that_stage(smoke, tmp_path):
     answers = tmp_path / "answers.jsonl"
     answers.write_text('{"question": "q", "answer": "#### 1"}\n')

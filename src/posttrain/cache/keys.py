@@ -111,8 +111,15 @@ def _external_eval_sets(cfg: PipelineConfig) -> dict[str, str]:
     """``{"eval_sets": hash}`` of the evaluation sets not cut from the held-out slice, whose questions
     the data step removes from training (decontamination); {} when there is none."""
     sources = ("data", "path", "hub_split", "limit", "min_ops", "max_ops")
+    # Which problems a synthetic set holds; hashed only when set, so that the keys of sets that
+    # leave them at their defaults stay as they were before they were keyed.
+    shape = ("numbers", "themes")
     sets = [
-        {**{f: getattr(s, f) for f in sources}, "content": _files_fingerprint(s.path)}
+        {
+            **{f: getattr(s, f) for f in sources},
+            **{f: getattr(s, f) for f in shape if getattr(s, f) is not None},
+            "content": _files_fingerprint(s.path),
+        }
         for _, s in cfg.eval.all_sets()
         if s.data != "heldout"
     ]
