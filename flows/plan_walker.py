@@ -84,6 +84,8 @@ class PipelineSummary:
     config: str
     run_id: str | None
     outcomes: list[StepOutcome] = field(default_factory=list)
+    experiment: str | None = None
+    """The MLflow experiment ``run_id`` is in."""
     changes: dict[str, float] = field(default_factory=dict)
     """:func:`stage_deltas`: each evaluation's paired change from the one before and its cost."""
 
@@ -127,7 +129,7 @@ class PlanRunner:
         self.cfg, self.store, self.tracker, self.shared = plan.config, store, tracker, shared
         self.records = StoreRecords(store)
         self.planner = Planner(plan, self.records, force, store, shared)
-        self.summary = PipelineSummary(plan.config.name, tracker.run_id)
+        self.summary = PipelineSummary(plan.config.name, tracker.run_id, experiment=tracker.experiment_name)
         self.final_stage = plan.training_steps[-1].name if plan.training_steps else None
         self.models: dict[str, str] = {}
         """Training step name → its MLflow LoggedModel id (evaluations log against it)."""

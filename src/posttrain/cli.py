@@ -550,7 +550,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if bought := stage_value_table(summary["outcomes"], summary.get("changes", {})):
         print("\n" + bought)
     if summary["run_id"]:
-        print(f"MLflow run {summary['run_id']} in experiment '{cfg.tracking.experiment or cfg.name}'")
+        print(f"MLflow run {summary['run_id']} in experiment '{summary['experiment']}'")
     return 0
 
 

@@ -522,7 +522,7 @@ def test_mlflow_experiment_name_and_an_outer_run_are_honoured(uri, monkeypatch):
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
     with start_pipeline_run(make_cfg(uri)) as tracker:
         pass
-    assert client(uri).get_experiment(tracker.experiment_id).name == "from-env"
+    assert client(uri).get_experiment(tracker.experiment_id).name == "from-env" == tracker.experiment_name
     cfg = make_cfg(uri, tracking={"tracking_uri": uri, "experiment": "explicit"})
     with start_pipeline_run(cfg) as explicit:
         pass
@@ -541,7 +541,7 @@ def test_mlflow_experiment_name_and_an_outer_run_are_honoured(uri, monkeypatch):
         assert os.environ.get("MLFLOW_RUN_ID") is None  # hidden from the trainer's callback
     parent = client(uri).get_run(nested.run_id)
     assert parent.data.tags["mlflow.parentRunId"] == outer.info.run_id
-    assert parent.info.experiment_id == outer_experiment
+    assert parent.info.experiment_id == outer_experiment and nested.experiment_name == "outer"
     assert client(uri).get_run(stage.run_id).data.tags["mlflow.parentRunId"] == nested.run_id
     assert client(uri).get_run(outer.info.run_id).info.status == "RUNNING"  # not ours to end
 

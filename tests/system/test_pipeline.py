@@ -589,6 +589,8 @@ def test_a_cached_cli_rerun_skips_prefect_and_logs_what_the_flow_logs(
     )[0]
     flow_run = client.get_run(by_flow["run_id"])
     assert cli_run.info.run_id != flow_run.info.run_id and cli_run.info.status == "FINISHED"
+    where = f"MLflow run {cli_run.info.run_id} in experiment '{client.get_experiment(experiment).name}'"
+    assert out.rstrip().endswith(where), out[-300:]
     assert cli_run.data.params == flow_run.data.params
     assert cli_run.data.metrics == flow_run.data.metrics  # each evaluation mirrored on the parent
 

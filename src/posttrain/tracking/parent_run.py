@@ -198,6 +198,9 @@ class Tracker:
     """Stage runs log CPU/RAM/disk/network (and GPU) metrics (``log_system_metrics=True``)."""
     _finished: bool = field(default=False, repr=False)
     lost: str | None = None
+    experiment_name: str | None = None
+    """The experiment the run went to, however it was chosen (config, an MLflow variable, an outer
+    run), for the lines that tell the user where to look."""
     """Why tracking stopped in the middle of this run (:meth:`went_away`); None while it works."""
 
     @property
@@ -686,6 +689,7 @@ def start_pipeline_run(
         previous,
         config_name=cfg.name,
         system_metrics=cfg.tracking.system_metrics,
+        experiment_name=client.get_experiment(experiment_id).name,
     )
     try:
         client.log_text(tracker.run_id, dump_config(cfg), "config.yaml")
@@ -694,7 +698,7 @@ def start_pipeline_run(
         tracker.finish("FAILED")
         raise
     logger.info(
-        "MLflow run %s in experiment %r at %s", tracker.run_id, experiment_name(cfg), redact_text(uri)
+        "MLflow run %s in experiment %r at %s", tracker.run_id, tracker.experiment_name, redact_text(uri)
     )
     return tracker
 
