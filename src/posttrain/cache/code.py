@@ -5,6 +5,8 @@ A step's cache key (:mod:`posttrain.cache.keys`) includes :func:`code_fingerprin
 * the source of every posttrain module the kind's entry modules import, followed transitively
   (imports inside functions included: read with :mod:`ast`, nothing is imported), so a fix to a
   reward reruns GRPO and DPO (which score with rewards) but not SFT, the data or evaluations;
+  hashed as its syntax tree without docstrings (:func:`source_digest`), so a reworded docstring
+  or comment reruns nothing;
 * the source of the kind's own step code (:data:`STEP_SOURCES`: its function or its plan step's
   class, not the whole module, which holds every kind), read with :mod:`ast` too;
 * the versions of the libraries the kind runs on (a TRL upgrade reruns training, not data);
@@ -38,6 +40,7 @@ __all__ = [
     "CodeFingerprint",
     "code_fingerprint",
     "module_closure",
+    "source_digest",
 ]
 
 ENTRY_MODULES: dict[str, tuple[str, ...]] = {
@@ -181,15 +184,35 @@ def module_closure(
 
 
 @cache
+def source_digest(source: str, filename: str = "<source>") -> str:
+    """The hash of what ``source`` does: its syntax tree without docstrings (comments and layout
+    are not in the tree), so that mending the words of a module does not rerun every step that
+    imports it. A bare string statement does nothing, wherever it stands."""
+    tree = ast.parse(source, filename)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            node.body = [s for s in body if not _is_bare_string(s)] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+
+
+def _is_bare_string(statement: Any) -> bool:
+    return (
+        isinstance(statement, ast.Expr)
+        and isinstance(statement.value, ast.Constant)
+        and isinstance(statement.value.value, str)
+    )
+
+
+@cache
 def _kind_files(kind: str, root: Path | None = None) -> tuple[tuple[str, str], ...]:
     root = root or _package_root()
     files = {
-        f"{name.replace('.', '/')}.py": sha256_file(path)[:16]
+        f"{name.replace('.', '/')}.py": source_digest(path.read_text(encoding="utf-8"), str(path))
         for name, path in module_closure(ENTRY_MODULES[kind], root, NOT_CALLED.get(kind, ())).items()
     }
     for module, name in STEP_SOURCES[kind]:
-        source = _definition(module, name, root)
-        files[f"{module.replace('.', '/')}.py:{name}"] = hashlib.sha256(source.encode()).hexdigest()[:16]
+        files[f"{module.replace('.', '/')}.py:{name}"] = source_digest(_definition(module, name, root))
     files.update({f"lib:{k}": v for k, v in package_versions(LIBRARIES[kind]).items()})
     return tuple(sorted(files.items()))
 
