@@ -402,7 +402,8 @@ class ModelConfig(StrictModel):
     revision: str | None = None
     """Hub revision (branch, tag or commit) of a hub model; null: the default branch."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """``auto``: bf16 on GPUs that support it and on CPUs with AMX or AVX512-BF16, else fp32.
+    """``auto``: bf16 on GPUs that support it (fp16 on older ones) and on CPUs with AMX or
+    AVX512-BF16, else fp32.
     Evaluations compare only at the same precision (bf16 flips greedy near-ties)."""
     quantization: Literal["none", "4bit"] = "none"
     """``4bit``: bitsandbytes NF4 with double quantization, for QLoRA (needs CUDA and ``lora``)."""
@@ -414,7 +415,8 @@ class ModelConfig(StrictModel):
     adapter_policy: Literal["merge", "adapter"] = "merge"
     """merge: every stage writes a standalone model; adapter: only the adapter, recording its base."""
     cache_dir: str | None = None
-    """Where built-in models are fetched and converted (default ~/.cache/posttrain/models)."""
+    """Where built-in models are fetched and converted (default ``$POSTTRAIN_CACHE/models``, else
+    ~/.cache/posttrain/models)."""
 
     @field_validator("attn_implementation")
     @classmethod
@@ -827,7 +829,8 @@ class GRPOStageConfig(_StageWithTrainer, _ToolFields):
     run's ``data.selection_size``, else the held-out slice) at the start and every N steps (``eval/accuracy``, ``eval/accuracy_flexible``, ``eval/format`` next
     to the reward; what ``keep: best`` chooses by); null: no in-training evaluation."""
     eval_limit: int = Field(64, ge=1)
-    """Held-out questions per in-training evaluation (those in the stage's ``data_filter`` ops range)."""
+    """Questions per in-training evaluation, from the slice ``eval_every`` reads (those in the
+    stage's ``data_filter`` ops range)."""
     pass_rate: PassRateConfig | None = None
     """Choose the stage's prompts by the input model's measured pass rate (a ``score-<stage>`` step
     before the stage); null: the stage trains on its whole ``data_filter`` slice."""
