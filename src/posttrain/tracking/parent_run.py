@@ -198,10 +198,10 @@ class Tracker:
     """Stage runs log CPU/RAM/disk/network (and GPU) metrics (``log_system_metrics=True``)."""
     _finished: bool = field(default=False, repr=False)
     lost: str | None = None
+    """Why tracking stopped in the middle of this run (:meth:`went_away`); None while it works."""
     experiment_name: str | None = None
     """The experiment the run went to, however it was chosen (config, an MLflow variable, an outer
     run), for the lines that tell the user where to look."""
-    """Why tracking stopped in the middle of this run (:meth:`went_away`); None while it works."""
 
     @property
     def report_to(self) -> list[str] | str:
