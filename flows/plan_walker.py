@@ -84,10 +84,10 @@ class PipelineSummary:
     config: str
     run_id: str | None
     outcomes: list[StepOutcome] = field(default_factory=list)
-    experiment: str | None = None
-    """The MLflow experiment ``run_id`` is in."""
     changes: dict[str, float] = field(default_factory=dict)
     """:func:`stage_deltas`: each evaluation's paired change from the one before and its cost."""
+    experiment: str | None = None
+    """The MLflow experiment ``run_id`` is in."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
