@@ -273,9 +273,9 @@ PINNED_CONFIG_HASHES = {
     "smollm2-arith-calc-new-stories-cpu.yaml": {
         "data": "1a217d5c591ca023",
         "sft": "2e1daac12fbf6fda",
-        "grpo-new-stories": "d85b98dffde71fa1",
+        "grpo-new-stories": "31d2d029ea9eebb8",
         "eval": "56eee56527611fe5",
-        "seed_group": "cf57845ab826",
+        "seed_group": "8deac28657b4",
     },
     # Added with the rft: stage; its data, SFT and evaluation are the config above's.
     "smollm2-arith-calc-new-stories-rft-cpu.yaml": {
