@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.cli import main
-from posttrain.core.config import read_config_mapping
+from posttrain.core.config import PipelineConfig, read_config_mapping
 from posttrain.core.config_reference import config_sections, render_markdown, render_text, select
 
 SECTIONS = config_sections()
@@ -109,3 +109,27 @@ def test_a_default_the_loader_fills_in_is_shown_as_one_not_as_required(tmp_path)
     config = tmp_path / "my-run.yaml"
     config.write_text("model: {name: tiny-random}\n")
     assert read_config_mapping(config)["name"] == "my-run"
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo", "grpo.stages[]"])
+def test_a_stage_lora_left_out_is_shown_as_following_model_lora_not_as_null(stage):
+    """Absent, a stage's `lora` follows `model.lora` (`null` would train the full model): the
+    reference must say so, and the config must behave as it says."""
+    keys = {k.path: k for s in SECTIONS if s.path == stage for k in s.keys}
+    assert keys[f"{stage}.lora"].derived_from == "as model.lora"
+    assert keys[f"{stage}.launch"].derived_from == "as the top-level launch"
+    (parent,) = [s for s in SECTIONS if s.path == stage]
+    assert f"  {stage}.lora: mapping | null, default: as model.lora\n" in render_text([parent])
+    assert f"- **`{stage}.lora`** (`mapping | null`, default: as model.lora)" in render_markdown([parent])
+    lora = {"r": 4, "alpha": 8}
+    config = PipelineConfig.model_validate(
+        {
+            "name": "x",
+            "model": {"name": "tiny-random", "lora": lora},
+            "sft": {},
+            "dpo": {},
+            "grpo": {"stages": [{"name": "a", "rewards": [{"name": "correctness"}]}]},
+        }
+    )
+    section = config.grpo.stages[0] if stage.startswith("grpo") else getattr(config, stage)
+    assert config.model_for(section).lora == config.model.lora

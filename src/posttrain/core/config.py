@@ -352,6 +352,10 @@ class _StageWithTrainer(StrictModel):
     omit_when_default: ClassVar[tuple[str, ...]] = ("tools", *_SELECTION_KEYS)
     trainer: dict[str, Any] = Field(default_factory=dict, description="TRL options, passed through")
     renamed_keys: ClassVar[dict[str, tuple[str, str]]] = _LAUNCH_RENAMED
+    derived_defaults: ClassVar[dict[str, str]] = {
+        "launch": "as the top-level launch",
+        "lora": "as model.lora",
+    }
     launch: LaunchOverride | None = None
     """How this stage is launched, over the top-level ``launch:`` section; only the number of
     processes enters the stage's cache key (see posttrain.cache.keys)."""

@@ -42,8 +42,8 @@ class ConfigKey:
     doc: str
     """What the key does: the field's docstring, with a pointer where it is a section of its own."""
     derived_from: str = ""
-    """What the loader computes the default from, for a key the schema requires but a file may
-    leave out (``name``: the config file's stem)."""
+    """Where the default comes from, for a key whose value a file may leave to something else:
+    the config file's stem (``name``), or the section a stage's ``lora`` and ``launch`` follow."""
 
 
 @dataclass(frozen=True)
