@@ -269,13 +269,14 @@ PINNED_CONFIG_HASHES = {
     },
     # Added with the GRPO stage's own `data:` source; its SFT is the calculator config's, hash and all.
     # Its stage's hash and seed group changed when the stage came to train the whole model and
-    # choose by a slice of its own (docs/results/2026-12-07-new-stories-full-grpo.md).
+    # choose by a slice of its own (docs/results/2026-12-07-new-stories-full-grpo.md), and with its
+    # learning rate and its number of steps.
     "smollm2-arith-calc-new-stories-cpu.yaml": {
         "data": "1a217d5c591ca023",
         "sft": "2e1daac12fbf6fda",
-        "grpo-new-stories": "31d2d029ea9eebb8",
+        "grpo-new-stories": "23d5d0f6576c5005",
         "eval": "56eee56527611fe5",
-        "seed_group": "8deac28657b4",
+        "seed_group": "ff56acb5b422",
     },
     # Added with the rft: stage; its data, SFT and evaluation are the config above's.
     "smollm2-arith-calc-new-stories-rft-cpu.yaml": {
