@@ -32,7 +32,20 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K_TRAIN_VARIABLE = "POSTTRAIN_TEST_GSM8K_TRAIN"
+
+
+def gsm8k_train_location(environ: dict[str, str]) -> Path:
+    """Where the tests look for the real GSM8K train split: the file the variable names (a clone that
+    does not sit beside ``shared/``), else ``../shared`` beside the repository. Absolute either way,
+    as tests change their working directory."""
+    named = environ.get(GSM8K_TRAIN_VARIABLE)
+    if named:
+        return Path(named).expanduser().resolve()
+    return REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+GSM8K_TRAIN = gsm8k_train_location(os.environ)
 SYSTEM_TESTS = Path(__file__).resolve().parent / "system"
 SMOKE_CONFIG = REPO_ROOT / "configs" / "smoke.yaml"
 
@@ -186,7 +199,9 @@ def smoke_store(smoke_run) -> Iterator[SmokeRun]:
 
 def _real_gsm8k_train() -> Path:
     if not GSM8K_TRAIN.exists():
-        message = f"real GSM8K train split not found at {GSM8K_TRAIN}"
+        message = (
+            f"real GSM8K train split not found at {GSM8K_TRAIN} (set {GSM8K_TRAIN_VARIABLE} to its path)"
+        )
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
@@ -195,7 +210,7 @@ def _real_gsm8k_train() -> Path:
 
 @pytest.fixture
 def gsm8k_train_path() -> Path:
-    """The real GSM8K train split beside the repository (../shared). CI always has it, so there a
+    """The real GSM8K train split (:func:`gsm8k_train_location`). CI always has it, so there a
     missing file is a failure, not a silent skip; elsewhere (a bare clone) the test is skipped."""
     return _real_gsm8k_train()
 
